@@ -1,0 +1,40 @@
+# draftsmith — one venv, CPU torch unless a GPU is present.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# No nvidia-smi → pin the CPU torch build; GPU users get torch from pyproject's range.
+CONSTRAINTS := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
+RECIPE  ?= eagle3
+export OMP_NUM_THREADS ?= $(shell nproc)
+export WANDB_MODE ?= offline
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install train test test-fast lint bench target-loss clean
+
+install: $(STAMP)
+$(STAMP): pyproject.toml constraints-cpu.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(CONSTRAINTS) -e '.[train,dev]'
+	touch $(STAMP)
+
+# The main job: train an EAGLE-3 drafter on the embedded tiny-code target.
+train: install
+	$(BIN)/python -m train +recipe=$(RECIPE)
+
+lint: install
+	$(BIN)/ruff check .
+
+test: install lint
+	$(BIN)/python -m pytest -q -n 2 --durations=10
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Recompute tiny-code's held-out loss (README numbers).
+target-loss: install
+	$(BIN)/python -m eval.perplexity
+
+clean:
+	rm -rf runs outputs multirun .pytest_cache .ruff_cache

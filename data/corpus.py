@@ -1,0 +1,121 @@
+"""The embedded corpus: the Python standard library's own source.
+
+Every machine with Python has it, so the embedded default target (`tiny-code`) can be
+trained and evaluated with no network. The standard library differs between Python
+versions, so the *held-out* split is shipped in the repo (``models/tiny_code/heldout.jsonl``)
+and evaluation always reads that file; only training reads the live standard library.
+
+Split rule: a file is held out when ``sha256(relative path) mod HELDOUT_MOD == 0`` — by whole
+file, by name, so the same path is held out on every Python version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+# Non-code bulk (codec tables, generated pydoc topics), the test suites (17 MB of fixtures
+# and odd syntax) and anything installed into site-packages (not the standard library).
+EXCLUDED_DIRS = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "encodings",
+        "pydoc_data",
+        "test",
+        "tests",
+        "idle_test",
+        "__pycache__",
+        "ensurepip",
+        "turtledemo",
+    }
+)
+MAX_FILE_BYTES = 400_000  # a few generated modules (e.g. unicode tables) are pure data
+HELDOUT_MOD = 25  # ~4 % of files by name: ~30 files, ~430 KB
+EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny_code"
+HELDOUT_FILE = EMBEDDED_DIR / "heldout.jsonl"
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str  # relative to the stdlib root, '/'-separated
+    text: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_heldout(relpath: str) -> bool:
+    digest = hashlib.sha256(relpath.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % HELDOUT_MOD == 0
+
+
+def iter_stdlib_files(root: Path | None = None) -> list[SourceFile]:
+    """All kept ``.py`` files under the stdlib root, sorted by relative path."""
+    root = root or stdlib_root()
+    out: list[SourceFile] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            full = Path(dirpath) / name
+            if full.stat().st_size > MAX_FILE_BYTES:
+                continue
+            try:
+                text = full.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue  # a handful of files are deliberately not UTF-8
+            if not text.strip():
+                continue
+            out.append(SourceFile(full.relative_to(root).as_posix(), text))
+    out.sort(key=lambda f: f.path)
+    return out
+
+
+def split_files(files: list[SourceFile]) -> tuple[list[SourceFile], list[SourceFile]]:
+    train = [f for f in files if not is_heldout(f.path)]
+    held = [f for f in files if is_heldout(f.path)]
+    return train, held
+
+
+def write_heldout(files: list[SourceFile], path: Path = HELDOUT_FILE) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for f in files:
+            fh.write(json.dumps({"path": f.path, "text": f.text}) + "\n")
+
+
+def load_heldout(path: Path = HELDOUT_FILE) -> list[SourceFile]:
+    """The shipped held-out files (identical on every machine)."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: the embedded held-out split ships with the repo "
+            "(rebuild it with `python -m models.build_tiny_code --stage data`)."
+        )
+    with open(path, encoding="utf-8") as fh:
+        return [SourceFile(**json.loads(line)) for line in fh if line.strip()]
+
+
+def manifest(train: list[SourceFile], held: list[SourceFile]) -> dict:
+    return {
+        "python_version": sys.version.split()[0],
+        "stdlib_root": str(stdlib_root()),
+        "excluded_dirs": sorted(EXCLUDED_DIRS),
+        "max_file_bytes": MAX_FILE_BYTES,
+        "heldout_rule": f"sha256(relpath) % {HELDOUT_MOD} == 0",
+        "train_bytes": sum(len(f.text.encode()) for f in train),
+        "heldout_bytes": sum(len(f.text.encode()) for f in held),
+        "train_files": [{"path": f.path, "sha256": f.sha256} for f in train],
+        "heldout_files": [{"path": f.path, "sha256": f.sha256} for f in held],
+    }

@@ -1,0 +1,169 @@
+"""The frozen target: any Hugging Face causal LM, returning logits plus the hidden states a head asks for.
+
+Layer-id convention (the only one used inside draftsmith): **an index into HF
+``output_hidden_states``** for a model with L decoder layers:
+
+    id 0        the embedding output (residual stream entering decoder layer 0)
+    id k, 0<k<L the residual stream entering decoder layer k == the output of decoder layer k-1
+    id L        the output of the last decoder layer *after* the final norm
+
+Other tools (SGLang/vLLM ``eagle_aux_hidden_state_layer_ids``, SpecForge) count "output of
+decoder layer i": that is our id ``i + 1`` (see ``from_layer_output_ids``/``to_layer_output_ids``).
+EAGLE-3's default fusion (2, L//2, L-3) here equals (1, L//2-1, L-4) there.
+
+Only the requested states are captured (forward hooks on the few layers involved), never all
+L+1 of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from data.corpus import EMBEDDED_DIR
+
+EMBEDDED_NAME = "tiny-code"
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_name(name_or_path: str) -> str:
+    """`tiny-code` (the embedded default) → its shipped directory; anything else unchanged."""
+    return str(EMBEDDED_DIR) if name_or_path == EMBEDDED_NAME else name_or_path
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} not understood; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_causal_lm(
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+    device: str = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load model + tokenizer by hub id or local path; eval mode, gradients off."""
+    path = resolve_name(name_or_path)
+    if name_or_path == EMBEDDED_NAME and not (Path(path) / "model.safetensors").exists():
+        raise FileNotFoundError(f"embedded target weights missing under {path}; "
+                                "build them with `python -m models.build_tiny_code`")
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=True
+    )
+    model.to(device).eval().requires_grad_(False)
+    return model, tok
+
+
+def from_layer_output_ids(ids: Sequence[int]) -> list[int]:
+    """'output of decoder layer i' (SGLang/vLLM/SpecForge) → our hidden-state index i+1."""
+    return [i + 1 for i in ids]
+
+
+def to_layer_output_ids(ids: Sequence[int]) -> list[int]:
+    """Our hidden-state index k → 'output of decoder layer k-1'."""
+    return [k - 1 for k in ids]
+
+
+def validate_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"hidden-state layer ids {bad} out of range: valid ids are 0..{num_layers} "
+                         f"(index into HF output_hidden_states for a {num_layers}-layer target)")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate hidden-state layer ids {ids}: valid ids are 0..{num_layers}, each once")
+    return ids
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, T, V] (or fewer positions with logits_to_keep)
+    hidden: dict[int, torch.Tensor]  # layer id → [B, T, H]
+    cache: Any = None
+
+
+def _decoder_parts(model: PreTrainedModel) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
+    """(embedding, decoder layers, final norm) for the common HF decoder-only layout."""
+    base = getattr(model, "model", None) or model.base_model
+    layers = getattr(base, "layers", None)
+    norm = getattr(base, "norm", None)
+    if layers is None or norm is None:
+        raise TypeError(f"{type(model).__name__}: expected .model.layers and .model.norm "
+                        "(Llama/Mistral/Qwen/DeepSeek layout)")
+    return base.get_input_embeddings(), layers, norm
+
+
+class FrozenTarget(nn.Module):
+    """A frozen HF causal LM that also returns the hidden states a drafter asks for."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.embed, self.layers, self.norm = _decoder_parts(model)
+        self.num_layers = model.config.num_hidden_layers
+        self.hidden_size = model.config.hidden_size
+        self.vocab_size = model.config.vocab_size
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False,
+                        device: str = "cpu") -> FrozenTarget:
+        model, tok = load_causal_lm(name_or_path, dtype, trust_remote_code, device)
+        return cls(model, tok)
+
+    def identity(self) -> dict:
+        """What a drafter checkpoint records to refuse being used with another target."""
+        c = self.model.config
+        return {
+            "name_or_path": getattr(c, "_name_or_path", ""),
+            "architectures": list(getattr(c, "architectures", None) or []),
+            "num_hidden_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+        }
+
+    def _hook_module(self, k: int) -> nn.Module:
+        if k == 0:
+            return self.embed
+        if k == self.num_layers:
+            return self.norm
+        return self.layers[k - 1]  # output of layer k-1 == input of layer k
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        layer_ids: Sequence[int] = (),
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+    ) -> TargetOutput:
+        ids = validate_layer_ids(layer_ids, self.num_layers)
+        captured: dict[int, torch.Tensor] = {}
+        handles = []
+        for k in ids:
+            def hook(_m, _inp, out, k=k):
+                captured[k] = out[0] if isinstance(out, tuple) else out
+            handles.append(self._hook_module(k).register_forward_hook(hook))
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep)
+        finally:
+            for h in handles:
+                h.remove()
+        return TargetOutput(logits=out.logits, hidden={k: captured[k] for k in ids},
+                            cache=getattr(out, "cache", None) or getattr(out, "past_key_values", None))

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny models and tokenizers built in code (seconds, no network)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)  # tests run under xdist, one process per core
+
+TINY_TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nimport sys\n\nprint(os.getcwd(), sys.argv)\n",
+    "Hello, how are you? I am fine, thank you. What is the weather like today?\n",
+] * 20
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from models.tokenizer import train_tokenizer
+
+    return train_tokenizer(TINY_TEXTS, vocab_size=300)
+
+
+def make_tiny_llama(vocab_size: int, layers: int = 4, hidden: int = 32, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_tokenizer):
+    """A random 4-layer Llama over the tiny tokenizer's vocabulary."""
+    return make_tiny_llama(len(tiny_tokenizer))
