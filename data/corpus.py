@@ -119,3 +119,41 @@ def manifest(train: list[SourceFile], held: list[SourceFile]) -> dict:
         "train_files": [{"path": f.path, "sha256": f.sha256} for f in train],
         "heldout_files": [{"path": f.path, "sha256": f.sha256} for f in held],
     }
+
+
+def file_windows(tokenizer, files: list[SourceFile], max_len: int, max_rows: int | None = None) -> list[dict]:
+    """Training rows from whole files: ``<bos> text <eos>`` cut into windows of ``max_len`` tokens.
+
+    Every real token is a training target (loss_mask 1): code completion has no prompt/response split.
+    """
+    rows: list[dict] = []
+    for f in files:
+        ids = [tokenizer.bos_token_id, *tokenizer(f.text, add_special_tokens=False)["input_ids"],
+               tokenizer.eos_token_id]
+        for s in range(0, len(ids) - 1, max_len):
+            w = ids[s : s + max_len]
+            if len(w) >= 8:  # a tail of a few tokens teaches nothing
+                rows.append({"input_ids": w, "loss_mask": [1] * len(w)})
+            if max_rows is not None and len(rows) >= max_rows:
+                return rows
+    return rows
+
+
+def heldout_prompts(tokenizer, n: int, prompt_tokens: int, path: Path = HELDOUT_FILE) -> list[dict]:
+    """Evaluation prompts: prefixes of the shipped held-out files, spread evenly over them.
+
+    Each prompt is ``prompt_tokens`` long and starts at a line boundary inside a file so the
+    continuation is code, not a license header; deterministic for a given tokenizer.
+    """
+    files = load_heldout(path)
+    out: list[dict] = []
+    per_file = max(1, -(-n // len(files)))
+    for f in files:
+        lines = f.text.splitlines(keepends=True)
+        for j in range(per_file):
+            start_line = (j * len(lines)) // per_file
+            text = "".join(lines[start_line:])
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens]
+            if len(ids) == prompt_tokens:
+                out.append({"path": f.path, "line": start_line, "input_ids": ids})
+    return out[:n]

@@ -1,0 +1,116 @@
+"""Offline mode: the target's hidden states computed once into a sharded on-disk cache.
+
+Per row we store the requested layers' states plus the last hidden state after the final norm
+(id L), from which the target's logits are recomputed on the fly with its lm_head — storing
+logits would cost V/H times more disk. Shards are safetensors files written atomically, so an
+interrupted build resumes at the first missing shard. The manifest reports bytes per token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from models.target import FrozenTarget, parse_dtype
+
+MANIFEST = "manifest.json"
+
+
+def _key(meta: dict) -> dict:
+    return {k: meta[k] for k in ("target", "layer_ids", "dtype", "rows", "shard_rows", "row_digest")}
+
+
+def _row_digest(rows: list[dict]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(str(r["input_ids"]).encode())
+    return h.hexdigest()[:16]
+
+
+class FeatureCache:
+    def __init__(self, root: Path, target: FrozenTarget, rows: list[dict], layer_ids: list[int],
+                 dtype: str = "bfloat16", shard_rows: int = 64, batch_size: int = 8):
+        self.root, self.target, self.rows = Path(root), target, rows
+        self.layer_ids = sorted(set(layer_ids) | {target.num_layers})
+        self.dtype, self.shard_rows, self.batch_size = parse_dtype(dtype), shard_rows, batch_size
+        self.meta = {"target": target.identity(), "layer_ids": self.layer_ids, "dtype": str(self.dtype),
+                     "rows": len(rows), "shard_rows": shard_rows, "row_digest": _row_digest(rows)}
+        self._shard: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def n_shards(self) -> int:
+        return -(-len(self.rows) // self.shard_rows)
+
+    def shard_path(self, i: int) -> Path:
+        return self.root / f"shard_{i:05d}.safetensors"
+
+    def build(self, show_progress: bool = True) -> dict:
+        self.root.mkdir(parents=True, exist_ok=True)
+        mpath = self.root / MANIFEST
+        if mpath.exists():
+            old = json.loads(mpath.read_text())
+            if _key(old) != _key(self.meta):
+                raise ValueError(f"feature cache {self.root} was built for other data/target/layers; "
+                                 "delete it or set train.feature_cache to a new directory")
+        mpath.write_text(json.dumps(self.meta, indent=1))
+        todo = [i for i in range(self.n_shards()) if not self.shard_path(i).exists()]
+        for i in tqdm(todo, desc="feature cache", disable=not show_progress):
+            self._build_shard(i)
+        n_bytes = sum(self.shard_path(i).stat().st_size for i in range(self.n_shards()))
+        n_tok = sum(len(r["input_ids"]) for r in self.rows)
+        self.meta.update(bytes=n_bytes, tokens=n_tok, bytes_per_token=n_bytes / max(1, n_tok))
+        tmp = mpath.with_name(MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(self.meta, indent=1))
+        os.replace(tmp, mpath)
+        return self.meta
+
+    @torch.no_grad()
+    def _build_shard(self, i: int) -> None:
+        lo, hi = i * self.shard_rows, min(len(self.rows), (i + 1) * self.shard_rows)
+        tensors: dict[str, torch.Tensor] = {}
+        for b in range(lo, hi, self.batch_size):
+            chunk = self.rows[b : min(hi, b + self.batch_size)]
+            ids = pad_ids([r["input_ids"] for r in chunk], self.target.model.config.pad_token_id or 0)
+            out = self.target(ids, layer_ids=self.layer_ids, logits_to_keep=1)  # logits come from h_L later
+            for j, r in enumerate(chunk):
+                n = len(r["input_ids"])
+                for k in self.layer_ids:
+                    tensors[f"{b + j}.{k}"] = out.hidden[k][j, :n].to(self.dtype).contiguous()
+        tmp = self.shard_path(i).with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, self.shard_path(i))
+
+    def get(self, row: int) -> dict[int, torch.Tensor]:
+        s = row // self.shard_rows
+        if self._shard is None or self._shard[0] != s:
+            self._shard = (s, load_file(str(self.shard_path(s))))
+        return {k: self._shard[1][f"{row}.{k}"].float() for k in self.layer_ids}
+
+    @torch.no_grad()
+    def batch(self, rows: list[int], width: int) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Hidden states {id: [B, width, H]} (zero-padded) and the target's logits [B, width, V]."""
+        per = [self.get(r) for r in rows]
+        hidden = {}
+        for k in self.layer_ids:
+            h = torch.zeros(len(rows), width, per[0][k].shape[-1])
+            for j, p in enumerate(per):
+                h[j, : p[k].shape[0]] = p[k]
+            hidden[k] = h
+        head = self.target.model.get_output_embeddings()
+        logits = head(hidden[self.target.num_layers].to(head.weight.dtype)).float()
+        return hidden, logits
+
+
+def pad_ids(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
+    """Right padding: with causal attention, pads after a row's end cannot change its states."""
+    width = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for j, s in enumerate(seqs):
+        out[j, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out

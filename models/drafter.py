@@ -1,0 +1,50 @@
+"""What every draft method provides to the shared training loop (a protocol, not a base class).
+
+The loop (train/loop.py) does, per batch:
+
+    out = target(input_ids, layer_ids=drafter.layer_ids)          # frozen, no grad
+    loss, metrics = drafter.training_loss(input_ids, loss_mask, out.hidden, out.logits)
+    loss.backward()
+
+Conventions shared by all methods:
+- ``input_ids``/``loss_mask``: [B, T]; ``loss_mask[b, t] == 1`` when token t is a training
+  target (assistant tokens for chat data, every real token for code windows; 0 on padding).
+- ``hidden``: {layer id → [B, T, H]} in the HF ``output_hidden_states`` index convention
+  (models/target.py); id L (= num_hidden_layers) is the last layer *after* the final norm.
+- ``target_logits``: [B, T, V] the target's logits; position t predicts token t+1.
+- ``metrics``: flat {name: float}, e.g. ``loss_0``, ``acc_0`` … per step/head, plus
+  ``sim_tau`` (expected accepted length of a greedy chain from per-position agreement).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Drafter(Protocol):
+    layer_ids: list[int]
+
+    def training_loss(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        hidden: dict[int, torch.Tensor],
+        target_logits: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+    def config_dict(self) -> dict: ...
+
+
+def simulated_tau(agreement: list[float]) -> float:
+    """Expected tokens per target forward for a greedy chain: 1 + Σ_k Π_{j≤k} a_j.
+
+    ``agreement[k]`` is the draft/target top-1 agreement at draft position k given that the
+    earlier positions were accepted (what training-time test measures); the 1 is the bonus token.
+    """
+    tau, run = 1.0, 1.0
+    for a in agreement:
+        run *= a
+        tau += run
+    return tau
