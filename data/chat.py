@@ -1,0 +1,318 @@
+"""Chat data for drafter training: load conversations, render them with the target's chat template and
+mask everything but the assistant's own tokens.
+
+Accepted row shapes (one conversation per row):
+
+* ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}``
+* OpenAI:   ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}``
+
+Sources: a local ``.json`` (a list of rows, or ``{"data": [...]}``), ``.jsonl`` or ``.parquet`` file, or
+anything else ``datasets.load_dataset`` understands (a hub id; needs a network).
+
+The assistant-only loss mask is computed by rendering *prefixes* of the conversation with the
+tokenizer's own chat template, so it works with any model's template without ``{% generation %}``
+markers: for the assistant turn ``i`` the assistant text is the part of ``render(messages[:i+1])``
+that follows ``render(messages[:i], add_generation_prompt=True)``. That span contains the reply and
+the turn-closing token (``<|end|>``, ``<|eot_id|>``, ``<|im_end|>``...), which the drafter must learn
+to predict; whitespace the template writes *after* the closing token is not something the model
+generates (generation stops at the closing token), so it is left out of the mask.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+# ShareGPT speaker names seen in the wild → OpenAI roles.
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+class MalformedRowError(ValueError):
+    """A source row that is not a usable conversation; the message names the row and the field."""
+
+    def __init__(self, index: int, field: str, problem: str):
+        self.index = index
+        self.field = field
+        self.problem = problem
+        super().__init__(f"row {index}: field '{field}' {problem}" if field else f"row {index}: {problem}")
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def _read_json(path: Path) -> list[Any]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        # Many datasets ship JSON-lines under a `.json` name; accept that rather than fail.
+        if e.msg == "Extra data":
+            return _read_jsonl(path)
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("data"), list):
+        return obj["data"]
+    if isinstance(obj, list):
+        return obj
+    raise ValueError(f"{path}: expected a JSON list of rows or an object with a 'data' list, "
+                     f"got {type(obj).__name__}" + (f" with keys {sorted(obj)[:8]}" if isinstance(obj, dict) else ""))
+
+
+def _read_jsonl(path: Path) -> list[Any]:
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+    return rows
+
+
+def _read_parquet(path: Path) -> list[Any]:
+    import pyarrow.parquet as pq  # a dependency of `datasets`
+
+    return pq.read_table(path).to_pylist()
+
+
+def load_rows(source: str | Path, split: str = "train") -> list[dict]:
+    """Raw rows from a local .json/.jsonl/.parquet file, or from a dataset `datasets.load_dataset` can load."""
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if path.is_file():
+        if suffix == ".jsonl":
+            return _read_jsonl(path)
+        if suffix == ".json":
+            return _read_json(path)
+        if suffix == ".parquet":
+            return _read_parquet(path)
+        raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}")
+    if suffix in LOCAL_SUFFIXES or str(source).startswith((".", "/", "~")):
+        # Clearly meant as a local file: a hub lookup would only produce a confusing network error.
+        raise FileNotFoundError(f"data source {str(source)!r} does not exist")
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(str(source), split=split)
+    except Exception as e:  # datasets raises many unrelated types; one clear line beats all of them
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"data source {str(source)!r} is not a local file and could not be loaded with "
+                         f"datasets.load_dataset(split={split!r}): {type(e).__name__}: {first}") from None
+    return [dict(r) for r in ds]
+
+
+# --------------------------------------------------------------------------------------- normalising
+
+
+def _kind(x: Any) -> str:
+    return "null" if x is None else type(x).__name__
+
+
+def normalize_conversation(row: dict, index: int) -> list[dict]:
+    """One source row → ``[{"role": system|user|assistant, "content": str}, ...]``.
+
+    Raises MalformedRowError naming ``index`` and the offending field.
+    """
+    if not isinstance(row, dict):
+        raise MalformedRowError(index, "", f"must be an object (got {_kind(row)})")
+    if "messages" in row and row["messages"] is not None:
+        field, role_key, content_key, role_map = "messages", "role", "content", {r: r for r in ROLES}
+    elif "conversations" in row and row["conversations"] is not None:
+        field, role_key, content_key, role_map = "conversations", "from", "value", SHAREGPT_ROLES
+    else:
+        raise MalformedRowError(index, "", f"has neither 'messages' (OpenAI) nor 'conversations' (ShareGPT); "
+                                           f"keys are {sorted(row)[:8]}")
+    turns = row[field]
+    if not isinstance(turns, list):
+        raise MalformedRowError(index, field, f"must be a list (got {_kind(turns)})")
+    out = []
+    for j, turn in enumerate(turns):
+        where = f"{field}[{j}]"
+        if not isinstance(turn, dict):
+            raise MalformedRowError(index, where, f"must be an object (got {_kind(turn)})")
+        for key in (role_key, content_key):
+            if key not in turn:
+                raise MalformedRowError(index, f"{where}.{key}", "is missing")
+            if not isinstance(turn[key], str):
+                raise MalformedRowError(index, f"{where}.{key}", f"must be a string (got {_kind(turn[key])})")
+        role = role_map.get(turn[role_key].strip().lower())
+        if role is None:
+            raise MalformedRowError(index, f"{where}.{role_key}",
+                                    f"has unknown role {turn[role_key]!r} (known: {', '.join(sorted(role_map))})")
+        out.append({"role": role, "content": turn[content_key]})
+    if not any(m["role"] == "assistant" for m in out):
+        raise MalformedRowError(index, field, "has no assistant turn")
+    return out
+
+
+def load_conversations(
+    source: str | Path,
+    split: str = "train",
+    skip_malformed: bool = False,
+    max_rows: int | None = None,
+) -> tuple[list[list[dict]], dict]:
+    """Normalised conversations plus stats ``{"rows", "kept", "skipped", "first_error"}``.
+
+    Without ``skip_malformed`` the first malformed row raises; with it, bad rows are counted and skipped.
+    """
+    rows = load_rows(source, split)
+    if max_rows is not None:
+        rows = rows[:max_rows]
+    convs, stats = _normalize_all(rows, skip_malformed)
+    if not convs:
+        raise ValueError(f"no usable conversations in {source} ({stats['rows']} rows, {stats['skipped']} skipped"
+                         + (f": first error {stats['first_error']}" if stats["first_error"] else "") + ")")
+    return convs, stats
+
+
+def _normalize_all(rows: Sequence[Any], skip_malformed: bool) -> tuple[list[list[dict]], dict]:
+    convs: list[list[dict]] = []
+    skipped, first_error = 0, None
+    for i, row in enumerate(rows):
+        if isinstance(row, list):  # an already-split message list
+            row = {"messages": row}
+        try:
+            convs.append(normalize_conversation(row, i))
+        except MalformedRowError as e:
+            if not skip_malformed:
+                raise
+            skipped += 1
+            first_error = first_error or str(e)
+    return convs, {"rows": len(rows), "kept": len(convs), "skipped": skipped, "first_error": first_error}
+
+
+# -------------------------------------------------------------------------------------- tokenizing
+
+
+def render_chat(tok: PreTrainedTokenizerBase, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+    """The chat template rendered to text (the caller tokenizes with ``add_special_tokens=False``)."""
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"tokenizer {type(tok).__name__} ({getattr(tok, 'name_or_path', '')!r}) has no chat "
+                         "template; chat data needs one")
+    text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
+    return text
+
+
+def assistant_char_spans(tok: PreTrainedTokenizerBase, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The full render and the [start, end) character span of every assistant turn in it."""
+    full = render_chat(tok, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render_chat(tok, messages[:i], add_generation_prompt=True)
+        upto = render_chat(tok, messages[: i + 1])
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise ValueError(
+                f"the chat template of {getattr(tok, 'name_or_path', '') or type(tok).__name__!r} does not render "
+                f"conversation prefixes as string prefixes of the whole conversation (at assistant turn {i}); "
+                "assistant loss masks cannot be derived from it — the template probably rewrites earlier turns "
+                "(e.g. strips reasoning). Use a template without that behaviour."
+            )
+        start, end = len(before), len(upto)
+        # Drop template whitespace after the turn-closing token; keep whitespace that is part of the reply.
+        seg = full[start:end]
+        at = seg.find(m["content"]) if m["content"] else -1  # normally 0: the reply opens the span
+        keep_from = at + len(m["content"]) if at >= 0 else 0
+        end = start + keep_from + len(seg[keep_from:].rstrip())
+        if end > start:
+            spans.append((start, end))
+    return full, spans
+
+
+def tokenize_conversation(tok: PreTrainedTokenizerBase, messages: Sequence[dict], max_len: int) -> dict | None:
+    """``{"input_ids", "loss_mask"}`` with 1 exactly on assistant tokens (reply + turn-closing token).
+
+    Truncated to ``max_len`` tokens. Returns **None** when nothing trainable is left after truncation
+    (the assistant turns all start beyond ``max_len``); callers count and drop those.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    if not getattr(tok, "is_fast", False):
+        raise TypeError(f"{type(tok).__name__} is not a fast tokenizer; the assistant mask needs offset mappings")
+    full, spans = assistant_char_spans(tok, messages)
+    # The template writes bos itself; letting the tokenizer add another would double it.
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    mask = [0] * len(ids)
+    # Spans and offsets are both sorted: one linear sweep. A token belongs to a span if their
+    # character ranges overlap (a BPE merge across the boundary still carries assistant text).
+    k = 0
+    for t, (a, b) in enumerate(offsets):
+        while k < len(spans) and spans[k][1] <= a:
+            k += 1
+        if k < len(spans) and a < spans[k][1] and b > spans[k][0]:
+            mask[t] = 1
+    ids, mask = ids[:max_len], mask[:max_len]
+    if not any(mask):
+        return None
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def check_token_ids(rows: Iterable[dict], vocab_size: int) -> None:
+    """Refuse rows holding ids outside ``[0, vocab_size)``: data tokenized with another tokenizer."""
+    for i, row in enumerate(rows):
+        ids = row["input_ids"]
+        if not len(ids):
+            continue
+        hi, lo = max(ids), min(ids)
+        if hi >= vocab_size or lo < 0:
+            bad = hi if hi >= vocab_size else lo
+            raise ValueError(f"row {i}: token id {bad} is outside the target vocabulary [0, {vocab_size}); the data "
+                             "was probably tokenized with a different tokenizer — re-tokenize it with the target's")
+
+
+def build_chat_dataset(
+    tok: PreTrainedTokenizerBase,
+    source_or_conversations: str | Path | Sequence[Any],
+    max_len: int,
+    skip_malformed: bool = False,
+) -> Dataset:
+    """A ``datasets.Dataset`` with columns ``input_ids`` and ``loss_mask`` (assistant-only).
+
+    ``source_or_conversations``: a path/hub id, or a list of rows / message lists (validated the same way).
+    Conversations with no assistant token left after truncation are dropped (logged).
+    """
+    if isinstance(source_or_conversations, (str, Path)):
+        convs, stats = load_conversations(source_or_conversations, skip_malformed=skip_malformed)
+        name = str(source_or_conversations)
+    else:
+        convs, stats = _normalize_all(list(source_or_conversations), skip_malformed)
+        name = "the given conversations"
+    ids, masks = [], []
+    for messages in convs:
+        row = tokenize_conversation(tok, messages, max_len)
+        if row is not None:
+            ids.append(row["input_ids"])
+            masks.append(row["loss_mask"])
+    dropped = len(convs) - len(ids)
+    if dropped:
+        log.warning("%d of %d conversations from %s have no assistant token within max_len=%d; dropped",
+                    dropped, len(convs), name, max_len)
+    if not ids:
+        raise ValueError(f"no usable conversations in {name} ({stats['rows']} rows, {stats['skipped']} skipped, "
+                         f"{dropped} with no assistant token within max_len={max_len}"
+                         + (f"; first error {stats['first_error']}" if stats["first_error"] else "") + ")")
+    return Dataset.from_dict({"input_ids": ids, "loss_mask": masks})

@@ -1,0 +1,273 @@
+"""Training data written by the target itself.
+
+A drafter imitates the target; trained on the target's *own* outputs rather than a fixed dataset's
+answers, it learns the distribution it will be verified against and gets more tokens accepted.
+
+Both entry points are batched over items (left padding, ``model.generate``) and resumable: each
+finished item is appended to a JSON-lines file as ``{"index": i, ...}`` (flushed per batch); a rerun
+reads that file, checks the stored items still match the inputs, and generates only the missing ones.
+
+Greedy (``temperature=0``) output does not depend on batching or on where a run was interrupted.
+Sampling (pure temperature, no top-k/top-p) is seeded per batch from ``seed`` and the batch's first
+index, so a run is reproducible; a resumed run batches differently and so draws different samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from data.chat import render_chat
+
+TURN_END_TOKEN = "<|end|>"
+
+
+# ------------------------------------------------------------------------------------ jsonl resume
+
+
+def _load_done(out_path: Path) -> dict[int, dict]:
+    """Finished items by index. A torn last line (crash mid-write) is cut off so appends stay valid jsonl."""
+    done: dict[int, dict] = {}
+    if not out_path.exists():
+        return done
+    raw = out_path.read_bytes()
+    good_end = 0
+    pos = 0
+    for line in raw.splitlines(keepends=True):
+        start, pos = pos, pos + len(line)
+        if not line.strip():
+            good_end = pos
+            continue
+        try:
+            rec = json.loads(line)
+            complete = line.endswith(b"\n")
+        except json.JSONDecodeError:
+            rec, complete = None, False
+        if rec is None or not complete:
+            if pos < len(raw):  # not the last line: the file is corrupt, not merely torn
+                raise ValueError(f"{out_path}: line starting at byte {start} is not valid JSON; "
+                                 "fix or delete the file to regenerate")
+            break
+        if not isinstance(rec, dict) or not isinstance(rec.get("index"), int):
+            raise ValueError(f"{out_path}: record at byte {start} has no integer 'index'")
+        done[rec["index"]] = rec
+        good_end = pos
+    if good_end < len(raw):
+        with open(out_path, "r+b") as fh:
+            fh.truncate(good_end)
+    return done
+
+
+def _append(out_path: Path, records: list[dict]) -> None:
+    if not records:
+        return
+    with open(out_path, "a", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+# ------------------------------------------------------------------------------------- generation
+
+
+def stop_token_ids(tok: PreTrainedTokenizerBase, model: PreTrainedModel | None = None,
+                   turn_end: bool = True) -> list[int]:
+    """eos (tokenizer's and model's) plus the template's turn-closing token when the tokenizer has one."""
+    ids: list[int] = []
+    cands: list[Any] = [tok.eos_token_id]
+    if model is not None and getattr(model, "generation_config", None) is not None:
+        cands.append(model.generation_config.eos_token_id)
+    if turn_end and TURN_END_TOKEN in tok.get_vocab():
+        cands.append(tok.convert_tokens_to_ids(TURN_END_TOKEN))
+    for c in cands:
+        for i in c if isinstance(c, (list, tuple)) else [c]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model defines an eos token; generation would never stop")
+    return ids
+
+
+def _generate_batch(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    stops: list[int],
+    pad_id: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> list[list[int]]:
+    """New tokens per prompt, cut after the first stop token (the stop token is kept)."""
+    width = max(len(p) for p in prompts)
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("empty prompt: generation needs at least one token of context")
+    # Left padding: every row's last prompt token sits at the same column, so new tokens append in lockstep;
+    # generate() derives position ids from the attention mask, so padded rows see the same positions.
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        input_ids[r, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        attention[r, width - len(p):] = 1
+    device = model.device
+    if temperature > 0:
+        sampling = dict(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
+    else:
+        # Explicit, so a hub model's sampling defaults (generation_config.do_sample) cannot leak in.
+        sampling = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+    # Sampling draws from the global RNG inside generate(); fork it so seeding here leaves the caller's
+    # RNG untouched.
+    devices = [device] if device.type == "cuda" else []
+    rng = torch.random.fork_rng(devices=devices) if temperature > 0 else nullcontext()
+    with rng, torch.no_grad():
+        if temperature > 0:
+            torch.manual_seed(seed)
+        out = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=stops,
+            pad_token_id=pad_id,
+            num_beams=1,
+            **sampling,
+        )
+    new = out[:, width:].tolist()
+    result = []
+    stop_set = set(stops)
+    for row in new:
+        cut = next((j + 1 for j, t in enumerate(row) if t in stop_set), len(row))
+        result.append(row[:cut])
+    return result
+
+
+def _pad_id(tok: PreTrainedTokenizerBase, stops: list[int]) -> int:
+    return tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+
+
+def _batch_seed(seed: int, first_index: int) -> int:
+    return (seed * 1_000_003 + first_index) % (2**62)
+
+
+def _run_resumable(
+    items: Sequence[Any],
+    out_path: Path,
+    batch_size: int,
+    same_input: Callable[[Any, dict], bool],
+    process_batch: Callable[[list[int]], list[dict]],
+    desc: str,
+) -> dict[int, dict]:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _load_done(out_path)
+    for i, rec in done.items():
+        if i >= len(items) or not same_input(items[i], rec):
+            raise ValueError(f"{out_path}: stored item {i} does not match input item {i}; the file was written for "
+                             "other inputs — use another out_path or delete it")
+    todo = [i for i in range(len(items)) if i not in done]
+    with tqdm(total=len(items), initial=len(items) - len(todo), desc=desc, unit="item") as bar:
+        for b in range(0, len(todo), batch_size):
+            idx = todo[b:b + batch_size]
+            records = process_batch(idx)
+            _append(out_path, records)
+            for rec in records:
+                done[rec["index"]] = rec
+            bar.update(len(idx))
+    return done
+
+
+# ----------------------------------------------------------------------------------- public API
+
+
+def regenerate_conversations(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    conversations: Sequence[Sequence[dict]],
+    out_path: Path,
+    batch_size: int = 8,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[list[dict]]:
+    """Every assistant turn replaced by the target's own reply to the (already regenerated) context before it.
+
+    System and user turns are kept verbatim. Conversations are batched; a batch advances one assistant
+    turn per ``generate`` call. Output is in input order; ``out_path`` holds one line per conversation.
+    """
+    convs = [[{"role": m["role"], "content": m["content"]} for m in c] for c in conversations]
+    stops = stop_token_ids(tok, model)
+    pad_id = _pad_id(tok, stops)
+
+    def same_input(conv: list[dict], rec: dict) -> bool:
+        stored = rec.get("messages")
+        if not isinstance(stored, list) or len(stored) != len(conv):
+            return False
+        return all(s.get("role") == m["role"] and (m["role"] == "assistant" or s.get("content") == m["content"])
+                   for s, m in zip(stored, conv))
+
+    def process_batch(idx: list[int]) -> list[dict]:
+        work = {i: [dict(m) for m in convs[i]] for i in idx}
+        pending = {i: [j for j, m in enumerate(convs[i]) if m["role"] == "assistant"] for i in idx}
+        step = 0
+        while any(pending.values()):
+            active = [i for i in idx if pending[i]]
+            prompts = []
+            for i in active:
+                j = pending[i][0]
+                text = render_chat(tok, work[i][:j], add_generation_prompt=True)
+                prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+            outs = _generate_batch(model, prompts, stops, pad_id, max_new_tokens, temperature,
+                                   _batch_seed(seed, idx[0]) + step)
+            for i, new in zip(active, outs):
+                j = pending[i].pop(0)
+                if new and new[-1] in stops:
+                    new = new[:-1]  # the template writes the turn-closing token itself
+                work[i][j]["content"] = tok.decode(new, skip_special_tokens=False)
+            step += 1
+        return [{"index": i, "messages": work[i]} for i in idx]
+
+    done = _run_resumable(convs, out_path, batch_size, same_input, process_batch, "regenerate conversations")
+    return [done[i]["messages"] for i in range(len(convs))]
+
+
+def regenerate_continuations(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    out_path: Path,
+    batch_size: int = 8,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[dict]:
+    """The target's continuation of each token prefix (e.g. code): ``{"input_ids", "loss_mask"}`` rows.
+
+    ``input_ids = prompt + generated``; ``loss_mask`` is 0 on the prompt and 1 on the generated tokens,
+    including the eos the target produced (predicting the end is part of its behaviour).
+    """
+    items = [[int(t) for t in p] for p in prompts]
+    stops = stop_token_ids(tok, model, turn_end=False)  # plain text continuations end at eos only
+    pad_id = _pad_id(tok, stops)
+
+    def same_input(prompt: list[int], rec: dict) -> bool:
+        ids, mask = rec.get("input_ids"), rec.get("loss_mask")
+        return (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask)
+                and ids[:len(prompt)] == prompt and not any(mask[:len(prompt)]))
+
+    def process_batch(idx: list[int]) -> list[dict]:
+        outs = _generate_batch(model, [items[i] for i in idx], stops, pad_id, max_new_tokens, temperature,
+                               _batch_seed(seed, idx[0]))
+        return [{"index": i, "input_ids": items[i] + new, "loss_mask": [0] * len(items[i]) + [1] * len(new)}
+                for i, new in zip(idx, outs)]
+
+    done = _run_resumable(items, out_path, batch_size, same_input, process_batch, "regenerate continuations")
+    return [{"input_ids": done[i]["input_ids"], "loss_mask": done[i]["loss_mask"]} for i in range(len(items))]

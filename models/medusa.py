@@ -1,0 +1,336 @@
+"""Medusa heads: module, self-distillation loss, static tree and proposal (one file).
+
+Method (Cai et al. 2024, "Medusa"; FasterDecoding/Medusa ``medusa/model/medusa_model.py``):
+
+- Input: the frozen target's last hidden state *after* the final norm, h_t = hidden id L ([B, T, H]);
+  it is exactly what the target's lm_head reads, so ``lm_head(h_t)`` predicts token t+1.
+- Head k (k = 0..K-1) predicts token t+2+k from h_t alone:
+      z = h_t;  z ← z + SiLU(W_l z + b_l)   for l = 1..n   (ResBlock, W_l zero-initialised)
+      logits_k = W_out,k z                                (Linear H→V, initialised from the lm_head)
+  Parameter names follow FasterDecoding's ``medusa_lm_head.safetensors``: head k is an
+  ``nn.Sequential(*ResBlocks, Linear)`` stored under ``heads.{k}``, so ``heads.{k}.{l}.linear.weight``
+  maps to ``{k}.{l}.linear.weight`` and ``heads.{k}.{n}.weight`` to ``{k}.{n}.weight`` on export
+  (``to_fasterdecoding_state_dict``).
+- Medusa-1 loss with the backbone frozen: L = Σ_k step_weight^k · CE_k. Here CE_k is, by default,
+  self-distillation: the soft cross-entropy against the target's own distribution for the same token,
+  softmax(target_logits[:, t+1+k]); with ``distill=False`` the label is the ground-truth token
+  input_ids[:, t+2+k].
+- Decoding uses a static tree (``medusa_choices``): node = tuple of per-head ranks along its path;
+  node (r_0, …, r_{d-1}) is the token ranked r_{d-1} by head d-1, placed at depth d, and attends to its
+  ancestors only.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig
+
+from models.drafter import simulated_tau
+from models.target import FrozenTarget
+
+
+@dataclass
+class MedusaConfig:
+    num_heads: int = 4  # K: head k predicts token t+2+k
+    num_layers: int = 1  # ResBlocks per head
+    share_lm_head: bool = False  # True: every head ends in the target's frozen lm_head (one matmul for all)
+    step_weight: float = 0.8  # head k's loss weighted step_weight^k
+    distill: bool = True  # soft CE against the target's distribution; False → ground-truth tokens
+    metric_top_k: int = 0  # >0: also report top{j}_{k} (target argmax within head k's top-j), j = 1..metric_top_k
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.num_heads <= 0:
+            raise ValueError(f"medusa num_heads must be >= 1, got {self.num_heads}")
+        if self.num_layers < 0:
+            raise ValueError(f"medusa num_layers must be >= 0, got {self.num_layers}")
+        if self.num_layers == 0 and self.share_lm_head:
+            raise ValueError("medusa num_layers=0 with share_lm_head=True leaves nothing to train")
+        if self.metric_top_k < 0:
+            raise ValueError(f"medusa metric_top_k must be >= 0, got {self.metric_top_k}")
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W zero-initialised (bias keeps nn.Linear's default init, as in Medusa)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads on the target's post-norm last hidden state (layer id L)."""
+
+    def __init__(self, cfg: MedusaConfig, target_config: PreTrainedConfig, lm_head_weight: torch.Tensor):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.hidden_size = int(target_config.hidden_size)
+        self.vocab_size = int(target_config.vocab_size)
+        self.layer_ids = [int(target_config.num_hidden_layers)]  # id L: after the final norm
+        if tuple(lm_head_weight.shape) != (self.vocab_size, self.hidden_size):
+            raise ValueError(f"lm_head weight has shape {tuple(lm_head_weight.shape)}, expected "
+                             f"[vocab_size, hidden_size] = [{self.vocab_size}, {self.hidden_size}]")
+        heads = []
+        for _ in range(cfg.num_heads):
+            blocks: list[nn.Module] = [ResBlock(self.hidden_size) for _ in range(cfg.num_layers)]
+            if not cfg.share_lm_head:
+                out = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+                with torch.no_grad():
+                    out.weight.copy_(lm_head_weight)
+                blocks.append(out)
+            heads.append(nn.Sequential(*blocks))
+        self.heads = nn.ModuleList(heads)
+        # The shared head is borrowed from the target: a non-persistent buffer (moves with .to(), never a
+        # parameter, never in the state dict, no copy of the [V, H] matrix).
+        self.register_buffer("shared_lm_head", lm_head_weight.detach() if cfg.share_lm_head else None,
+                             persistent=False)
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] (post-norm last hidden state) → logits [..., K, V]."""
+        x = hidden.to(self._dtype())
+        if self.shared_lm_head is None:
+            return torch.stack([head(x) for head in self.heads], dim=-2)
+        feats = torch.stack([head(x) for head in self.heads], dim=-2)  # [..., K, H]
+        w = self.shared_lm_head
+        return F.linear(feats.to(w.dtype), w)  # one matmul for all heads: [..., K, V]
+
+    def training_loss(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        hidden: dict[int, torch.Tensor],
+        target_logits: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Σ_k step_weight^k · CE_k; head k at position t predicts token t+2+k.
+
+        input_ids/loss_mask [B, T]; hidden {L: [B, T, H]}; target_logits [B, T, V] (position t → token t+1).
+        """
+        cfg = self.cfg
+        _, T = input_ids.shape
+        logits = self(hidden[self.layer_ids[0]])  # [B, T, K, V]
+        total = logits.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        accs: list[float] = []
+        for k in range(cfg.num_heads):
+            n = max(T - 2 - k, 0)  # positions t = 0..n-1 have a token t+2+k inside the window
+            lk = logits[:, :n, k].float()  # [B, n, V] head k at position t
+            tl = target_logits[:, 1 + k : 1 + k + n].float()  # [B, n, V] target's dist. for token t+2+k
+            m = loss_mask[:, 2 + k : 2 + k + n].bool()  # [B, n] is token t+2+k a training target
+            logp = F.log_softmax(lk, dim=-1)
+            if cfg.distill:
+                ce = -(F.softmax(tl, dim=-1) * logp).sum(-1)  # H(p_target, q_head)
+            else:
+                ce = -logp.gather(-1, input_ids[:, 2 + k : 2 + k + n, None]).squeeze(-1)
+            count = m.sum()
+            denom = count.clamp_min(1)
+            loss_k = torch.where(m, ce, 0.0).sum() / denom
+            total = total + cfg.step_weight**k * loss_k
+            tgt = tl.argmax(-1)  # [B, n] the target's greedy token t+2+k
+            acc_k = ((lk.argmax(-1) == tgt) & m).sum() / denom
+            metrics[f"loss_{k}"] = float(loss_k.detach())
+            metrics[f"acc_{k}"] = float(acc_k)
+            accs.append(float(acc_k))
+            if cfg.metric_top_k > 0:
+                top = lk.topk(min(cfg.metric_top_k, lk.shape[-1]), dim=-1).indices  # [B, n, j]
+                hit = top == tgt[..., None]
+                for j in range(1, cfg.metric_top_k + 1):
+                    metrics[f"top{j}_{k}"] = float((hit[..., :j].any(-1) & m).sum() / denom)
+        # Medusa accuracies are marginal, not conditional: head k is scored with the true prefix, not
+        # given that heads 0..k-1 were right. Their product over-/under-states the joint acceptance
+        # when errors correlate, so sim_tau is a rough guide for Medusa (exact for EAGLE-3's TTT accs).
+        metrics["sim_tau"] = simulated_tau(accs)
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def config_dict(self) -> dict:
+        return {"method": "medusa", **asdict(self.cfg), "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size, "layer_ids": list(self.layer_ids)}
+
+    def to_fasterdecoding_state_dict(self) -> dict[str, torch.Tensor]:
+        """FasterDecoding ``medusa_lm_head.safetensors`` names: ``{h}.{l}.linear.{weight,bias}``, ``{h}.{n}.weight``.
+
+        With ``share_lm_head`` the borrowed lm_head is written as every head's output layer (the format has
+        no notion of sharing).
+        """
+        out = {name.removeprefix("heads."): t.detach().clone() for name, t in self.state_dict().items()}
+        if self.shared_lm_head is not None:
+            for h in range(self.cfg.num_heads):
+                out[f"{h}.{self.cfg.num_layers}.weight"] = self.shared_lm_head.detach().clone()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- proposal
+
+
+@torch.no_grad()
+def propose(heads: MedusaHeads, last_hidden: torch.Tensor, top_k: int) -> torch.Tensor:
+    """last_hidden [B, H] (post-norm hidden at the last verified position) → candidate ids [B, K, top_k].
+
+    ``[b, k, r]`` is head k's rank-r token for position (last + 2 + k), i.e. k+1 tokens after the target's
+    own next token.
+    """
+    return heads(last_hidden).topk(top_k, dim=-1).indices
+
+
+@torch.no_grad()
+def head_topk_hits(
+    heads: MedusaHeads,
+    loss_mask: torch.Tensor,
+    hidden: torch.Tensor,
+    target_logits: torch.Tensor,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts for ``head_topk_accuracy`` on one batch: (hits [K, top_k], total [K]).
+
+    hits[k, r] = #masked positions t where head k's rank-r candidate equals the target's argmax for token
+    t+2+k (target_logits[:, t+1+k]); total[k] = #masked positions of head k.
+    loss_mask [B, T]; hidden [B, T, H] (id L); target_logits [B, T, V].
+    """
+    K = heads.cfg.num_heads
+    T = hidden.shape[1]
+    logits = heads(hidden)  # [B, T, K, V]
+    hits = torch.zeros(K, top_k, dtype=torch.float64)
+    total = torch.zeros(K, dtype=torch.float64)
+    for k in range(K):
+        n = max(T - 2 - k, 0)
+        cand = logits[:, :n, k].topk(top_k, dim=-1).indices  # [B, n, top_k]
+        tgt = target_logits[:, 1 + k : 1 + k + n].argmax(-1)  # [B, n]
+        m = loss_mask[:, 2 + k : 2 + k + n].bool()  # [B, n]
+        hits[k] = ((cand == tgt[..., None]) & m[..., None]).sum(dim=(0, 1)).double().cpu()
+        total[k] = float(m.sum())
+    return hits, total
+
+
+@torch.no_grad()
+def head_topk_accuracy(
+    heads: MedusaHeads,
+    target: FrozenTarget,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    top_k: int,
+) -> torch.Tensor:
+    """Per-head accuracy of the rank-r candidate on held-out (input_ids, loss_mask) batches → [K, top_k].
+
+    ``target`` is a FrozenTarget (called as ``target(input_ids, layer_ids=heads.layer_ids)``). The reference
+    is the target's argmax given the data prefix; on target-generated data that is the greedy continuation
+    the tree is verified against. Feed the result to ``build_medusa_tree``.
+    """
+    L = heads.layer_ids[0]
+    hits = torch.zeros(heads.cfg.num_heads, top_k, dtype=torch.float64)
+    total = torch.zeros(heads.cfg.num_heads, dtype=torch.float64)
+    for input_ids, loss_mask in batches:
+        out = target(input_ids, layer_ids=heads.layer_ids)
+        h, t = head_topk_hits(heads, loss_mask, out.hidden[L], out.logits, top_k)
+        hits += h
+        total += t
+    return (hits / total.clamp_min(1)[:, None]).float()
+
+
+# -------------------------------------------------------------------------------------------------- tree
+
+
+def tree_capacity(num_heads: int, top_k: int) -> int:
+    """Largest tree K heads × top_k ranks can address: Σ_{d=1..K} top_k^d."""
+    return sum(top_k**d for d in range(1, num_heads + 1))
+
+
+def build_medusa_tree(acc: torch.Tensor, num_nodes: int) -> list[tuple[int, ...]]:
+    """Greedy static tree in ``medusa_choices`` style from per-head rank accuracies.
+
+    acc [K, top_k]: acc[k, r] = P(head k's rank-r candidate is the target's token) (``head_topk_accuracy``).
+    A node (r_0, …, r_{d-1}) scores Π_i acc[i, r_i] (its estimated acceptance probability, heads treated
+    as independent). Repeatedly add the connected node (parent already chosen; depth-1 nodes hang off the
+    root) with the highest score until ``num_nodes``. Ties: shallower, then lexicographically smaller path.
+    Returned sorted by (depth, path), so every parent precedes its children.
+    """
+    if acc.dim() != 2:
+        raise ValueError(f"acc must be [num_heads, top_k], got shape {tuple(acc.shape)}")
+    K, top_k = acc.shape
+    cap = tree_capacity(K, top_k)
+    if not 0 < num_nodes <= cap:
+        raise ValueError(f"num_nodes={num_nodes} out of range: {K} heads x top-{top_k} address 1..{cap} nodes")
+    a = acc.double().tolist()
+    # max-heap of frontier nodes: (−score, depth, path)
+    frontier = [(-a[0][r], 1, (r,)) for r in range(top_k)]
+    heapq.heapify(frontier)
+    chosen: list[tuple[int, ...]] = []
+    while len(chosen) < num_nodes:
+        neg, d, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if d < K:  # children read head d
+            for r in range(top_k):
+                heapq.heappush(frontier, (neg * a[d][r], d + 1, path + (r,)))
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+@dataclass
+class MedusaTreeBuffers:
+    """What tree decoding needs for N = len(choices) candidate nodes (the root is not a node here).
+
+    The root is the target's own next token (bonus token at the last verified position); decoders put it
+    in front of the N nodes: it sits at position ``p`` and every node also attends to it and to the prefix;
+    node i sits at position ``p + depth[i]``.
+    """
+
+    choices: list[tuple[int, ...]]  # sorted by (depth, path)
+    parent: torch.Tensor  # [N] int64, index of the parent node, -1 for depth-1 nodes (parent = root)
+    depth: torch.Tensor  # [N] int64, 1-based (= len(path))
+    head: torch.Tensor  # [N] int64, head the node's token comes from (= depth - 1)
+    rank: torch.Tensor  # [N] int64, rank within that head's top-k (= path[-1])
+    attn_mask: torch.Tensor  # [N, N] bool, [i, j] = node j is node i or one of its ancestors
+    leaf_paths: torch.Tensor  # [num_leaves, max_depth] int64 node indices root→leaf, right-padded with -1
+
+
+def tree_buffers(choices: Sequence[Sequence[int]]) -> MedusaTreeBuffers:
+    """Parent/depth/(head, rank) per node, the [N, N] ancestor mask and root→leaf paths."""
+    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
+    if len(paths) != len(choices):
+        raise ValueError("medusa tree choices contain duplicates")
+    if not paths or any(len(p) == 0 for p in paths):
+        raise ValueError("medusa tree needs at least one node and no empty path")
+    index = {p: i for i, p in enumerate(paths)}
+    N = len(paths)
+    parent = torch.full((N,), -1, dtype=torch.long)
+    for i, p in enumerate(paths):
+        if len(p) > 1:
+            if p[:-1] not in index:
+                raise ValueError(f"medusa tree node {p} has no parent {p[:-1]} in the tree")
+            parent[i] = index[p[:-1]]
+    depth = torch.tensor([len(p) for p in paths], dtype=torch.long)
+    mask = torch.zeros(N, N, dtype=torch.bool)
+    for i, p in enumerate(paths):
+        for d in range(1, len(p) + 1):  # itself and every ancestor (prefixes of its path)
+            mask[i, index[p[:d]]] = True
+    is_parent = torch.zeros(N, dtype=torch.bool)
+    is_parent[parent[parent >= 0]] = True
+    leaves = [i for i in range(N) if not is_parent[i]]
+    max_depth = int(depth.max())
+    leaf_paths = torch.full((len(leaves), max_depth), -1, dtype=torch.long)
+    for row, i in enumerate(leaves):
+        p = paths[i]
+        leaf_paths[row, : len(p)] = torch.tensor([index[p[:d]] for d in range(1, len(p) + 1)])
+    return MedusaTreeBuffers(
+        choices=paths, parent=parent, depth=depth, head=depth - 1,
+        rank=torch.tensor([p[-1] for p in paths], dtype=torch.long), attn_mask=mask, leaf_paths=leaf_paths,
+    )
+
+
+def tree_tokens(buffers: MedusaTreeBuffers, candidates: torch.Tensor) -> torch.Tensor:
+    """candidates [B, K, top_k] (``propose``) → node tokens [B, N] in ``buffers.choices`` order."""
+    return candidates[:, buffers.head.to(candidates.device), buffers.rank.to(candidates.device)]

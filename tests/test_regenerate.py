@@ -1,0 +1,174 @@
+"""data/regenerate.py with the tiny random Llama: shapes, greedy == a manual greedy loop, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from data.chat import render_chat
+from data.regenerate import regenerate_continuations, regenerate_conversations
+
+CONVS = [
+    [{"role": "system", "content": "You write Python."},
+     {"role": "user", "content": "How do I add two numbers?"},
+     {"role": "assistant", "content": "def add(a, b): return a + b"},
+     {"role": "user", "content": "And print it?"},
+     {"role": "assistant", "content": "print(add(1, 2))"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
+    [{"role": "user", "content": "What is the weather like today?"}, {"role": "assistant", "content": "fine"}],
+    [{"role": "user", "content": "Loop?"}, {"role": "assistant", "content": "for i in range(10): print(i)"},
+     {"role": "user", "content": "thanks"}],
+]
+MAX_NEW = 6
+
+
+def manual_greedy(model, ids: list[int], stops: set[int], max_new: int) -> list[int]:
+    """Reference: one sequence, no padding, no cache, argmax of the full forward at each step."""
+    seq = list(ids)
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+            seq.append(nxt)
+            new.append(nxt)
+            if nxt in stops:
+                break
+    return new
+
+
+class CountingGenerate:
+    """Wraps model.generate and records the unpadded prompts of every call."""
+
+    def __init__(self, model):
+        self.inner = model.generate
+        self.prompts: list[list[int]] = []
+        self.calls = 0
+
+    def __call__(self, *args, input_ids=None, attention_mask=None, **kw):
+        self.calls += 1
+        for row, m in zip(input_ids.tolist(), attention_mask.tolist()):
+            self.prompts.append([t for t, keep in zip(row, m) if keep])
+        return self.inner(*args, input_ids=input_ids, attention_mask=attention_mask, **kw)
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_conversations_shapes_and_greedy_equals_manual_loop(tmp_path, tiny_llama, tiny_tokenizer):
+    tok = tiny_tokenizer
+    out_path = tmp_path / "regen.jsonl"
+    out = regenerate_conversations(tiny_llama, tok, CONVS, out_path, batch_size=3, max_new_tokens=MAX_NEW)
+    assert len(out) == len(CONVS)
+    for orig, new in zip(CONVS, out):
+        assert [m["role"] for m in new] == [m["role"] for m in orig]
+        for o, n in zip(orig, new):
+            if o["role"] != "assistant":
+                assert n["content"] == o["content"]
+    assert [r["index"] for r in _lines(out_path)] == [0, 1, 2, 3]
+    assert [r["messages"] for r in _lines(out_path)] == out
+    # every assistant turn (including the second turn of conversation 0, whose context holds the
+    # regenerated first reply) equals a greedy loop run on that context alone
+    stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")}
+    for new in out:
+        for j, m in enumerate(new):
+            if m["role"] != "assistant":
+                continue
+            prompt = tok(render_chat(tok, new[:j], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            ref = manual_greedy(tiny_llama, prompt, stops, MAX_NEW)
+            if ref and ref[-1] in stops:
+                ref = ref[:-1]
+            assert m["content"] == tok.decode(ref, skip_special_tokens=False)
+    # the random model does not simply echo the dataset
+    assert [m["content"] for m in out[1]] != [m["content"] for m in CONVS[1]]
+
+
+def test_continuations_shapes_and_greedy_equals_manual_loop(tmp_path, tiny_llama, tiny_tokenizer):
+    tok = tiny_tokenizer
+    prompts = [tok(t)["input_ids"] for t in ["def add(a, b):\n", "import os\nimport sys\n\nprint(", "class"]]
+    rows = regenerate_continuations(tiny_llama, tok, prompts, tmp_path / "cont.jsonl", batch_size=3, max_new_tokens=8)
+    assert len(rows) == 3
+    for p, r in zip(prompts, rows):
+        n_new = len(r["input_ids"]) - len(p)
+        assert r["input_ids"][:len(p)] == p
+        assert r["loss_mask"] == [0] * len(p) + [1] * n_new
+        assert 1 <= n_new <= 8
+        if n_new < 8:
+            assert r["input_ids"][-1] == tok.eos_token_id
+        # greedy in a left-padded batch == the unpadded manual loop
+        assert r["input_ids"][len(p):] == manual_greedy(tiny_llama, p, {tok.eos_token_id}, 8)
+    assert len({len(p) for p in prompts}) == 3  # the batch really needed padding
+
+
+def test_continuations_resume_generates_only_missing_items(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):
+    tok = tiny_tokenizer
+    prompts = [tok(t)["input_ids"] for t in ["def f(x):\n", "for i in", "import os\n", "Hello, how"]]
+    full = regenerate_continuations(tiny_llama, tok, prompts, tmp_path / "a.jsonl", batch_size=2, max_new_tokens=5)
+
+    path = tmp_path / "b.jsonl"
+    regenerate_continuations(tiny_llama, tok, prompts, path, batch_size=2, max_new_tokens=5)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:2]))  # interrupted after the first batch
+
+    counter = CountingGenerate(tiny_llama)
+    monkeypatch.setattr(tiny_llama, "generate", counter)
+    resumed = regenerate_continuations(tiny_llama, tok, prompts, path, batch_size=2, max_new_tokens=5)
+    assert resumed == full
+    assert counter.calls == 1 and counter.prompts == [prompts[2], prompts[3]]
+    assert sorted(r["index"] for r in _lines(path)) == [0, 1, 2, 3]
+
+    # complete file: nothing is generated at all
+    counter.calls = 0
+    assert regenerate_continuations(tiny_llama, tok, prompts, path, batch_size=2, max_new_tokens=5) == full
+    assert counter.calls == 0
+
+
+def test_conversations_resume_and_torn_last_line(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):
+    tok = tiny_tokenizer
+    full = regenerate_conversations(tiny_llama, tok, CONVS, tmp_path / "a.jsonl", batch_size=2,
+                                    max_new_tokens=MAX_NEW)
+    path = tmp_path / "b.jsonl"
+    regenerate_conversations(tiny_llama, tok, CONVS, path, batch_size=2, max_new_tokens=MAX_NEW)
+    lines = path.read_text().splitlines(keepends=True)
+    # two finished lines plus half of a third (a crash mid-write)
+    path.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+
+    counter = CountingGenerate(tiny_llama)
+    monkeypatch.setattr(tiny_llama, "generate", counter)
+    resumed = regenerate_conversations(tiny_llama, tok, CONVS, path, batch_size=2, max_new_tokens=MAX_NEW)
+    assert resumed == full
+    # items 2 and 3 have one assistant turn each: one batch, one generate call, their prompts only
+    expected = [tok(render_chat(tok, CONVS[i][:1], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+                for i in (2, 3)]
+    assert counter.calls == 1 and counter.prompts == expected
+    recs = _lines(path)  # the torn line was cut, every line parses
+    assert sorted(r["index"] for r in recs) == [0, 1, 2, 3]
+
+
+def test_resume_refuses_a_file_written_for_other_inputs(tmp_path, tiny_llama, tiny_tokenizer):
+    tok = tiny_tokenizer
+    path = tmp_path / "c.jsonl"
+    regenerate_conversations(tiny_llama, tok, CONVS[:2], path, batch_size=2, max_new_tokens=2)
+    other = [CONVS[1], CONVS[0]]
+    with pytest.raises(ValueError, match="stored item 0 does not match input item 0"):
+        regenerate_conversations(tiny_llama, tok, other, path, batch_size=2, max_new_tokens=2)
+    cpath = tmp_path / "d.jsonl"
+    regenerate_continuations(tiny_llama, tok, [[0, 5, 6]], cpath, max_new_tokens=2)
+    with pytest.raises(ValueError, match="stored item 0 does not match"):
+        regenerate_continuations(tiny_llama, tok, [[0, 5, 7]], cpath, max_new_tokens=2)
+
+
+def test_sampling_is_seeded_and_leaves_global_rng_alone(tmp_path, tiny_llama, tiny_tokenizer):
+    tok = tiny_tokenizer
+    prompts = [tok(t)["input_ids"] for t in ["def add(a, b):\n", "for i in range(10):\n"]]
+    state = torch.get_rng_state()
+    run = lambda name, seed: regenerate_continuations(tiny_llama, tok, prompts, tmp_path / name, batch_size=2,
+                                                      max_new_tokens=10, temperature=1.0, seed=seed)
+    a, b, c = run("s0.jsonl", 0), run("s0b.jsonl", 0), run("s1.jsonl", 1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert a == b
+    assert a != c
+    greedy = regenerate_continuations(tiny_llama, tok, prompts, tmp_path / "g.jsonl", batch_size=2, max_new_tokens=10)
+    assert a != greedy
