@@ -28,10 +28,10 @@ def build_drafter(draft_cfg: DictConfig, target: FrozenTarget, train_rows: list[
     if method == "medusa":
         from models.medusa import MedusaHeads
 
-        return MedusaHeads(cfg, tc, target.model.get_output_embeddings().weight.detach().clone())
+        # the heads' own projections are copies; a shared (frozen) head borrows the target's storage
+        return MedusaHeads(cfg, tc, target.model.get_output_embeddings().weight.detach())
     if method == "mtp":
         from models.mtp import MTPDrafter
 
-        return MTPDrafter(cfg, tc, target.embed.weight.detach().clone(),
-                          target.model.get_output_embeddings().weight.detach().clone())
+        return MTPDrafter.from_target(cfg, target)  # the target's own decoder-block class
     raise ValueError(f"draft.method={method!r}: use one of {METHODS}")

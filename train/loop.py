@@ -178,8 +178,8 @@ def run(cfg: DictConfig) -> dict:
     tracker = instantiate(cfg.tracking)
     tracker.start(OmegaConf.to_container(cfg, resolve=True), d.rank)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    metrics_file = open(out_dir / "metrics.jsonl", "a") if d.is_main else None
     out_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = open(out_dir / "metrics.jsonl", "a") if d.is_main else None
     stop = cfg.train.stop_after
     bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps, desc=cfg.draft.method,
                disable=not d.is_main, mininterval=5)

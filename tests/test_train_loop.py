@@ -1,0 +1,107 @@
+"""The training recipe end to end on a tiny target: all three methods, resume, offline features, errors."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from data.features import FeatureCache
+from data.sources import DataConfig, build_rows
+from models.target import FrozenTarget
+from train.build import build_drafter
+from train.loop import collate, run, target_features
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, tiny_llama, tiny_tokenizer):
+    d = tmp_path_factory.mktemp("target")
+    tiny_llama.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def cfg_for(target_dir, out, *overrides, method="eagle3"):
+    base = [f"target.name_or_path={target_dir}", f"output_dir={out}", "tracking=none",
+            "data.max_rows=24", "data.val_rows=4", "data.max_len=48", f"data.cache_dir={out}/data",
+            "train.steps=4", "train.batch_size=2", "train.ckpt_every=2", "train.log_every=1",
+            "train.eval_every=100", "optim.warmup_steps=1", f"draft={method}"]
+    if method == "eagle3":
+        base += ["draft.config.draft_vocab_size=200", "draft.config.ttt_steps=3", "draft.config.layer_ids=[1,2,3]"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=base + list(overrides))
+
+
+def final_weights(out):
+    return load_file(str(Path(out) / "final" / "model.safetensors"))
+
+
+def test_eagle3_resume_after_kill_equals_uninterrupted(target_dir, tmp_path):
+    full = run(cfg_for(target_dir, tmp_path / "a"))
+    assert full["val"]["sim_tau"] >= 1.0 and "acc_0" in full["val"]
+    # "kill" after step 3: the checkpoint of step 2 survives, step 3's work is lost
+    stopped = run(cfg_for(target_dir, tmp_path / "b", "train.stop_after=3"))
+    assert stopped["stopped_at"] == 3
+    (tmp_path / "b" / "checkpoints" / "step_0000004.tmp").mkdir()  # a half-written checkpoint
+    run(cfg_for(target_dir, tmp_path / "b"))
+    a, b = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
+    assert a.keys() == b.keys() and "embed_tokens.weight" not in a  # frozen target copy not saved
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("method", ["medusa", "mtp"])
+def test_other_methods_train_on_same_pipeline(target_dir, tmp_path, method):
+    res = run(cfg_for(target_dir, tmp_path, method=method))
+    assert res["method"] == method and "acc_0" in res["val"]
+    assert (tmp_path / "final" / "config.json").exists()
+
+
+def test_resume_refuses_other_draft_config(target_dir, tmp_path):
+    run(cfg_for(target_dir, tmp_path, "train.stop_after=2"))
+    with pytest.raises(ValueError, match="different draft"):
+        run(cfg_for(target_dir, tmp_path, "draft.config.ttt_steps=2"))
+
+
+def test_bad_layer_ids_and_vocab(target_dir, tmp_path):
+    with pytest.raises(ValueError, match="out of range"):
+        run(cfg_for(target_dir, tmp_path / "x", "draft.config.layer_ids=[1,2,9]"))
+    with pytest.raises(ValueError, match="larger than the target's vocabulary"):
+        run(cfg_for(target_dir, tmp_path / "y", "draft.config.draft_vocab_size=100000"))
+
+
+def test_online_and_offline_give_same_loss(target_dir, tmp_path):
+    cfg = cfg_for(target_dir, tmp_path)
+    target = FrozenTarget.from_pretrained(str(target_dir))
+    rows, _ = build_rows(DataConfig(max_rows=6, max_len=48, val_rows=2), target.tokenizer)
+    drafter = build_drafter(cfg.draft, target, rows)
+    cache = FeatureCache(tmp_path / "feat", target, rows, drafter.layer_ids, dtype="float32", shard_rows=4)
+    meta = cache.build(show_progress=False)
+    assert meta["bytes_per_token"] > 0
+    idx = [1, 4, 5]
+    ids, mask = collate([rows[i] for i in idx], target.tokenizer.pad_token_id)
+    on = drafter.training_loss(ids, mask, *target_features(target, drafter.layer_ids, ids, idx, None))[0]
+    off = drafter.training_loss(ids, mask, *target_features(target, drafter.layer_ids, ids, idx, cache))[0]
+    torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-6)
+    # an interrupted build resumes: remove one shard, rebuild, same files
+    cache.shard_path(1).unlink()
+    cache.build(show_progress=False)
+    assert cache.shard_path(1).exists()
+
+
+def test_wrong_tokenizer_data_is_refused(tiny_tokenizer):
+    class Big:
+        def __len__(self):
+            return 10
+
+        def __getattr__(self, name):
+            return getattr(tiny_tokenizer, name)
+
+        def __call__(self, *a, **k):
+            return tiny_tokenizer(*a, **k)
+
+    with pytest.raises(ValueError, match="another tokenizer"):
+        build_rows(DataConfig(max_rows=2, max_len=32, val_rows=1), Big())
