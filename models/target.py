@@ -132,7 +132,17 @@ class FrozenTarget(nn.Module):
             "num_hidden_layers": c.num_hidden_layers,
             "hidden_size": c.hidden_size,
             "vocab_size": c.vocab_size,
+            "embed_fingerprint": self.fingerprint(),
         }
+
+    def fingerprint(self) -> str:
+        """sha256 of a strided sample of the input embedding: tells two targets of one shape apart
+        (a drafter trained for Llama-3.1-8B must not be used with Llama-3-8B) at a cost of ms."""
+        import hashlib
+
+        w = self.embed.weight.detach()
+        sample = w.reshape(-1)[:: max(1, w.numel() // 65536)][:65536].float().cpu()
+        return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
 
     def _hook_module(self, k: int) -> nn.Module:
         if k == 0:

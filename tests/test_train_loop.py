@@ -105,3 +105,20 @@ def test_wrong_tokenizer_data_is_refused(tiny_tokenizer):
 
     with pytest.raises(ValueError, match="another tokenizer"):
         build_rows(DataConfig(max_rows=2, max_len=32, val_rows=1), Big())
+
+
+def test_final_checkpoint_loads_back_and_refuses_other_target(target_dir, tmp_path):
+    from tests.conftest import make_tiny_llama
+    from train.build import load_drafter
+
+    run(cfg_for(target_dir, tmp_path, "train.steps=2"))
+    target = FrozenTarget.from_pretrained(str(target_dir))
+    drafter, meta = load_drafter(tmp_path / "final", target)
+    saved = final_weights(tmp_path)
+    for k, v in drafter.state_dict().items():
+        if k in saved:
+            torch.testing.assert_close(v, saved[k], rtol=0, atol=0)
+    assert meta["layer_ids"] == [1, 2, 3]
+    other = FrozenTarget(make_tiny_llama(target.vocab_size, seed=1), target.tokenizer)  # same shape, other weights
+    with pytest.raises(ValueError, match="another target"):
+        load_drafter(tmp_path / "final", other)
