@@ -197,9 +197,9 @@ def run(cfg: DictConfig) -> dict:
             else:
                 (loss / cfg.train.grad_accum).backward()
             toks += int(mask.sum())
+            m = {**m, "loss": loss.item()}  # the optimised total, whatever the method reports
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + float(v) / cfg.train.grad_accum
-            agg["loss"] = agg.get("loss", 0.0) + loss.item() / cfg.train.grad_accum
         if engine is not None:
             engine.step()  # clips, steps optimizer and scheduler
         else:

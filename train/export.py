@@ -1,0 +1,93 @@
+"""Export a trained drafter checkpoint for a serving engine, or check an export directory.
+
+    python -m train.export CHECKPOINT --format {eagle3,eagle3-speculators,medusa,medusa-vllm,mtp,mtp-nextn} \\
+        --out DIR [--target NAME_OR_PATH] [--results eval.json] [--dtype bfloat16] [--force]
+    python -m train.export --check DIR [--target NAME_OR_PATH]
+
+CHECKPOINT is a directory written by train/ (e.g. OUTPUT_DIR/final). The target defaults to the one recorded in
+the checkpoint (``tiny-code`` for the embedded target); the checkpoint is refused if it was trained for another
+target. The export is validated before it is written and again from disk; ``--check`` runs the same validator
+on any directory (exit status 2 and a one-line reason when it is not a valid export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from models.export import CLI_FORMATS, ExportError, export, recommended_k_from_results, validate
+from models.target import EMBEDDED_NAME, FrozenTarget, parse_dtype, resolve_name
+
+
+def _default_target(meta: dict) -> str:
+    name = (meta.get("target") or {}).get("name_or_path") or ""
+    if not name:
+        raise ExportError("the checkpoint records no target name_or_path; pass --target")
+    # the embedded target is recorded by its resolved directory; give it back its alias
+    return EMBEDDED_NAME if Path(name).resolve() == Path(resolve_name(EMBEDDED_NAME)).resolve() else name
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint", nargs="?", help="drafter checkpoint directory (config.json + model.safetensors)")
+    p.add_argument("--format", choices=sorted(CLI_FORMATS), help="export format")
+    p.add_argument("--out", help="output directory")
+    p.add_argument("--target", help="target name or path (default: the checkpoint's / the export's)")
+    p.add_argument("--results", help="eval results JSON with recommended_num_speculative_tokens")
+    p.add_argument("--dtype", help="cast float weights (float32, bfloat16, float16); default: as trained")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--check", metavar="DIR", help="validate an export directory instead of exporting")
+    return p
+
+
+def _check(args: argparse.Namespace) -> str:
+    target = None
+    if args.target:
+        target = FrozenTarget.from_pretrained(args.target)
+    fmt = validate(args.check, None, target)
+    against = f" against {args.target}" if args.target else " (self-consistency only; pass --target to compare)"
+    return f"{args.check}: valid {fmt} export{against}"
+
+
+def _export(args: argparse.Namespace) -> str:
+    from train.build import load_drafter
+    from train.checkpoint import read_meta
+
+    if not (args.checkpoint and args.format and args.out):
+        raise ExportError("exporting needs CHECKPOINT, --format and --out (or use --check DIR)")
+    ckpt = Path(args.checkpoint)
+    if not (ckpt / "config.json").exists():
+        raise ExportError(f"{ckpt} is not a drafter checkpoint (no config.json); pass OUTPUT_DIR/final")
+    meta = read_meta(ckpt)
+    name = args.target or _default_target(meta)
+    target = FrozenTarget.from_pretrained(name)
+    try:
+        drafter, meta = load_drafter(ckpt, target)  # refuses a checkpoint trained for another target
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    k = recommended_k_from_results(args.results) if args.results else None
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    out = export(drafter, args.format, args.out, target, target_name=name, recommended_k=k, meta=meta, dtype=dtype,
+                 overwrite=args.force)
+    fmt = CLI_FORMATS[args.format]
+    n_files = sum(1 for _ in out.iterdir())
+    size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
+    return (f"exported {meta['method']} checkpoint {ckpt} -> {out} as {fmt} ({n_files} files, {size:.1f} MiB), "
+            f"validated against {name}" + (f", num_speculative_tokens={k} from {args.results}" if k else ""))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        line = _check(args) if args.check else _export(args)
+    except (ExportError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
