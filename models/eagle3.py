@@ -445,3 +445,52 @@ def _rope_inv_freq(tc: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, f
     c.head_dim = head_dim
     inv, factor = ROPE_INIT_FUNCTIONS[rope_type](c, None)
     return inv.float(), float(factor), params
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inference with a KV cache (used by eval/proposers.py). Entries follow the training convention above: the "real"
+# entry at position i reads (emb(t_{i+1}), g_i) and sits at RoPE position i; a drafted token at depth s after the
+# last real entry (position n) reads (emb(d_s), a of its parent entry) and sits at RoPE position n + s.
+# ---------------------------------------------------------------------------------------------------------------
+def rope_at(drafter: Eagle3Drafter, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [M, d] for arbitrary RoPE positions [M] (tree siblings share a position)."""
+    device = drafter.fc.weight.device
+    freqs = positions.to(device=device, dtype=torch.float32)[:, None] * drafter._inv_freq.to(device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    dtype = drafter.fc.weight.dtype
+    f = drafter.rope_scaling_factor
+    return (emb.cos() * f).to(dtype), (emb.sin() * f).to(dtype)
+
+
+@torch.no_grad()
+def cached_step(
+    drafter: Eagle3Drafter,
+    token_ids: torch.Tensor,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    past_k: torch.Tensor | None,
+    past_v: torch.Tensor | None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One midlayer pass for M new entries over a KV cache of P earlier entries.
+
+    ``token_ids`` [B, M]: target ids whose embedding each entry reads; ``h`` [B, M, H]: the state it reads
+    (fused target state g for real entries, the parent entry's output ``a`` for drafted ones);
+    ``positions`` [M] RoPE positions; ``past_k``/``past_v`` [B, nh, P, d] (RoPE applied, GQA-expanded) or None;
+    ``mask`` [M, P + M] bool (True = attend), None = every past entry plus causal among the new ones.
+    Returns ``a`` [B, M, H] (pre-norm outputs: ``drafter.logits(a)`` scores the next token) and the new
+    entries' ``k``, ``v`` [B, nh, M, d] for the caller to append to its cache.
+    """
+    layer, attn = drafter.midlayer, drafter.midlayer.self_attn
+    g = h.to(drafter.fc.weight.dtype)
+    emb = drafter.embed_tokens(token_ids).to(g.dtype)
+    x, residual = layer.pre(emb, g)
+    cos, sin = rope_at(drafter, positions)
+    q, k, v = attn.qkv(x, cos, sin)
+    keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+    values = v if past_v is None else torch.cat([past_v, v], dim=2)
+    m, total = k.shape[2], keys.shape[2]
+    if mask is None:
+        mask = torch.ones(m, total, dtype=torch.bool, device=q.device).tril(total - m)  # causal, past all visible
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(drafter.head_dim))
+    return layer.post(o, residual), k, v

@@ -354,3 +354,31 @@ def init_from_native(drafter: MTPDrafter, state_dict: dict[str, torch.Tensor]) -
     if bad:
         raise ValueError(f"native MTP weight shapes differ from the drafter's: {bad[:3]}")
     drafter.load_state_dict(mapped, strict=True)
+
+
+# ------------------------------------------------------------------------------------- inference with a KV cache
+@torch.no_grad()
+def run_module_cached(
+    drafter: MTPDrafter, d: int, prev: torch.Tensor, next_ids: torch.Tensor, cache, start: int
+) -> torch.Tensor:
+    """Module d over n new positions start..start+n-1 of one stream, attending to the stream's cached entries.
+
+    Same maths as ``run_module`` (prev [B, n, H] = h^{k-1} at those positions, next_ids [B, n] = the tokens
+    their embeddings read) but with absolute RoPE positions and a transformers ``Cache`` (e.g. ``DynamicCache``)
+    that holds exactly this stream's ``start`` earlier entries; the new entries are appended to it (the caller
+    crops the ones it does not want to keep). Returns h^k [B, n, H].
+    """
+    dtype = drafter._dtype()
+    n = prev.shape[1]
+    device = prev.device
+    emb = F.embedding(next_ids, drafter.embed_weight).to(dtype)  # [B, n, H]
+    pos = torch.arange(start, start + n, device=device)[None]  # [1, n] absolute: cached keys carry theirs
+    pe = drafter.rotary_emb(emb, pos)
+    # [1, 1, n, start + n]: query at start+i sees keys 0..start+i
+    visible = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+    mask = torch.zeros(n, start + n, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
+    module = drafter.mtp[d]
+    x = module.fuse(emb, prev.to(dtype))
+    out = module.block(x, attention_mask=mask[None, None], position_ids=pos, position_embeddings=pe,
+                       cache=cache, use_cache=True)
+    return out[0] if isinstance(out, tuple) else out

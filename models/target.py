@@ -176,4 +176,4 @@ class FrozenTarget(nn.Module):
             for h in handles:
                 h.remove()
         return TargetOutput(logits=out.logits, hidden={k: captured[k] for k in ids},
-                            cache=getattr(out, "cache", None) or getattr(out, "past_key_values", None))
+                            cache=getattr(out, "cache", None))
