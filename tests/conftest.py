@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
+# before transformers/huggingface_hub read them at import time
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
 torch.set_num_threads(1)  # tests run under xdist, one process per core
 
 TINY_TEXTS = [
