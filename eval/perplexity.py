@@ -69,9 +69,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(corpus.EMBEDDED_DIR))
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--sample-tokens", type=int, default=0, help="also print a greedy continuation of a held-out prompt")
     a = p.parse_args()
     model, tok = load_causal_lm(a.model)
     print(json.dumps(heldout_loss(model, tok, corpus.load_heldout(), seq_len=a.seq_len), indent=1))
+    if a.sample_tokens:
+        prompt = corpus.heldout_prompts(tok, n=1, prompt_tokens=48)[0]["input_ids"]
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=a.sample_tokens, do_sample=False)
+        print(tok.decode(prompt) + "<<<PROMPT ENDS>>>" + tok.decode(out[0, len(prompt):]))
 
 
 if __name__ == "__main__":
