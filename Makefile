@@ -32,6 +32,18 @@ test: install lint
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# Benchmark every method on the embedded target: trains the three recipes' drafters first when their
+# checkpoints are absent, then writes bench/results/{results.json,results.md,*.png}. Exits non-zero if any
+# method is not lossless. Extra Hydra overrides: make bench BENCH_ARGS="n_prompts=4 batch_sizes=[1,4]"
+bench: install
+	@for r in eagle3 medusa mtp; do \
+		if [ ! -f runs/$$r/final/model.safetensors ]; then \
+			echo "bench: training the $$r drafter (runs/$$r/final absent)"; \
+			$(BIN)/python -m train +recipe=$$r || exit 1; \
+		fi; \
+	done
+	$(BIN)/python -m eval out_dir=bench/results $(BENCH_ARGS)
+
 # Recompute tiny-code's held-out loss (README numbers).
 target-loss: install
 	$(BIN)/python -m eval.perplexity

@@ -1,0 +1,279 @@
+"""Results JSON (eval/benchmark.py) → a markdown report, PNG plots and a console summary.
+
+    python -m eval.report bench/results/results.json [--out DIR]    # re-render an existing results file
+
+Files written: ``results.md``; ``tau_speedup.png`` (τ and speedup per method and temperature, speedup with its
+min–max over repetitions and the cost-model bound), ``acceptance.png`` (acceptance rate by draft position) and,
+when the batch sweep ran, ``batch_speedup.png`` (speedup vs batch size, fixed K and the dynamic policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["normalize", "markdown", "console_summary", "plot", "write_report", "PLOTS"]
+
+PLOTS = ("tau_speedup.png", "acceptance.png", "batch_speedup.png")
+
+
+def normalize(results: Mapping[str, Any]) -> dict:
+    """The JSON view of a results dict (string keys, NaN → None), so in-memory and on-disk results render alike."""
+    from eval.benchmark import _jsonable
+
+    return json.loads(json.dumps(_jsonable(results)))
+
+
+def _f(x: Any, nd: int = 2, suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "**NO**"
+    return f"{x:.{nd}f}{suffix}"
+
+
+def _temp(t: float) -> str:
+    return f"{t:g}"
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+    """The report: headline table (method, T, τ, speedup ± spread, tokens/s, efficiency vs bound, lossless), then
+    acceptance by position, HF peers, batch sweep and recommendation, categories, cost model."""
+    r = normalize(results)
+    s, tgt, env = r["settings"], r["target"], r["env"]
+    lines = ["# Speculative decoding benchmark", ""]
+    pr = r["prompts"]
+    lines.append(f"Target `{tgt.get('name_or_path')}` ({tgt.get('params', 0) / 1e6:.2f} M params, {tgt.get('dtype')}), "
+                 f"{pr['n']} prompts from {pr['source']} (mean {pr['tokens']['mean']:.0f} tokens), "
+                 f"{s['max_new_tokens']} new tokens, {s['repetitions']} repetitions after {s['warmup']} "
+                 f"warmup, torch {env['torch']} on {env['device']} with {env['threads']} threads, {r['created_utc']}.")
+    lines.append("")
+    bad = [n for n, m in r["methods"].items() if not m["lossless"]]
+    lines.append("**Lossless: every method reproduced AR's tokens at T=0.**" if not bad else
+                 f"**LOSSLESS CHECK FAILED for {', '.join(bad)}** (tokens differ from AR at T=0; see results.json "
+                 "`methods.*.mismatches`).")
+    lines += ["", "## Results", "",
+              "Speedup: end-to-end tokens/s (prefill included) over AR's in the same repetition, median ± half the "
+              "min–max range. Bound: τ / (K̄·c + v̄) from the measured cost model; efficiency = decode-phase "
+              "speedup (prefill excluded, like the bound) / bound.", "",
+              "| method | T | τ | speedup | tokens/s | bound | efficiency | draft share | ÷ HF lookup | lossless |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in r["runs"]:
+        sp = e["speedup"]
+        lines.append(f"| {e['method']} | {_temp(e['temperature'])} | {_f(e['tau'])} | {_f(sp['median'])} ± "
+                     f"{_f(sp['spread'])} | {_f(e['tokens_per_s']['median'], 1)} | {_f(e['bound'])} | "
+                     f"{_f(e['efficiency'])} | {_f(100 * e['draft_frac'], 0, '%')} | {_f(e['vs_hf_prompt_lookup'])} | "
+                     f"{'–' if e['lossless'] is None else _f(e['lossless'])} |")
+    depth = max((len(e["acceptance_by_pos"]) for e in r["runs"]), default=0)
+    if depth:
+        lines += ["", "## Acceptance rate by draft position", "",
+                  "P(draft at depth k accepted | the round reached depth k).", "",
+                  "| method | T | " + " | ".join(f"k={k + 1}" for k in range(depth)) + " |",
+                  "|---|---|" + "---|" * depth]
+        for e in r["runs"]:
+            if e["kind"] == "ar":
+                continue
+            acc = e["acceptance_by_pos"] + [None] * (depth - len(e["acceptance_by_pos"]))
+            lines.append(f"| {e['method']} | {_temp(e['temperature'])} | " + " | ".join(_f(a) for a in acc) + " |")
+    if r.get("peers"):
+        lines += ["", "## HF transformers peers (T=0, same target and prompts)", "",
+                  "| peer | settings | tokens/s | speedup vs our AR | tokens == our AR |", "|---|---|---|---|---|"]
+        for name, p in r["peers"].items():
+            st = ", ".join(f"{k}={v}" for k, v in p["settings"].items()) or "–"
+            lines.append(f"| {name} | {st} | {_f(p['tokens_per_s']['median'], 1)} | "
+                         f"{_f(p['speedup_vs_ar']['median'])} ± {_f(p['speedup_vs_ar']['spread'])} | "
+                         f"{_f(p['matches_ar'])} |")
+    lines += _batch_md(r)
+    cats = r["prompts"]["categories"]
+    if len(cats) > 1:
+        lines += ["", "## Per category", "", "| method | T | " + " | ".join(f"{c} τ / speedup" for c in cats) + " |",
+                  "|---|---|" + "---|" * len(cats)]
+        for e in r["runs"]:
+            cells = [f"{_f(e['by_category'][c]['tau'])} / {_f(e['by_category'][c]['speedup'])}" for c in cats]
+            lines.append(f"| {e['method']} | {_temp(e['temperature'])} | " + " | ".join(cells) + " |")
+    cm = r["cost_model"]
+    lines += ["", "## Cost model", "",
+              f"t1 (one-token target forward at a {cm['prefix_len']}-token cache, microbenchmark) = "
+              f"{1e3 * cm['t_target_s']:.3f} ms; AR's in-situ step (forward + sampling) = "
+              + ", ".join(f"{1e3 * v:.3f} ms at T={k}" for k, v in cm["t_ar_step_s"].items())
+              + ". v(K) = (K+1)-token verify forward / t1:", "",
+              "| K | " + " | ".join(cm["verify"]) + " |", "|---|" + "---|" * len(cm["verify"]),
+              "| v(K) | " + " | ".join(_f(v) for v in cm["verify"].values()) + " |", "",
+              "Per method (T=0): c = draft seconds per drafted node / AR step, K̄ = mean drafted nodes per round, "
+              "v̄ = mean v(K) over rounds.", "", "| method | c | K̄ | v̄ |", "|---|---|---|---|"]
+    for e in r["runs"]:
+        if e["kind"] != "ar" and e["temperature"] == 0:
+            lines.append(f"| {e['method']} | {_f(e['c'], 3)} | {_f(e['k_mean'])} | {_f(e['v'])} |")
+    if r.get("skipped"):
+        lines += ["", "## Skipped", ""] + [f"- {n}: {why}" for n, why in r["skipped"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _batch_md(r: dict) -> list[str]:
+    lines: list[str] = []
+    b = r.get("batch")
+    if b:
+        sizes = b["batch_sizes"]
+        lines += ["", f"## Batch sweep (T={_temp(b['temperature'])}, chain methods)", "",
+                  "Speedup of `speculative_decode_batch` over `decode_ar_batch` per batch size: fixed K, then the "
+                  "dynamic policy (K* from measured acceptance and cost model; K*=0 = speculation off).", "",
+                  "| method | K | " + " | ".join(f"B={x}" for x in sizes) + " | crossover |",
+                  "|---|---|" + "---|" * len(sizes) + "---|",
+                  "| AR tokens/s | – | " + " | ".join(_f(b["ar_tokens_per_s"][str(x)]["median"], 1) for x in sizes)
+                  + " | – |"]
+        for name, m in b["methods"].items():
+            rows = {row["batch_size"]: row for row in m["by_batch"]}
+            fixed = [f"{_f(rows[x]['speedup']['median'])} ± {_f(rows[x]['speedup']['spread'])}" for x in sizes]
+            dyn = [f"{_f(rows[x]['dynamic']['speedup']['median'])} (K*={rows[x]['dynamic']['k']})" for x in sizes]
+            cross = m["crossover_batch_size"]
+            lines.append(f"| {name} fixed | {m['k_fixed']} | " + " | ".join(fixed)
+                         + f" | {'none' if cross is None else f'B={cross}'} |")
+            dcross = m["dynamic_crossover_batch_size"]
+            lines.append(f"| {name} dynamic | K* | " + " | ".join(dyn)
+                         + f" | {'none' if dcross is None else f'B={dcross}'} |")
+    if "recommended_num_speculative_tokens" in r:
+        by_b = ", ".join(f"B={k}: {v}" for k, v in r["recommended_num_speculative_tokens_by_batch"].items())
+        lines += ["", "## Recommendation", "",
+                  f"`recommended_num_speculative_tokens` = **{r['recommended_num_speculative_tokens']}** "
+                  f"(for {r['recommended_for']}, batch 1; read by `python -m train.export --results`). "
+                  f"Per batch size ({r['recommended_for']}): {by_b}."]
+        if not r["speculation_pays_at_batch_1"]:
+            lines.append("")
+            lines.append("Note: the cost model predicts no speedup at batch 1 for this method (K*=0); the number above "
+                         "is the best K >= 1.")
+    return lines
+
+
+def console_summary(results: Mapping[str, Any]) -> str:
+    """A few lines for the terminal: T=0 speedups, losslessness, recommendation, crossovers."""
+    r = normalize(results)
+    out = []
+    for e in r["runs"]:
+        if e["kind"] == "ar":
+            continue
+        loss = "" if e["lossless"] is None else ("  lossless" if e["lossless"] else "  NOT LOSSLESS")
+        out.append(f"{e['method']:>12} T={_temp(e['temperature']):<4} tau={_f(e['tau'])}  speedup="
+                   f"{_f(e['speedup']['median'])}±{_f(e['speedup']['spread'])}  eff={_f(e['efficiency'])}{loss}")
+    for name, p in (r.get("peers") or {}).items():
+        out.append(f"{name:>16}  speedup vs our AR={_f(p['speedup_vs_ar']['median'])}  same tokens: "
+                   f"{_f(p['matches_ar'])}")
+    for name, m in ((r.get("batch") or {}).get("methods") or {}).items():
+        cross = m["crossover_batch_size"]
+        out.append(f"{name:>12} batch crossover: {'none' if cross is None else f'B={cross}'}  K* by batch: "
+                   + ", ".join(f"{k}:{v}" for k, v in m["recommended_num_speculative_tokens"].items()))
+    if "recommended_num_speculative_tokens" in r:
+        out.append(f"recommended_num_speculative_tokens={r['recommended_num_speculative_tokens']} "
+                   f"({r['recommended_for']}, batch 1)")
+    out.append("lossless: all methods" if r["lossless"] else
+               "LOSSLESS CHECK FAILED: " + ", ".join(n for n, m in r["methods"].items() if not m["lossless"]))
+    return "\n".join(out)
+
+
+def plot(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
+    """The PNGs (matplotlib, Agg backend: no display needed). Returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = normalize(results)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    temps = r["settings"]["temperatures"]
+    names = list(r["methods"])
+    runs = {(e["method"], e["temperature"]): e for e in r["runs"]}
+    width = 0.8 / max(len(temps), 1)
+
+    fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 1.1 * len(names) + 3), 7.5))
+    for j, t in enumerate(temps):
+        xs = [i + (j - (len(temps) - 1) / 2) * width for i in range(len(names))]
+        es = [runs[(n, t)] for n in names]
+        axes[0].bar(xs, [e["tau"] or 0 for e in es], width, label=f"T={_temp(t)}")
+        med = [e["speedup"]["median"] for e in es]
+        err = [[m - e["speedup"]["min"] for m, e in zip(med, es)], [e["speedup"]["max"] - m for m, e in zip(med, es)]]
+        axes[1].bar(xs, med, width, yerr=err, capsize=3, label=f"T={_temp(t)}")
+        axes[1].scatter(xs, [e["bound"] if e["bound"] is not None else float("nan") for e in es], marker="D", s=22,
+                        color="crimson", zorder=3, label="cost-model bound" if j == 0 else None)
+    axes[0].set_title("τ (tokens per target forward)")
+    axes[1].set_title("speedup over AR (min–max over repetitions)")
+    axes[1].axhline(1.0, color="gray", lw=0.8, ls="--")
+    for ax in axes:
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(_save(fig, out / "tau_speedup.png", plt))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    styles = ["-", "--", ":", "-."]
+    for j, t in enumerate(temps):
+        for i, n in enumerate(names):
+            acc = runs[(n, t)]["acceptance_by_pos"]
+            if acc:
+                ax.plot(range(1, len(acc) + 1), [a if a is not None else float("nan") for a in acc],
+                        styles[j % len(styles)], marker="o", color=f"C{i}", label=f"{n} T={_temp(t)}")
+    ax.set_xlabel("draft position (depth)")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("acceptance by draft position")
+    if ax.lines:
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    written.append(_save(fig, out / "acceptance.png", plt))
+
+    b = r.get("batch")
+    if b and b.get("methods"):
+        fig, ax = plt.subplots(figsize=(8.5, 4))
+        for i, (name, m) in enumerate(b["methods"].items()):
+            rows = m["by_batch"]
+            xs = [row["batch_size"] for row in rows]
+            med = [row["speedup"]["median"] for row in rows]
+            err = [[md - row["speedup"]["min"] for md, row in zip(med, rows)],
+                   [row["speedup"]["max"] - md for md, row in zip(med, rows)]]
+            ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, color=f"C{i}", label=f"{name} K={m['k_fixed']}")
+            ax.plot(xs, [row["dynamic"]["speedup"]["median"] for row in rows], "--", marker="x", color=f"C{i}",
+                    label=f"{name} dynamic K*")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(b["batch_sizes"], [str(x) for x in b["batch_sizes"]])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup over batched AR")
+        ax.set_title(f"speedup vs batch size (T={_temp(b['temperature'])})")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.tight_layout()
+        written.append(_save(fig, out / "batch_speedup.png", plt))
+    return written
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(results: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """results.md + the PNGs into ``out_dir``; returns {file name: path}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "results.md"
+    md.write_text(markdown(results))
+    return {p.name: p for p in [md, *plot(results, out)]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m eval.report", description=__doc__.splitlines()[0])
+    p.add_argument("results", help="results.json written by `python -m eval`")
+    p.add_argument("--out", help="output directory (default: next to the results file)")
+    a = p.parse_args(argv)
+    res = json.loads(Path(a.results).read_text())
+    files = write_report(res, a.out or Path(a.results).parent)
+    print(console_summary(res))
+    print("wrote " + ", ".join(str(f) for f in files.values()))
+
+
+if __name__ == "__main__":
+    main()

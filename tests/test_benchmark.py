@@ -1,0 +1,363 @@
+"""The evaluation harness (eval/benchmark.py, eval/report.py, python -m eval) on tiny models built in code.
+
+What is checked:
+- end to end, every method (AR, n-gram, draft model, EAGLE-3 chain and tree, Medusa, MTP; tiny checkpoints
+  trained for 2 steps) on the same prompts: the results carry τ, acceptance by position, draft/verify time,
+  tokens/s, speedup with spread, the cost-model bound and efficiency, HF peers, the batch sweep with crossover
+  and dynamic K, the recommendation the exporter reads; every method is lossless; τ agrees with the token
+  count; strict JSON; the markdown table and PNGs are written;
+- the lossless check flags a method whose tokens are perturbed, and an engine whose verifier accepts every
+  draft, and the CLI then exits 1;
+- crossover and the dynamic-K policy on hand-made tables with hand-computed answers;
+- conversation prompts: chat template, round-robin over categories, per-category results;
+- one-line errors: temperature / top_p out of range, a checkpoint for another target or of another method,
+  unknown methods; missing checkpoints are skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from eval import decode
+from eval.benchmark import (
+    KINDS,
+    BenchSettings,
+    Method,
+    Prompt,
+    all_lossless,
+    build_methods,
+    choose_k,
+    crossover_batch_size,
+    expected_tokens,
+    load_prompts,
+    predicted_speedup,
+    run_benchmark,
+    write_json,
+)
+from eval.report import console_summary, markdown, write_report
+from models.target import FrozenTarget
+from tests.conftest import make_tiny_llama
+from train.loop import run as train_run
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+MAX_NEW = 8
+PROMPT_TEXTS = ["def add(a, b):\n    return a + b\ndef add(a, b):\n", "for i in range(10):\n    print(i * i)\nfor i in"]
+
+
+def _train(target_dir: Path, out: Path, method: str) -> str:
+    over = [f"target.name_or_path={target_dir}", f"output_dir={out}", "tracking=none", "data.max_rows=8",
+            "data.val_rows=2", "data.max_len=48", f"data.cache_dir={out}/data", "train.steps=2",
+            "train.batch_size=2", "train.ckpt_every=100", "train.log_every=1", "train.eval_every=100",
+            "optim.warmup_steps=1", f"draft={method}"]
+    if method == "eagle3":
+        over += ["draft.config.draft_vocab_size=200", "draft.config.ttt_steps=2", "draft.config.layer_ids=[1,2,3]"]
+    if method == "mtp":
+        over += ["draft.config.num_modules=2"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        train_run(compose(config_name="config", overrides=over))
+    return str(out / "final")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_llama, tiny_tokenizer):
+    d = tmp_path_factory.mktemp("bench")
+    tiny_llama.save_pretrained(d / "target")
+    tiny_tokenizer.save_pretrained(d / "target")
+    draft = make_tiny_llama(len(tiny_tokenizer), layers=1, hidden=16, seed=3)
+    draft.save_pretrained(d / "draft")
+    tiny_tokenizer.save_pretrained(d / "draft")
+    ckpts = {m: _train(d / "target", d / m, m) for m in ("eagle3", "medusa", "mtp")}
+    target = FrozenTarget.from_pretrained(str(d / "target"))
+    prompts = [Prompt(tiny_tokenizer(t, add_special_tokens=False)["input_ids"], "code", str(i))
+               for i, t in enumerate(PROMPT_TEXTS)]
+    return SimpleNamespace(dir=d, target=target, ckpts=ckpts, draft=str(d / "draft"), prompts=prompts,
+                           tok=tiny_tokenizer)
+
+
+# small CPU-sized trees: the engine's cost grows with nodes
+OPTIONS = {"eagle3": {"k": 3}, "eagle3_tree": {"depth": 3, "top_k": 3, "total_tokens": 8},
+           "medusa": {"top_k": 3, "num_nodes": 8}, "ngram": {"k": 3}, "draft_model": {"k": 3}}
+
+
+def settings(**kw) -> BenchSettings:
+    base = dict(max_new_tokens=MAX_NEW, temperatures=[0, 1], repetitions=2, warmup=1, batch_sizes=[1, 2],
+                cost_reps=2, threads=1, progress=False)
+    return BenchSettings(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def full(env):
+    methods, skipped = build_methods(env.target, list(KINDS), env.ckpts, env.draft, OPTIONS)
+    assert not skipped
+    return run_benchmark(env.target, methods, env.prompts, settings())
+
+
+def test_end_to_end_results_have_every_measurement(full, env):
+    r = full
+    reps, n = 2, len(env.prompts)
+    assert list(r["methods"]) == list(KINDS)
+    assert r["lossless"] is True and all_lossless(r)
+    assert all(m["lossless"] and m["n_mismatches"] == 0 for m in r["methods"].values())
+    assert r["env"]["threads"] == 1 and r["env"]["torch"] == torch.__version__
+    assert len(r["runs"]) == len(KINDS) * 2
+    for e in r["runs"]:
+        assert e["tokens"] == n * MAX_NEW
+        # accounting: every generated token is the prefill's first one or one of a round's accepted + 1
+        assert e["rounds"] * e["tau"] + reps * n == pytest.approx(e["tokens"] * reps)
+        sp = e["speedup"]
+        assert 0 < sp["min"] <= sp["median"] <= sp["max"] and len(sp["values"]) == reps
+        assert sp["spread"] == pytest.approx((sp["max"] - sp["min"]) / 2)
+        assert e["tokens_per_s"]["median"] > 0 and e["bound"] > 0
+        assert e["efficiency"] == pytest.approx(e["decode_speedup"]["median"] / e["bound"])
+        assert all(math.isnan(a) or 0 <= a <= 1 for a in e["acceptance_by_pos"])
+        assert e["lossless"] is (True if e["temperature"] == 0 else None)
+        assert (e["vs_hf_prompt_lookup"] is not None) == (e["temperature"] == 0)
+        assert set(e["by_category"]) == {"code"}
+        if e["kind"] == "ar":
+            assert e["tau"] == 1.0 and sp["values"] == [1.0, 1.0] and e["acceptance_by_pos"] == []
+        else:
+            assert e["tau"] >= 1.0 and e["draft_s"] > 0 and e["verify_s"] > 0 and e["k_mean"] > 0 and e["c"] > 0
+            k = r["methods"][e["method"]]["k"]
+            if k is not None:  # chains never try deeper than K
+                assert len(e["acceptance_by_pos"]) <= k and e["k_mean"] <= k
+    cm = r["cost_model"]
+    assert cm["verify"][0] == 1.0 and {8, 3} <= set(cm["verify"])  # tree size 8 and chain K=3 were measured
+    assert set(cm["batch"]) == {1, 2} and cm["t_ar_step_s"][0.0] > 0
+    # HF peers on the same target and prompts: greedy, prompt lookup and assisted generation all keep AR's tokens
+    assert set(r["peers"]) == {"hf_greedy", "hf_prompt_lookup", "hf_assisted"}
+    assert all(p["matches_ar"] and p["tokens_per_s"]["median"] > 0 for p in r["peers"].values())
+    assert r["peers"]["hf_prompt_lookup"]["settings"]["prompt_lookup_num_tokens"] == 3
+
+
+def test_batch_sweep_and_recommendation(full):
+    b = full["batch"]
+    assert b["batch_sizes"] == [1, 2] and set(b["ar_tokens_per_s"]) == {1, 2}
+    assert set(b["methods"]) == {"ngram", "draft_model", "eagle3", "mtp"}  # chains only
+    for name, m in b["methods"].items():
+        assert m["lossless"] is True
+        rows = m["by_batch"]
+        assert [x["batch_size"] for x in rows] == [1, 2]
+        assert m["crossover_batch_size"] == crossover_batch_size([1, 2], [x["speedup"]["median"] for x in rows])
+        pol = full["policy"][name]
+        for x in rows:
+            kstar = x["dynamic"]["k"]
+            assert 0 <= kstar <= m["k_fixed"] == x["k"]
+            assert m["recommended_num_speculative_tokens"][x["batch_size"]] == kstar
+            # K* really is the argmax of the policy's own predictions
+            pred = pol["predicted_speedup"][x["batch_size"]]
+            assert pred[kstar] == max(pred.values()) and pred[0] == 1.0
+            assert x["dynamic"]["measured_as"] == ("ar" if kstar == 0 else "fixed" if kstar == x["k"] else "run")
+            if kstar == 0:
+                assert x["dynamic"]["speedup"]["values"] == [1.0, 1.0]
+    assert full["recommended_for"] == "eagle3"
+    k = full["recommended_num_speculative_tokens"]
+    assert isinstance(k, int) and 1 <= k <= 3
+    assert full["recommended_num_speculative_tokens_by_batch"] == full["policy"]["eagle3"]["k_star"]
+    assert full["speculation_pays_at_batch_1"] == (full["policy"]["eagle3"]["k_star"][1] > 0)
+
+
+def test_json_report_and_plots_are_written(full, tmp_path):
+    from models.export import recommended_k_from_results
+
+    path = write_json(full, tmp_path / "results.json")
+    on_disk = json.loads(path.read_text())  # strict JSON: write_json refuses NaN, so untried positions are null
+    assert on_disk["recommended_num_speculative_tokens"] == full["recommended_num_speculative_tokens"]
+    assert recommended_k_from_results(path) == full["recommended_num_speculative_tokens"]  # what the exporter reads
+    files = write_report(on_disk, tmp_path)
+    assert set(files) == {"results.md", "tau_speedup.png", "acceptance.png", "batch_speedup.png"}
+    for name, f in files.items():
+        if name.endswith(".png"):
+            assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
+    md = files["results.md"].read_text()
+    assert "| method | T | τ | speedup | tokens/s | bound | efficiency |" in md
+    for name in KINDS:
+        assert f"| {name} | 0 |" in md and f"| {name} | 1 |" in md
+    assert "every method reproduced AR's tokens" in md and "hf_prompt_lookup" in md and "crossover" in md
+    assert markdown(full) == md  # in-memory and on-disk results render alike
+    assert "recommended_num_speculative_tokens=" in console_summary(full)
+
+
+def _perturb_last(target, proposer, ids, max_new, *args):
+    r = decode.speculative_decode(target, proposer, ids, max_new, *args)
+    r.tokens[-1] = (r.tokens[-1] + 1) % target.vocab_size
+    return r
+
+
+def test_lossless_check_flags_perturbed_tokens(env):
+    methods, _ = build_methods(env.target, ["ngram"], options=OPTIONS)
+    ng = methods[1]
+    methods.append(Method("broken", "ngram", ng.make, k=ng.k, options=ng.options, decode=_perturb_last))
+    r = run_benchmark(env.target, methods, env.prompts, settings(temperatures=[0], batch_sizes=[], peers=False))
+    assert r["methods"]["ngram"]["lossless"] is True and r["methods"]["ar"]["lossless"] is True
+    bad = r["methods"]["broken"]
+    assert bad["lossless"] is False and bad["n_mismatches"] == 2 * len(env.prompts)  # every rep, every prompt
+    assert {m["first_diff"] for m in bad["mismatches"]} == {MAX_NEW - 1}
+    assert r["lossless"] is False and not all_lossless(r)
+    assert "LOSSLESS CHECK FAILED for broken" in markdown(r)
+
+
+def _accept_everything(proposal, logits, sampling):
+    """A broken verifier: takes every drafted token without looking at the target."""
+    n = proposal.size
+    return list(range(n)), int(logits[n].argmax())
+
+
+def test_lossless_check_catches_a_broken_verifier(env, monkeypatch):
+    methods, _ = build_methods(env.target, ["eagle3"], env.ckpts, options=OPTIONS)
+    monkeypatch.setattr(decode, "accept_proposal", _accept_everything)
+    r = run_benchmark(env.target, methods, env.prompts, settings(temperatures=[0], repetitions=1, batch_sizes=[],
+                                                                 peers=False))
+    assert r["methods"]["ar"]["lossless"] is True  # AR never verifies
+    assert r["methods"]["eagle3"]["lossless"] is False and r["lossless"] is False
+
+
+def test_crossover_on_hand_made_speedups():
+    assert crossover_batch_size([1, 2, 4, 8, 16], [1.8, 1.3, 1.05, 0.9, 0.7]) == 8
+    assert crossover_batch_size([1, 2, 4], [1.5, 1.2, 1.01]) is None
+    assert crossover_batch_size([4, 1, 2], [0.9, 1.2, 1.1]) == 4  # sorted by batch size first
+    assert crossover_batch_size([1, 2], [0.95, 1.2]) == 1
+
+
+def test_dynamic_k_policy_on_hand_made_tables():
+    acc = [0.8, 0.5, 0.2]
+    # E(K) = 1 + Σ_j Π_{i<=j} α_i: 1, 1.8, 2.2, 2.28; untried positions (NaN, beyond the list) add nothing
+    assert [expected_tokens(acc, k) for k in range(4)] == pytest.approx([1.0, 1.8, 2.2, 2.28])
+    assert expected_tokens([0.5, float("nan"), 0.9], 3) == pytest.approx(1.5)
+    assert expected_tokens(acc, 5) == pytest.approx(2.28)
+    c = 0.1
+    w1 = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}  # batch 1: verifying more tokens is almost free
+    w2 = {0: 1.1, 1: 1.4, 2: 1.7, 3: 2.0}
+    w8 = {0: 2.0, 1: 3.5, 2: 5.0, 3: 6.5}  # batch 8: compute-bound, every extra token costs
+    # B=1: K=1 → 1.8/1.2 = 1.5, K=2 → 2.2/1.4 = 1.571, K=3 → 2.28/1.6 = 1.425
+    k, pred = choose_k(acc, c, w1, 1, 3)
+    assert k == 2 and pred == pytest.approx({0: 1.0, 1: 1.5, 2: 2.2 / 1.4, 3: 2.28 / 1.6})
+    # B=2: K=1 → 1.8·1.1/(0.2+1.4) = 1.2375, K=2 → 2.42/2.1 = 1.152, K=3 → 2.508/2.6 = 0.965
+    k, pred = choose_k(acc, c, w2, 2, 3)
+    assert k == 1 and pred[1] == pytest.approx(1.2375) and pred[3] == pytest.approx(2.508 / 2.6)
+    # B=8: K=1 → 3.6/4.3 = 0.837 < 1: speculation off, unless K >= 1 is forced (the exporter's number)
+    assert choose_k(acc, c, w8, 8, 3)[0] == 0
+    assert choose_k(acc, c, w8, 8, 3, k_min=1)[0] == 1
+    assert crossover_batch_size([1, 2, 8], [predicted_speedup(acc, c, w, b, 2) for b, w in
+                                            ((1, w1), (2, w2), (8, w8))]) == 8
+    # unmeasured K are interpolated: v(1) between v(0) = 1.0 and v(2) = 1.2
+    assert predicted_speedup(acc, c, {0: 1.0, 2: 1.2}, 1, 1) == pytest.approx(1.8 / (0.1 + 1.1))
+
+
+def test_conversation_prompts_by_category(env, tmp_path):
+    from data.chat import render_chat
+
+    rows = [{"category": "writing", "turns": ["Hello, how are you?", "And the weather?"]},
+            {"category": "writing", "turns": ["What is the weather like today?"]},
+            {"category": "coding", "messages": [{"role": "system", "content": "Be brief."},
+                                                {"role": "user", "content": "def add(a, b):"},
+                                                {"role": "assistant", "content": "return a + b"}]},
+            {"turns": ["for i in range(10):"]},
+            {"category": "long", "turns": ["print(i * i) " * 200]}]
+    path = tmp_path / "bench.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts = load_prompts(env.tok, 3, 64, path)
+    assert [p.category for p in prompts] == ["writing", "coding", "default"]  # round-robin, the long one skipped
+    want = render_chat(env.tok, [{"role": "user", "content": "Hello, how are you?"}], add_generation_prompt=True)
+    assert prompts[0].ids == env.tok(want, add_special_tokens=False)["input_ids"]
+    coding = env.tok.decode(prompts[1].ids)
+    assert "Be brief." in coding and "return a + b" not in coding and coding.endswith("<|assistant|>\n")
+
+    methods, _ = build_methods(env.target, ["ngram"], options=OPTIONS)
+    r = run_benchmark(env.target, methods, prompts, settings(temperatures=[0], repetitions=1, batch_sizes=[],
+                                                             peers=False), prompt_source=str(path))
+    assert r["prompts"]["categories"] == {"writing": 1, "coding": 1, "default": 1}
+    for e in r["runs"]:
+        assert set(e["by_category"]) == {"writing", "coding", "default"}
+        assert all(c["n_prompts"] == 1 and c["tokens_per_s"] > 0 for c in e["by_category"].values())
+    assert "## Per category" in markdown(r)
+
+    path.write_text(json.dumps({"category": "x", "prompt": "hi"}) + "\n")
+    with pytest.raises(ValueError, match=r"line 1: needs 'turns'"):
+        load_prompts(env.tok, 3, 64, path)
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_bad_settings_are_one_line_errors():
+    with pytest.raises(ValueError, match="temperature") as e:
+        BenchSettings(temperatures=[0, -1])
+    _one_line(e)
+    with pytest.raises(ValueError, match="top_p") as e:
+        BenchSettings(top_p=1.5)
+    _one_line(e)
+    with pytest.raises(ValueError, match="batch_temperature"):
+        BenchSettings(temperatures=[0, 1], batch_temperature=0.7)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        BenchSettings(batch_sizes=[1, 0])
+    assert BenchSettings(temperatures=[1]).temperatures == [0.0, 1.0]  # T=0, the lossless check, always runs
+
+
+def test_bad_checkpoints_and_methods(env, caplog):
+    other = FrozenTarget(make_tiny_llama(len(env.tok), seed=5))  # same shapes, other weights
+    with pytest.raises(ValueError, match="trained for another target") as e:
+        build_methods(other, ["eagle3"], env.ckpts)
+    _one_line(e)
+    with pytest.raises(ValueError, match="is a medusa checkpoint, not eagle3"):
+        build_methods(env.target, ["eagle3"], {"eagle3": env.ckpts["medusa"]})
+    with pytest.raises(ValueError, match="unknown method"):
+        build_methods(env.target, ["eagle4"])
+    with caplog.at_level(logging.WARNING, logger="eval.benchmark"):
+        methods, skipped = build_methods(env.target, ["ngram", "mtp", "draft_model"],
+                                         {"mtp": str(env.dir / "missing")})
+    assert [m.name for m in methods] == ["ar", "ngram"] and set(skipped) == {"mtp", "draft_model"}
+    assert "skipping mtp" in caplog.text
+
+
+def _cli_overrides(env, out: Path, *extra: str) -> list[str]:
+    return [f"target.name_or_path={env.dir / 'target'}", f"checkpoints.eagle3={env.ckpts['eagle3']}",
+            f"checkpoints.medusa={env.ckpts['medusa']}", f"checkpoints.mtp={env.dir / 'none'}", "n_prompts=2",
+            "prompt_tokens=12", f"max_new_tokens={MAX_NEW}", "repetitions=1", "warmup=0", "cost_reps=1",
+            "threads=1", "progress=false", "options.eagle3_tree.total_tokens=8", "options.medusa.num_nodes=8",
+            f"out_dir={out}", *extra]
+
+
+def test_cli_run_writes_report(env, tmp_path):
+    from eval.__main__ import run
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=_cli_overrides(env, tmp_path, "batch_sizes=[1]",
+                                                                   "temperatures=[0]", "peers=false"))
+    res = run(cfg)
+    assert set(res["skipped"]) == {"draft_model", "mtp"}
+    assert set(res["methods"]) == {"ar", "ngram", "eagle3", "eagle3_tree", "medusa"} and res["lossless"]
+    assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "tau_speedup.png",
+                                                     "acceptance.png", "batch_speedup.png"}
+    assert json.loads((tmp_path / "results.json").read_text())["prompts"]["n"] == 2
+
+
+def _main_exit(monkeypatch, argv: list[str]) -> int:
+    from eval.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", ["eval", *argv])
+    with pytest.raises(SystemExit) as e:
+        main()
+    return e.value.code
+
+
+def test_cli_exit_status(env, tmp_path, monkeypatch, capsys):
+    assert _main_exit(monkeypatch, _cli_overrides(env, tmp_path, "top_p=1.5")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: top_p")
+    # a verifier that accepts every draft: the harness notices and the CLI fails
+    monkeypatch.setattr(decode, "accept_proposal", _accept_everything)
+    argv = _cli_overrides(env, tmp_path, "methods=[ar,eagle3]", "batch_sizes=[]", "temperatures=[0]", "peers=false")
+    assert _main_exit(monkeypatch, argv) == 1
+    assert "lossless check failed for eagle3" in capsys.readouterr().err
