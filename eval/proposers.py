@@ -106,7 +106,11 @@ class NGramProposer:
             windows = c.unfold(0, n, 1)[:-1]  # [length - n, n]: every earlier n-gram (the last one is the pattern)
             hits = (windows == c[length - n:]).all(1).nonzero()
             if hits.numel():
-                start = int(hits[-1]) + n  # continuation of the most recent match
+                # The most recent match whose continuation has all k tokens; the latest matches sit near
+                # the end of the context and would propose only a token or two. Else the longest one.
+                starts = hits[:, 0] + n
+                full = starts[starts + k <= length]
+                start = int(full[-1]) if full.numel() else int(starts[0])
                 cont = c[start : start + k]
                 if cont.numel():
                     return Proposal(tokens=cont.clone())
