@@ -157,3 +157,13 @@ def heldout_prompts(tokenizer, n: int, prompt_tokens: int, path: Path = HELDOUT_
             if len(ids) == prompt_tokens:
                 out.append({"path": f.path, "line": start_line, "input_ids": ids})
     return out[:n]
+
+
+def as_dataset(rows: list[dict]):
+    """Rows (training windows or prompts) as a ``datasets.Dataset`` for users who stream, map or
+    shard with the HF datasets API; the training loop itself indexes the plain list."""
+    import datasets
+
+    if not rows:
+        raise ValueError("no rows: the corpus filter left nothing (check the file list / max_len)")
+    return datasets.Dataset.from_list(rows)

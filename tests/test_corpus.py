@@ -29,3 +29,15 @@ def test_windows_and_prompts(tiny_tokenizer):
     prompts = corpus.heldout_prompts(tiny_tokenizer, n=10, prompt_tokens=32)
     assert len(prompts) == 10 and all(len(p["input_ids"]) == 32 for p in prompts)
     assert prompts == corpus.heldout_prompts(tiny_tokenizer, n=10, prompt_tokens=32)
+
+
+def test_rows_as_datasets(tiny_tokenizer):
+    import pytest
+
+    files = [corpus.SourceFile("a.py", "x = 1\n" * 100)]
+    ds = corpus.as_dataset(corpus.file_windows(tiny_tokenizer, files, max_len=32))
+    assert ds.column_names == ["input_ids", "loss_mask"] and len(ds) > 1
+    prompts = corpus.as_dataset(corpus.heldout_prompts(tiny_tokenizer, n=4, prompt_tokens=16))
+    assert len(prompts) == 4 and "path" in prompts.column_names
+    with pytest.raises(ValueError, match="no rows"):
+        corpus.as_dataset([])
