@@ -19,9 +19,12 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(BIN)/pip install -q $(CONSTRAINTS) -e '.[train,dev]'
 	touch $(STAMP)
 
-# The main job: train an EAGLE-3 drafter on the embedded tiny-code target.
+# The main job: train an EAGLE-3 drafter on the embedded tiny-code target, then decode with it
+# (lossless check, tau, speedup vs AR and HF prompt lookup) on held-out prompts.
+EVAL_ARGS ?= n_prompts=4 max_new_tokens=64 repetitions=2 "batch_sizes=[]"
 train: install
 	$(BIN)/python -m train +recipe=$(RECIPE)
+	$(BIN)/python -m eval "methods=[ar,$(RECIPE)]" "checkpoints.$(RECIPE)=runs/$(RECIPE)/final" out_dir=runs/$(RECIPE)/eval $(EVAL_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
