@@ -1,0 +1,123 @@
+"""The entry points: ``export`` (build, validate in memory, write atomically, re-validate) and ``load_export``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from models.target import FrozenTarget
+
+from .common import (
+    _DTYPE_NAMES,
+    CLI_FORMATS,
+    CONFIG,
+    FORMATS,
+    MEDUSA_WEIGHTS,
+    METHOD_OF,
+    README,
+    SIDECAR,
+    WEIGHTS,
+    ExportError,
+    _Bundle,
+    _load_json,
+    _target_info,
+    _Tensors,
+)
+from .eagle3 import _build_eagle3_native, _build_eagle3_speculators, _load_eagle3
+from .medusa import _build_medusa_fasterdecoding, _build_medusa_vllm, _load_medusa
+from .mtp import _build_mtp_deepseek, _build_mtp_sglang_nextn, _load_mtp
+from .readme import _readme
+from .validate import _check, validate
+
+# ============================================================================================ writing
+_BUILDERS: dict[str, Callable[..., _Bundle]] = {
+    "eagle3_native": _build_eagle3_native, "eagle3_speculators": _build_eagle3_speculators,
+    "medusa_fasterdecoding": _build_medusa_fasterdecoding, "medusa_vllm": _build_medusa_vllm,
+    "mtp_deepseek": _build_mtp_deepseek, "mtp_sglang_nextn": _build_mtp_sglang_nextn,
+}
+
+
+def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, *, target_name: str | None = None,
+           recommended_k: int | None = None, meta: dict | None = None, dtype: torch.dtype | None = None,
+           overwrite: bool = False) -> Path:
+    """Write ``drafter`` (trained for ``target``) to ``out`` in ``fmt`` (one of FORMATS or a CLI name).
+
+    ``target_name``: how engines should find the target (default: the target config's name_or_path).
+    ``recommended_k``: num_speculative_tokens for the serving snippets (e.g. from an eval results JSON).
+    ``dtype``: cast float weights (default: keep the trained dtype; d2t/t2d are never cast).
+    The export is validated in memory first, written atomically, then validated again from disk.
+    """
+    fmt = CLI_FORMATS.get(fmt, fmt)
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; use one of {FORMATS} (CLI: {sorted(CLI_FORMATS)})")
+    method = drafter.config_dict().get("method")
+    if method != METHOD_OF[fmt]:
+        raise ExportError(f"format {fmt} is for {METHOD_OF[fmt]} drafters, this one is {method}")
+    if recommended_k is not None and (not isinstance(recommended_k, int) or recommended_k < 1):
+        raise ExportError(f"recommended_k must be a positive integer, got {recommended_k!r}")
+    name = target_name or getattr(target.model.config, "_name_or_path", "") or "UNKNOWN-TARGET"
+    bundle = _BUILDERS[fmt](drafter, target, name, recommended_k, meta)
+    bundle.sidecar["k_from_results"] = recommended_k is not None
+    if dtype is not None:
+        bundle.tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in bundle.tensors.items()}
+        _set_dtype(bundle, dtype)
+    info = _target_info(target)
+    _check(bundle.fmt, bundle.config, _Tensors.of(bundle.tensors), bundle.sidecar, info, f"export to {out}")
+    path = _write(bundle, Path(out), overwrite)
+    try:
+        validate(path, fmt, target)
+    except ExportError as e:  # passed in memory, failed from disk: do not leave a broken export behind
+        shutil.rmtree(path, ignore_errors=True)
+        raise ExportError(f"written export failed re-validation and was removed: {e}") from None
+    return path
+
+
+def _set_dtype(bundle: _Bundle, dtype: torch.dtype) -> None:
+    name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    bundle.config["torch_dtype"] = name
+
+
+def _write(bundle: _Bundle, out: Path, overwrite: bool) -> Path:
+    """Atomic: write OUT.tmp, then swap it in (a crash leaves the old directory or none, never half of one)."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out} exists and is not empty; pass overwrite=True (CLI: --force) or another --out")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in bundle.tensors.items()}
+    save_file(tensors, str(tmp / bundle.weights_file), metadata={"format": "pt"})
+    (tmp / CONFIG).write_text(json.dumps(bundle.config, indent=2, sort_keys=True) + "\n")
+    (tmp / SIDECAR).write_text(json.dumps(bundle.sidecar, indent=2, sort_keys=True) + "\n")
+    (tmp / README).write_text(_readme(bundle.fmt, bundle.config, bundle.sidecar))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+# ============================================================================================ loading back
+def load_export(path: str | Path, target: FrozenTarget, fmt: str | None = None) -> nn.Module:
+    """Rebuild draftsmith's own module (Eagle3Drafter, MedusaHeads, MTPDrafter) from an export directory.
+
+    Uses only what engines read (config.json + weights) plus the target, so a successful round trip shows the
+    export is self-sufficient. The directory is validated against ``target`` first.
+    """
+    path = Path(path)
+    fmt = validate(path, fmt, target)
+    cfg = _load_json(path / CONFIG)
+    wfile = path / (MEDUSA_WEIGHTS if fmt == "medusa_fasterdecoding" else WEIGHTS)
+    t = _Tensors.read(wfile)
+    sd = {k: t.get(k) for k in t.shapes}
+    if fmt.startswith("eagle3"):
+        return _load_eagle3(fmt, cfg, sd, target)
+    if fmt.startswith("medusa"):
+        return _load_medusa(fmt, cfg, sd, target)
+    return _load_mtp(fmt, cfg, sd, target)

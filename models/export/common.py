@@ -1,0 +1,178 @@
+"""What every format module shares: names of the files, the error type, tensor/target views, the bundle."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from models.target import EMBEDDED_NAME, FrozenTarget, resolve_name
+
+FORMATS = ("eagle3_native", "eagle3_speculators", "medusa_fasterdecoding", "medusa_vllm", "mtp_deepseek",
+           "mtp_sglang_nextn")
+# CLI spelling → format
+CLI_FORMATS = {"eagle3": "eagle3_native", "eagle3-speculators": "eagle3_speculators",
+               "medusa": "medusa_fasterdecoding", "medusa-vllm": "medusa_vllm", "mtp": "mtp_deepseek",
+               "mtp-nextn": "mtp_sglang_nextn"}
+METHOD_OF = {"eagle3_native": "eagle3", "eagle3_speculators": "eagle3", "medusa_fasterdecoding": "medusa",
+             "medusa_vllm": "medusa", "mtp_deepseek": "mtp", "mtp_sglang_nextn": "mtp"}
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+# FasterDecoding's trainer saves this name; TensorRT-LLM's loader looks for it after medusa_lm_head.pt
+# (NVIDIA/TensorRT-LLM tensorrt_llm/models/medusa/weight.py ``load_medusa_hf``).
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+SIDECAR = "draftsmith.json"
+README = "README.md"
+LAYER_ID_CONVENTION = "hf_output_hidden_states_index"
+DEFAULT_K = {"eagle3": 3}  # medusa: its number of heads; mtp: its number of modules
+
+
+class ExportError(ValueError):
+    """A one-line reason why an export cannot be written or a directory is not a valid export."""
+
+
+# ============================================================================================ small helpers
+@dataclass
+class _Tensors:
+    """Names, shapes and dtypes of an export's tensors; values fetched on demand (files are read lazily)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    get: Callable[[str], torch.Tensor]
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> _Tensors:
+        return cls({k: tuple(v.shape) for k, v in tensors.items()}, {k: v.dtype for k, v in tensors.items()},
+                   lambda k: tensors[k])
+
+    @classmethod
+    def read(cls, path: Path) -> _Tensors:
+        shapes, dtypes = {}, {}
+        with safe_open(str(path), framework="pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                shapes[k] = tuple(sl.get_shape())
+                dtypes[k] = _ST_DTYPES.get(sl.get_dtype(), torch.float32)
+
+        def get(k: str) -> torch.Tensor:
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(k)
+
+        return cls(shapes, dtypes, get)
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass
+class _Target:
+    """What the validator knows about the target (from a FrozenTarget, a config or a plain dict)."""
+
+    num_hidden_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    name: str | None = None
+    fingerprint: str | None = None
+    config: Any = None
+    frozen: FrozenTarget | None = None
+
+
+def _target_info(t: Any) -> _Target | None:
+    if t is None:
+        return None
+    if isinstance(t, _Target):
+        return t
+    if isinstance(t, FrozenTarget):
+        c = t.model.config
+        return _Target(c.num_hidden_layers, c.hidden_size, c.vocab_size, getattr(c, "_name_or_path", None),
+                       t.fingerprint(), c, t)
+    get = t.get if isinstance(t, Mapping) else (lambda k, d=None: getattr(t, k, d))
+    name = get("_name_or_path", None) or get("name_or_path", None)
+    return _Target(get("num_hidden_layers"), get("hidden_size"), get("vocab_size"), name, None, t)
+
+
+def _norm_name(name: str) -> str:
+    """A target name comparable across spellings: `tiny-code` and local paths resolve to absolute paths."""
+    r = resolve_name(str(name))
+    p = Path(r)
+    return str(p.resolve()) if p.exists() else r.rstrip("/")
+
+
+def embed_fingerprint(weight: torch.Tensor) -> str:
+    """Same sampling as FrozenTarget.fingerprint, for an embedding matrix found in an export."""
+    w = weight.detach()
+    sample = w.reshape(-1)[:: max(1, w.numel() // 65536)][:65536].float().cpu()
+    return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+
+
+def _engine_target_name(name: str) -> str:
+    # Engines cannot resolve draftsmith's alias for the embedded target; give them its directory.
+    return resolve_name(name) if name == EMBEDDED_NAME else name
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ExportError(f"{path.parent}: no {path.name}; not an export directory") from None
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def recommended_k_from_results(path: str | Path) -> int:
+    """``recommended_num_speculative_tokens`` from an eval results JSON (eval/ writes it)."""
+    data = _load_json(Path(path))
+    k = data.get("recommended_num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ExportError(f"{path}: needs a positive integer 'recommended_num_speculative_tokens', got {k!r}")
+    return k
+
+
+# ============================================================================================ the bundle
+@dataclass
+class _Bundle:
+    """Everything one export writes; validated as a whole before the first byte hits the disk."""
+
+    fmt: str
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    sidecar: dict
+    weights_file: str = WEIGHTS
+
+
+def _sidecar(fmt: str, drafter: nn.Module, target: FrozenTarget, target_name: str, k: int,
+             meta: dict | None) -> dict:
+    return {"format": fmt, "method": METHOD_OF[fmt], "target_name": target_name, "target": target.identity(),
+            "layer_ids": list(drafter.layer_ids), "layer_id_convention": LAYER_ID_CONVENTION,
+            "draft": drafter.config_dict(), "num_speculative_tokens": k,
+            "trained_step": (meta or {}).get("step")}
+
+
+# ============================================================================================ check primitives
+def _fail(where: str, msg: str) -> None:
+    raise ExportError(f"{where}: {msg}".replace("\n", " "))
+
+
+def _req(cfg: Mapping, key: str, where: str, kind: type | tuple = int) -> Any:
+    v = cfg.get(key)
+    if v is None or not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        _fail(where, f"config.json needs {key} ({getattr(kind, '__name__', kind)}), got {v!r}")
+    return v
+
+
+def _num_layers(target: _Target | None, side: dict | None) -> int | None:
+    if target is not None and target.num_hidden_layers:
+        return int(target.num_hidden_layers)
+    if side is not None:
+        return (side.get("target") or {}).get("num_hidden_layers")
+    return None

@@ -1,0 +1,282 @@
+"""EAGLE-3: build, check and load back the ``eagle3_native`` (SGLang + vLLM) and ``eagle3_speculators`` (vLLM)
+formats. Aux-layer-id conventions: see the package docstring.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.target import FrozenTarget
+from models.vocab import check_mapping
+
+from .common import (
+    _DTYPE_NAMES,
+    DEFAULT_K,
+    ExportError,
+    _Bundle,
+    _engine_target_name,
+    _fail,
+    _num_layers,
+    _req,
+    _sidecar,
+    _Target,
+    _Tensors,
+)
+
+
+# ============================================================================================ build
+def _eagle3_decoder_fields(d: nn.Module, target: FrozenTarget) -> dict:
+    """Decoder shape fields of the one-layer Llama config both engines build the EAGLE-3 layer from."""
+    tc = target.model.config
+    rope = copy.deepcopy(d.rope_parameters)
+    rope_type = rope.get("rope_type", "default")
+    # rope_scaling: what vLLM/SGLang's Llama attention reads (null = plain RoPE); rope_parameters: transformers 5.
+    scaling = None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {
+        "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,
+        "num_attention_heads": d.num_attention_heads, "num_key_value_heads": d.num_key_value_heads,
+        # head_dim written explicitly: both engines' LlamaAttention fall back to hidden/heads when absent.
+        "head_dim": d.head_dim, "rms_norm_eps": d.rms_norm_eps, "hidden_act": d.hidden_act,
+        "max_position_embeddings": int(getattr(tc, "max_position_embeddings", 2048)),
+        "rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": scaling, "rope_parameters": rope,
+        "attention_bias": bool(d.attention_bias), "mlp_bias": False,
+        # Target vocab: vLLM scatters draft logits into a vocab_size-wide row (llama_eagle3.py compute_logits).
+        "vocab_size": d.vocab_size, "num_hidden_layers": 1, "model_type": "llama",
+        # tie_word_embeddings must be false: SGLang's LlamaForCausalLMEagle3 would otherwise make lm_head the
+        # embedding (sglang/srt/models/llama_eagle3.py __init__).
+        "tie_word_embeddings": False, "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
+    }
+
+
+def _engine_aux_ids(d: nn.Module, target: FrozenTarget) -> tuple[list[int], list[int]]:
+    """(vLLM ids, SGLang ids) for the drafter's layer ids; refuse ids no engine can capture."""
+    L = target.num_layers
+    ours = list(d.layer_ids)
+    bad = [k for k in ours if not 1 <= k <= L - 1]
+    if bad:
+        # Both engines capture inside the decoder-layer loop: id L (after the final norm) is never reached, and
+        # vLLM's capture at layer 0 adds a residual that is still None there (llama.py LlamaModel.forward).
+        raise ExportError(f"EAGLE-3 layer ids {bad} cannot be served: engines capture the input of decoder layers "
+                          f"1..{L - 1} of this {L}-layer target (our ids 1..{L - 1}); retrain with other layer_ids")
+    return ours, [k - 1 for k in ours]
+
+
+def _eagle3_tensors(d: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in d.state_dict().items():
+        if k == "embed_tokens.weight":
+            continue  # frozen copy of the target's; both engines share the target's embedding when absent
+        out[prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k] = v.detach().clone()
+    return out
+
+
+def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> _Bundle:
+    if d.cfg.norm_before_residual:
+        # SGLang's LlamaDecoderLayer (llama_eagle3.py) always uses residual = g; only vLLM reads the flag.
+        raise ExportError("norm_before_residual=True cannot be expressed in the native EAGLE-3 format (SGLang's "
+                          "llama_eagle3.py ignores it and would use residual = g); export --format "
+                          "eagle3-speculators for vLLM instead")
+    if d.attention_bias:
+        # SGLang builds qkv_proj with bias=False and skips unknown tensors silently (llama_eagle3.py load_weights).
+        raise ExportError("attention_bias=True cannot be loaded by SGLang's native EAGLE-3 layer (qkv bias is "
+                          "fixed to False there); export --format eagle3-speculators for vLLM instead")
+    vllm_ids, sglang_ids = _engine_aux_ids(d, target)
+    k = k or DEFAULT_K["eagle3"]
+    cfg = {
+        # vLLM keeps an architecture ending in "Eagle3" (vllm/transformers_utils/configs/eagle.py) and maps it to
+        # llama_eagle3.Eagle3LlamaForCausalLM; SGLang's EntryClass is LlamaForCausalLMEagle3.
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_eagle3_decoder_fields(d, target),
+        "draft_vocab_size": d.draft_vocab_size,  # lm_head rows: both engines (llama_eagle3.py)
+        "target_hidden_size": d.target_hidden_size,  # fc in = 3 * this (vLLM + SGLang llama_eagle3.py)
+        # vLLM reads getattr(config, "norm_before_residual", False) (vllm llama_eagle3.py); explicit anyway.
+        "norm_before_residual": False,
+        # vLLM: vllm/v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config reads this top-level list
+        # first and uses it unchanged as "capture before layer idx" (= our ids).
+        "eagle_aux_hidden_state_layer_ids": vllm_ids,
+        # SGLang: model_runner.py reads eagle_config["eagle_aux_hidden_state_layer_ids"] and llama.py
+        # set_eagle3_layers_to_capture adds 1 ("output of layer i" = our id - 1).
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
+    }
+    tensors = _eagle3_tensors(d, "midlayer.")
+    side = _sidecar("eagle3_native", d, target, name, k, meta)
+    return _Bundle("eagle3_native", cfg, tensors, side)
+
+
+def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
+                              meta: dict | None) -> _Bundle:
+    vllm_ids, _ = _engine_aux_ids(d, target)
+    k = k or DEFAULT_K["eagle3"]
+    layer = _eagle3_decoder_fields(d, target)
+    layer.pop("torch_dtype")
+    cfg = {
+        # vllm-project/speculators src/speculators/models/eagle3/config.py Eagle3SpeculatorConfig
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        # vLLM builds the draft's PretrainedConfig from this dict (vllm/transformers_utils/configs/speculators/
+        # base.py extract_transformers_pre_trained_config); model_type llama → Eagle3LlamaForCausalLM (algos.py).
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            # vLLM takes num_speculative_tokens from proposal_methods[0].speculative_tokens (base.py).
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": _engine_target_name(name),
+                         "architectures": list(getattr(target.model.config, "architectures", None) or [])},
+        },
+        "draft_vocab_size": d.draft_vocab_size,  # algos.py update_eagle3
+        "target_hidden_size": d.target_hidden_size,  # algos.py update_eagle3
+        # algos.py update_eagle3: config_dict.get("norm_before_residual", True) — absent means TRUE there, while
+        # our default (and EAGLE-3's) is residual = g: always written, matching the trained drafter.
+        "norm_before_residual": bool(d.cfg.norm_before_residual),
+        "norm_before_fc": False,  # newer algos.py: default False; we apply no norm before fc
+        # algos.py copies it to the vLLM config unchanged → same convention as the native top-level list.
+        "eagle_aux_hidden_state_layer_ids": vllm_ids,
+        "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
+    }
+    # vLLM's llama_eagle3.py load_weights maps "midlayer." to "layers.0."; speculators checkpoints use the latter.
+    tensors = _eagle3_tensors(d, "layers.0.")
+    side = _sidecar("eagle3_speculators", d, target, name, k, meta)
+    return _Bundle("eagle3_speculators", cfg, tensors, side)
+
+
+# ============================================================================================ check
+def _check_aux_ids(ids: Any, what: str, L: int | None, lo_shift: int, where: str) -> list[int]:
+    """ids in an engine convention; lo_shift = how far that convention sits below ours (vLLM 0, SGLang 1)."""
+    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                            for i in ids):
+        _fail(where, f"{what} must list 3 integer layer ids, got {ids!r} (absent ids make engines fall back to "
+                     "their default layers silently)")
+    if len(set(ids)) != 3:
+        _fail(where, f"{what} {ids} repeats a layer")
+    if L is not None:
+        lo, hi = 1 - lo_shift, L - 1 - lo_shift
+        bad = [i for i in ids if not lo <= i <= hi]
+        if bad:
+            _fail(where, f"{what} {ids}: {bad} out of range for a {L}-layer target (capturable {lo}..{hi} in this "
+                         "convention; an id at the top is off by one: it names the output of the last layer or "
+                         "beyond, which the engine never captures)")
+    elif any(i < 1 - lo_shift for i in ids):
+        _fail(where, f"{what} {ids} has an id below {1 - lo_shift}")
+    return ids
+
+
+def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None,
+                  where: str) -> tuple[dict, dict]:
+    native = fmt == "eagle3_native"
+    if native:
+        if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
+            _fail(where, f"architectures must be ['LlamaForCausalLMEagle3'], got {cfg.get('architectures')}")
+        layer = cfg
+        if cfg.get("norm_before_residual"):
+            _fail(where, "norm_before_residual=true in the native format: SGLang's llama_eagle3.py ignores it "
+                         "(residual = g) while vLLM honours it, so the two engines would compute different drafts")
+        if cfg.get("attention_bias"):
+            _fail(where, "attention_bias=true in the native format: SGLang's EAGLE-3 qkv_proj has no bias")
+    else:
+        if cfg.get("speculators_model_type") != "eagle3":
+            _fail(where, f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
+        layer = cfg.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            _fail(where, "config.json needs a transformer_layer_config object")
+        if not isinstance(cfg.get("norm_before_residual"), bool):
+            _fail(where, "norm_before_residual must be written explicitly (vLLM's speculators reader assumes true "
+                         "when absent, EAGLE-3's original is false)")
+        sc = cfg.get("speculators_config") or {}
+        pm = sc.get("proposal_methods") or [{}]
+        if sc.get("algorithm") != "eagle3" or not isinstance(pm[0].get("speculative_tokens"), int):
+            _fail(where, "speculators_config needs algorithm 'eagle3' and proposal_methods[0].speculative_tokens")
+        if not (sc.get("verifier") or {}).get("name_or_path"):
+            _fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
+    if layer.get("model_type", "llama") != "llama":
+        _fail(where, f"the draft layer must be model_type 'llama', got {layer.get('model_type')!r}")
+    if _req(layer, "num_hidden_layers", where) != 1:
+        _fail(where, f"num_hidden_layers must be 1 (one EAGLE-3 layer), got {layer.get('num_hidden_layers')}")
+    if layer.get("tie_word_embeddings", False) is not False:
+        _fail(where, "tie_word_embeddings must be false (SGLang would use the embedding as the draft lm_head)")
+    H = _req(layer, "hidden_size", where)
+    I_ = _req(layer, "intermediate_size", where)
+    nh = _req(layer, "num_attention_heads", where)
+    nkv = layer.get("num_key_value_heads") or nh
+    hd = layer.get("head_dim") or H // nh
+    V = _req(layer, "vocab_size", where)
+    Vd = _req(cfg, "draft_vocab_size", where)
+    Ht = cfg.get("target_hidden_size") or H
+    bias = bool(layer.get("attention_bias", False))
+    pre = "midlayer." if native else "layers.0."
+    exp = {"fc.weight": (H, 3 * Ht), f"{pre}self_attn.q_proj.weight": (nh * hd, 2 * H),
+           f"{pre}self_attn.k_proj.weight": (nkv * hd, 2 * H), f"{pre}self_attn.v_proj.weight": (nkv * hd, 2 * H),
+           f"{pre}self_attn.o_proj.weight": (H, nh * hd), f"{pre}mlp.gate_proj.weight": (I_, H),
+           f"{pre}mlp.up_proj.weight": (I_, H), f"{pre}mlp.down_proj.weight": (H, I_),
+           f"{pre}hidden_norm.weight": (H,), f"{pre}input_layernorm.weight": (H,),
+           f"{pre}post_attention_layernorm.weight": (H,), "norm.weight": (H,), "lm_head.weight": (Vd, H),
+           "d2t": (Vd,), "t2d": (V,)}
+    if bias:
+        exp.update({f"{pre}self_attn.q_proj.bias": (nh * hd,), f"{pre}self_attn.k_proj.bias": (nkv * hd,),
+                    f"{pre}self_attn.v_proj.bias": (nkv * hd,), f"{pre}self_attn.o_proj.bias": (H,)})
+    if "fc.weight" in t.shapes and tuple(t.shapes["fc.weight"]) != exp["fc.weight"]:
+        _fail(where, f"fc.weight has shape {list(t.shapes['fc.weight'])}, expected {list(exp['fc.weight'])} "
+                     f"[hidden_size, 3 x target_hidden_size]: it must fuse exactly 3 target states of size {Ht}")
+
+    L = _num_layers(target, side)
+    top = _check_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
+                         "top-level eagle_aux_hidden_state_layer_ids (vLLM: input of decoder layer i)", L, 0, where)
+    if native:
+        sg = _check_aux_ids((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+                            "eagle_config.eagle_aux_hidden_state_layer_ids (SGLang: output of decoder layer i)",
+                            L, 1, where)
+        if sg != [i - 1 for i in top]:
+            _fail(where, f"eagle_config ids {sg} (SGLang, output of layer i) must be the top-level ids {top} "
+                         f"(vLLM, input of layer i) minus 1, i.e. {[i - 1 for i in top]}; one of them is off by one")
+    if side is not None and side.get("layer_ids") is not None and list(side["layer_ids"]) != top:
+        _fail(where, f"draftsmith.json layer ids {side['layer_ids']} (HF output_hidden_states index) differ from "
+                     f"the vLLM ids {top}, which use the same convention")
+    if side is not None:
+        nbr = (side.get("draft") or {}).get("norm_before_residual")
+        if nbr is not None and bool(nbr) != bool(cfg.get("norm_before_residual", False)):
+            _fail(where, f"norm_before_residual={cfg.get('norm_before_residual')} in config.json but the drafter "
+                         f"was trained with {nbr}")
+
+    # the vocabulary mapping (SpecForge #534: misaligned after fine-tuning, no error at load time)
+    for name, dt in (("d2t", torch.int64), ("t2d", torch.bool)):
+        if name in t.dtypes and t.dtypes[name] != dt:
+            _fail(where, f"{name} must be {str(dt).removeprefix('torch.')}, got {str(t.dtypes[name])}")
+    if "d2t" in t.shapes and "t2d" in t.shapes:
+        if t.shapes["d2t"] != (Vd,) or t.shapes["t2d"] != (V,):
+            _fail(where, f"d2t {list(t.shapes['d2t'])} / t2d {list(t.shapes['t2d'])} must be [draft_vocab_size="
+                         f"{Vd}] / [vocab_size={V}]")
+        try:
+            check_mapping(t.get("d2t"), t.get("t2d"))
+        except ValueError as e:
+            _fail(where, f"d2t/t2d rejected: {e}")
+    if "lm_head.weight" in t.shapes and t.shapes["lm_head.weight"][0] != Vd:
+        _fail(where, f"lm_head.weight has {t.shapes['lm_head.weight'][0]} rows but d2t/draft_vocab_size say {Vd}")
+    name = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") if not native else None
+    return exp, {"hidden_size": Ht, "vocab_size": V, "name": name,
+                 "rope_theta": layer.get("rope_theta")}
+
+
+# ============================================================================================ load back
+def _load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
+
+    layer = cfg if fmt == "eagle3_native" else cfg["transformer_layer_config"]
+    tc = target.model.config
+    # only pass overrides that differ from the target, so Eagle3Drafter derives head_dim as it did in training
+    over = {k: (layer[k] if layer.get(k) != getattr(tc, k, None) else None)
+            for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")}
+    ec = Eagle3Config(layer_ids=list(cfg["eagle_aux_hidden_state_layer_ids"]), draft_vocab_size=cfg["draft_vocab_size"],
+                      norm_before_residual=bool(cfg.get("norm_before_residual", False)), **over)
+    d = Eagle3Drafter(ec, tc, target.embed.weight.detach().clone(), sd["d2t"], sd["t2d"])
+    if d.head_dim != layer.get("head_dim", d.head_dim):
+        raise ExportError(f"export head_dim {layer.get('head_dim')} cannot be rebuilt on this target "
+                          f"(drafter derives {d.head_dim})")
+    pre = "midlayer." if fmt == "eagle3_native" else "layers.0."
+    state = {("midlayer." + k.removeprefix(pre)) if k.startswith(pre) else k: v for k, v in sd.items()}
+    state["embed_tokens.weight"] = d.embed_tokens.weight
+    d.load_state_dict(state, strict=True)
+    return d.to(sd["fc.weight"].dtype).eval()  # Module.to(dtype) leaves the int/bool d2t/t2d alone

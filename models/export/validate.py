@@ -1,0 +1,167 @@
+"""One validator for every format: detect a directory's format, check its config, tensors and target.
+
+It runs on the in-memory export before anything is written, and on any directory afterwards. The
+format-specific checks live in the format modules; the shape comparison and the same-target check here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .common import (
+    CLI_FORMATS,
+    CONFIG,
+    FORMATS,
+    LAYER_ID_CONVENTION,
+    MEDUSA_WEIGHTS,
+    SIDECAR,
+    WEIGHTS,
+    ExportError,
+    _fail,
+    _load_json,
+    _norm_name,
+    _Target,
+    _target_info,
+    _Tensors,
+    embed_fingerprint,
+)
+from .eagle3 import _check_eagle3
+from .medusa import _check_medusa
+from .mtp import _check_mtp
+
+
+def detect_format(path: str | Path) -> str:
+    """Which of FORMATS a directory holds (from its config.json and weight files)."""
+    path = Path(path)
+    cfg = _load_json(path / CONFIG)
+    arch = list(cfg.get("architectures") or [])
+    if "LlamaForCausalLMEagle3" in arch:
+        return "eagle3_native"
+    if "Eagle3Speculator" in arch or cfg.get("speculators_model_type") == "eagle3":
+        return "eagle3_speculators"
+    if (path / MEDUSA_WEIGHTS).exists() or "medusa_num_heads" in cfg:
+        return "medusa_fasterdecoding"
+    if cfg.get("model_type") == "medusa":
+        return "medusa_vllm"
+    if "DeepseekV3ForCausalLMNextN" in arch:
+        return "mtp_sglang_nextn"
+    if cfg.get("num_nextn_predict_layers"):
+        return "mtp_deepseek"
+    raise ExportError(f"{path}: config.json matches no export format (architectures {arch}, "
+                      f"model_type {cfg.get('model_type')!r}); expected one of {FORMATS}")
+
+
+def validate(path: str | Path, fmt: str | None = None, target_config: Any = None) -> str:
+    """Check an export directory; raise ExportError with a one-line reason, else return its format.
+
+    ``target_config``: a FrozenTarget (also checks the embedding fingerprint), a transformers config or a dict
+    with num_hidden_layers/hidden_size/vocab_size(/_name_or_path) — or None for self-consistency only.
+    """
+    path = Path(path)
+    fmt = CLI_FORMATS.get(fmt, fmt) if fmt else detect_format(path)
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; use one of {FORMATS}")
+    cfg = _load_json(path / CONFIG)
+    side = _load_json(path / SIDECAR) if (path / SIDECAR).exists() else None
+    wfile = path / (MEDUSA_WEIGHTS if fmt == "medusa_fasterdecoding" else WEIGHTS)
+    if not wfile.exists():
+        raise ExportError(f"{path}: {fmt} export needs {wfile.name}, which is missing")
+    try:
+        tensors = _Tensors.read(wfile)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one reason to refuse
+        raise ExportError(f"{wfile}: unreadable safetensors ({type(e).__name__}: {e})") from None
+    _check(fmt, cfg, tensors, side, _target_info(target_config), str(path))
+    return fmt
+
+
+def _check(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None, where: str) -> None:
+    if side is not None:
+        if side.get("format") not in (None, fmt):
+            _fail(where, f"draftsmith.json says format {side.get('format')!r} but the files are {fmt}")
+        if side.get("layer_id_convention") not in (None, LAYER_ID_CONVENTION):
+            _fail(where, f"draftsmith.json layer ids use convention {side.get('layer_id_convention')!r}, "
+                         f"expected {LAYER_ID_CONVENTION!r}")
+    expected, tgt_dims = _CHECKERS[fmt](cfg, t, side, target, where)
+    _check_same_target(fmt, cfg, t, side, target, tgt_dims, where)  # first: "another target" explains the rest
+    _compare_tensors(expected, t, where, fmt)
+
+
+def _compare_tensors(expected: dict[str, tuple[int, ...]], t: _Tensors, where: str, fmt: str) -> None:
+    missing = [k for k in expected if k not in t.shapes]
+    if missing:
+        _fail(where, f"{fmt} export is missing {len(missing)} tensor(s), e.g. {missing[:4]}")
+    extra = sorted(k for k in t.shapes if k not in expected)
+    if extra:
+        _fail(where, f"{fmt} export has {len(extra)} unexpected tensor(s), e.g. {extra[:4]} "
+                     "(engines skip unknown names silently, so they must not be there)")
+    for k, shape in expected.items():
+        if tuple(t.shapes[k]) != tuple(shape):
+            _fail(where, f"tensor {k} has shape {list(t.shapes[k])}, expected {list(shape)} from config.json")
+    floats = {k: d for k, d in t.dtypes.items() if d.is_floating_point}
+    if len(set(floats.values())) > 1:
+        _fail(where, f"float tensors mix dtypes {sorted({str(d) for d in floats.values()})}")
+
+
+_CHECKERS: dict[str, Callable[..., tuple[dict, dict]]] = {
+    "eagle3_native": lambda *a: _check_eagle3("eagle3_native", *a),
+    "eagle3_speculators": lambda *a: _check_eagle3("eagle3_speculators", *a),
+    "medusa_fasterdecoding": lambda *a: _check_medusa("medusa_fasterdecoding", *a),
+    "medusa_vllm": lambda *a: _check_medusa("medusa_vllm", *a),
+    "mtp_deepseek": lambda *a: _check_mtp("mtp_deepseek", *a),
+    "mtp_sglang_nextn": lambda *a: _check_mtp("mtp_sglang_nextn", *a),
+}
+
+
+def _check_same_target(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None,
+                       dims: dict, where: str) -> None:
+    """Refuse an export made for another target: shape, name, then (with a FrozenTarget) the embedding itself."""
+    if side is not None:
+        st = side.get("target") or {}
+        for key in ("hidden_size", "vocab_size"):
+            if st.get(key) is not None and dims.get(key) is not None and st[key] != dims[key]:
+                _fail(where, f"draftsmith.json says the target's {key} is {st[key]} but the tensors/config say "
+                             f"{dims[key]}")
+    if target is None:
+        return
+    for key in ("hidden_size", "vocab_size"):
+        want, have = dims.get(key), getattr(target, key)
+        if want is not None and have is not None and int(want) != int(have):
+            _fail(where, f"exported for another target: {key} {want} != the target's {have}")
+    tmt = (target.config.get("model_type") if isinstance(target.config, Mapping)
+           else getattr(target.config, "model_type", None))
+    if dims.get("model_type") and tmt and dims["model_type"] != tmt:
+        _fail(where, f"exported for another target: model_type {dims['model_type']!r} != the target's {tmt!r}")
+    rt = dims.get("rope_theta")
+    trt = _rope_theta_of(target.config)
+    if rt is not None and trt is not None and not math.isclose(float(rt), float(trt)):
+        _fail(where, f"exported for another target: rope_theta {rt} != the target's {trt}")
+    verified = False  # the target's weights themselves were compared: a differing name is then just a spelling
+    if side is not None and target.fingerprint is not None:
+        st = side.get("target") or {}
+        for key in ("num_hidden_layers", "embed_fingerprint"):
+            have = target.num_hidden_layers if key == "num_hidden_layers" else target.fingerprint
+            if st.get(key) is not None and st.get(key) != have:
+                _fail(where, f"exported for another target: {key} {st.get(key)} != the target's {have} "
+                             f"(trained on {side.get('target_name')!r})")
+        verified = st.get("embed_fingerprint") is not None
+    if fmt == "mtp_deepseek" and target.fingerprint is not None:
+        for k in t.shapes:
+            if k.endswith("embed_tokens.weight"):
+                if embed_fingerprint(t.get(k)) != target.fingerprint:
+                    _fail(where, f"exported for another target: {k} is not this target's embedding")
+                verified = True
+    names = [n for n in (dims.get("name"), cfg.get("base_model_name_or_path"),
+                         (side or {}).get("target_name")) if n]
+    if not verified and target.name and names and _norm_name(names[0]) != _norm_name(target.name):
+        _fail(where, f"exported for another target: verifier {names[0]!r} != the target {target.name!r}")
+
+
+def _rope_theta_of(c: Any) -> float | None:
+    if c is None:
+        return None
+    get = c.get if isinstance(c, Mapping) else (lambda k, d=None: getattr(c, k, d))
+    rp = get("rope_parameters", None) or {}
+    return (rp.get("rope_theta") if isinstance(rp, Mapping) else None) or get("rope_theta", None)
