@@ -360,11 +360,14 @@ def build_methods(
             methods.append(Method(name, name, make, checkpoint=str(path), options=o, model=drafter))
         elif name == "medusa":
             choices = o.get("choices")
-            if choices is None:
-                from models.medusa import tree_capacity
+            if choices is None:  # the tree saved with the checkpoint (held-out rank accuracies), resized
+                from models.medusa import load_static_tree, tree_capacity
 
+                choices = load_static_tree(path, o.get("num_nodes"))
+            if choices is None:
                 heads = drafter.cfg.num_heads
                 n_nodes = min(int(o["num_nodes"]), tree_capacity(heads, int(o["top_k"])))
+                log.warning("%s has no medusa_choices.json: using a made-up-accuracy tree of %d nodes", path, n_nodes)
                 choices = P.default_medusa_choices(heads, top_k=int(o["top_k"]), num_nodes=n_nodes)
 
             def make(k, d=drafter, choices=choices):

@@ -496,6 +496,10 @@ def load_proposer(path: str | Path, target: FrozenTarget, tree: bool = False, **
     if method == "eagle3":
         return Eagle3TreeProposer(drafter, **kwargs) if tree else Eagle3ChainProposer(drafter, **kwargs)
     if method == "medusa":
+        if kwargs.get("choices") is None:  # the tree trained with it, when saved
+            from models.medusa import load_static_tree
+
+            kwargs["choices"] = load_static_tree(path)
         return MedusaProposer(drafter, **kwargs)
     if method == "mtp":
         return MTPProposer(drafter, **kwargs)

@@ -23,8 +23,10 @@ Method (Cai et al. 2024, "Medusa"; FasterDecoding/Medusa ``medusa/model/medusa_m
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,7 @@ class MedusaConfig:
     step_weight: float = 0.8  # head k's loss weighted step_weight^k
     distill: bool = True  # soft CE against the target's distribution; False → ground-truth tokens
     metric_top_k: int = 0  # >0: also report top{j}_{k} (target argmax within head k's top-j), j = 1..metric_top_k
+    tree_nodes: int = 24  # static tree size saved with the final checkpoint (needs metric_top_k > 0)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,6 +59,9 @@ class MedusaConfig:
             raise ValueError("medusa num_layers=0 with share_lm_head=True leaves nothing to train")
         if self.metric_top_k < 0:
             raise ValueError(f"medusa metric_top_k must be >= 0, got {self.metric_top_k}")
+        if self.metric_top_k > 0 and not 0 < self.tree_nodes <= tree_capacity(self.num_heads, self.metric_top_k):
+            raise ValueError(f"medusa tree_nodes={self.tree_nodes}: {self.num_heads} heads x top-{self.metric_top_k} "
+                             f"address 1..{tree_capacity(self.num_heads, self.metric_top_k)} nodes")
 
 
 class ResBlock(nn.Module):
@@ -163,6 +169,19 @@ class MedusaHeads(nn.Module):
         return {"method": "medusa", **asdict(self.cfg), "hidden_size": self.hidden_size,
                 "vocab_size": self.vocab_size, "layer_ids": list(self.layer_ids)}
 
+    def save_static_tree(self, out_dir: Path, metrics: Mapping[str, float]) -> Path | None:
+        """Write ``medusa_choices.json`` next to the final weights: the greedy tree of ``cfg.tree_nodes``
+        nodes built from the held-out per-head rank accuracies in ``metrics`` (``evaluate``'s top{j}_{k}),
+        plus that accuracy table so the eval harness can rebuild a tree of another size. None when the
+        run did not measure ranks (metric_top_k = 0)."""
+        if self.cfg.metric_top_k <= 0:
+            return None
+        acc = rank_accuracy(metrics, self.cfg.num_heads, self.cfg.metric_top_k)
+        path = Path(out_dir) / TREE_FILE
+        path.write_text(json.dumps({"choices": [list(c) for c in build_medusa_tree(acc, self.cfg.tree_nodes)],
+                                    "rank_accuracy": acc.tolist()}, indent=1))
+        return path
+
     def to_fasterdecoding_state_dict(self) -> dict[str, torch.Tensor]:
         """FasterDecoding ``medusa_lm_head.safetensors`` names: ``{h}.{l}.linear.{weight,bias}``, ``{h}.{n}.weight``.
 
@@ -243,6 +262,34 @@ def head_topk_accuracy(
 
 
 # -------------------------------------------------------------------------------------------------- tree
+
+
+TREE_FILE = "medusa_choices.json"
+
+
+def rank_accuracy(metrics: Mapping[str, float], num_heads: int, top_k: int) -> torch.Tensor:
+    """[K, top_k] P(head k's rank-r candidate is the target's token) from cumulative top{j}_{k} metrics
+    (``MedusaHeads.training_loss`` with metric_top_k): acc[k, r] = top{r+1}_k - top{r}_k."""
+    missing = [f"top{j}_{k}" for k in range(num_heads) for j in range(1, top_k + 1) if f"top{j}_{k}" not in metrics]
+    if missing:
+        raise ValueError(f"rank accuracies need metrics {missing[:3]}...; "
+                         f"train with draft.config.metric_top_k >= {top_k}")
+    cum = torch.tensor([[float(metrics[f"top{j}_{k}"]) for j in range(1, top_k + 1)] for k in range(num_heads)])
+    return torch.diff(cum, dim=1, prepend=torch.zeros(num_heads, 1)).clamp_min(0.0)
+
+
+def load_static_tree(ckpt_dir: str | Path, num_nodes: int | None = None) -> list[tuple[int, ...]] | None:
+    """The tree saved with a checkpoint (``save_static_tree``); with ``num_nodes`` (and a different size)
+    rebuilt from the saved rank accuracies. None when the checkpoint has no tree."""
+    path = Path(ckpt_dir) / TREE_FILE
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    choices = [tuple(int(r) for r in c) for c in saved["choices"]]
+    if num_nodes is None or num_nodes == len(choices):
+        return choices
+    acc = torch.tensor(saved["rank_accuracy"], dtype=torch.float64)
+    return build_medusa_tree(acc, min(int(num_nodes), tree_capacity(*acc.shape)))
 
 
 def tree_capacity(num_heads: int, top_k: int) -> int:

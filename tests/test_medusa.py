@@ -14,7 +14,9 @@ from models.medusa import (
     build_medusa_tree,
     head_topk_accuracy,
     head_topk_hits,
+    load_static_tree,
     propose,
+    rank_accuracy,
     tree_buffers,
     tree_capacity,
     tree_tokens,
@@ -258,11 +260,41 @@ def test_head_topk_accuracy_on_a_target(target):
     torch.testing.assert_close(acc, (ref_hits / ref_total[:, None]).float())
 
 
+def test_static_tree_from_training_metrics(target, tmp_path):
+    """The tree saved with a checkpoint comes from the loss's top{j}_{k} metrics, which must equal the
+    per-rank accuracies head_topk_accuracy measures directly; eval can rebuild it at another size."""
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(num_heads=3, metric_top_k=4, tree_nodes=7), target.model.config,
+                        target.model.lm_head.weight)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # break the identity heads: every rank gets some hits
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 48, (4, 16), generator=g)
+    mask = torch.ones_like(ids)
+    out = target(ids, layer_ids=[2])
+    _, metrics = heads.training_loss(ids, mask, out.hidden, out.logits)
+    acc = rank_accuracy(metrics, 3, 4)
+    torch.testing.assert_close(acc, head_topk_accuracy(heads, target, [(ids, mask)], top_k=4), atol=1e-6, rtol=0)
+    path = heads.save_static_tree(tmp_path, metrics)
+    assert path is not None and path.name == "medusa_choices.json"
+    assert load_static_tree(tmp_path) == build_medusa_tree(acc, 7)
+    assert load_static_tree(tmp_path, num_nodes=12) == build_medusa_tree(acc, 12)
+    assert load_static_tree(tmp_path / "missing") is None
+    with pytest.raises(ValueError, match="metric_top_k >= 5"):
+        rank_accuracy(metrics, 3, 5)
+    no_ranks = MedusaHeads(MedusaConfig(num_heads=3), target.model.config, target.model.lm_head.weight)
+    assert no_ranks.save_static_tree(tmp_path / "x", metrics) is None
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="num_heads"):
         MedusaConfig(num_heads=0)
     with pytest.raises(ValueError, match="num_layers"):
         MedusaConfig(num_layers=-1)
+    with pytest.raises(ValueError, match="tree_nodes=41: 3 heads x top-3 address 1..39") as e:
+        MedusaConfig(num_heads=3, metric_top_k=3, tree_nodes=41)
+    assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="lm_head weight has shape"):
         MedusaHeads(MedusaConfig(), _cfg(40, 32), torch.zeros(32, 40))
 

@@ -55,9 +55,15 @@ def test_eagle3_resume_after_kill_equals_uninterrupted(target_dir, tmp_path):
 
 @pytest.mark.parametrize("method", ["medusa", "mtp"])
 def test_other_methods_train_on_same_pipeline(target_dir, tmp_path, method):
-    res = run(cfg_for(target_dir, tmp_path, method=method))
+    extra = ["draft.config.metric_top_k=2", "draft.config.tree_nodes=5"] if method == "medusa" else []
+    res = run(cfg_for(target_dir, tmp_path, *extra, method=method))
     assert res["method"] == method and "acc_0" in res["val"]
     assert (tmp_path / "final" / "config.json").exists()
+    if method == "medusa":  # the static tree built from held-out rank accuracies ships with the weights
+        from models.medusa import load_static_tree
+
+        tree = load_static_tree(tmp_path / "final")
+        assert tree is not None and len(tree) == 5 and all(len(p) <= 4 for p in tree)
 
 
 def test_resume_refuses_other_draft_config(target_dir, tmp_path):

@@ -243,6 +243,10 @@ def run(cfg: DictConfig) -> dict:
             accs = [f"{ev[f'acc_{i}']:.3f}" for i in range(64) if f"acc_{i}" in ev]
             log(f"held-out top-1 agreement with the target by position: {' '.join(accs)}")
             log(f"held-out simulated tau (greedy chain): {ev['sim_tau']:.2f}")
+            # methods with a static draft tree (Medusa) build it from these held-out numbers
+            tree = getattr(drafter, "save_static_tree", lambda *_: None)(out_dir / "final", ev)
+            if tree is not None:
+                log(f"static draft tree from held-out rank accuracies: {tree}")
         log(f"drafter written to {out_dir / 'final'}")
     tracker.finish()
     if metrics_file:
