@@ -197,8 +197,10 @@ class _Eagle3Base:
 
     @torch.no_grad()
     def begin(self, tokens: Tensor, hidden: dict[int, Tensor], sampling: Sampling) -> None:
+        from models.eagle3 import DraftKV
+
         self.sampling = sampling
-        self.k_cache = self.v_cache = None
+        self.kv = DraftKV()  # real entries [0, n_real); drafted ones are scratch after them
         self.n_real = 0
         self.pending_ids = tokens[:, 1:].long()  # the token each pending entry's embedding reads
         self.pending_g = self.drafter.fuse(hidden)  # [1, P, H]
@@ -216,9 +218,7 @@ class _Eagle3Base:
 
         t = self.pending_ids.shape[1]
         pos = torch.arange(self.n_real, self.n_real + t, device=self.pending_g.device)
-        a, k, v = cached_step(self.drafter, self.pending_ids, self.pending_g, pos, self.k_cache, self.v_cache)
-        self.k_cache = k if self.k_cache is None else torch.cat([self.k_cache, k], dim=2)
-        self.v_cache = v if self.v_cache is None else torch.cat([self.v_cache, v], dim=2)
+        a = cached_step(self.drafter, self.pending_ids, self.pending_g, pos, self.kv, self.n_real)
         self.n_real += t
         self.pending_ids = self.pending_ids[:, :0]
         self.pending_g = self.pending_g[:, :0]
@@ -241,18 +241,15 @@ class Eagle3ChainProposer(_Eagle3Base):
         k = min(self.k, max_depth)
         a = self._extend()  # [1, H]
         last = self.n_real - 1
-        keys, values = self.k_cache, self.v_cache
         toks, qs = [], []
         for s in range(1, k + 1):
             tok, q = _pick(self.drafter.logits(a)[0], self.sampling, self.sample_drafts, self.vocab_ids,
                            self.vocab_size)
             toks.append(tok)
             qs.append(q)
-            if s < k:
+            if s < k:  # draft s enters as scratch entry n_real + s - 1, RoPE position last + s
                 pos = torch.tensor([last + s], device=a.device)
-                out, kk, vv = cached_step(self.drafter, tok[None], a[:, None], pos, keys, values)
-                keys, values = torch.cat([keys, kk], dim=2), torch.cat([values, vv], dim=2)
-                a = out[:, -1]
+                a = cached_step(self.drafter, tok[None], a[:, None], pos, self.kv, self.n_real + s - 1)[:, -1]
         return _chain(toks, qs, a.device)
 
 
@@ -299,7 +296,6 @@ class Eagle3TreeProposer(_Eagle3Base):
         # drafted entries: outputs, KV, ancestor mask over entries (incl. self); entry index of expanded nodes
         ent_a = a_root.new_zeros(0, a_root.shape[-1])
         ent_anc = torch.zeros(0, 0, dtype=torch.bool, device=device)
-        ent_k, ent_v = self.k_cache, self.v_cache  # real entries first, drafted entries appended
         node_entry = torch.full((top_k,), -1, dtype=torch.long, device=device)
         all_tok, all_par = tokens[0], parents[0]
         for d in range(1, min(self.depth, max_depth)):
@@ -315,8 +311,7 @@ class Eagle3TreeProposer(_Eagle3Base):
             mask = torch.cat([torch.ones(f, self.n_real, dtype=torch.bool, device=device), anc_rows,
                               torch.eye(f, dtype=torch.bool, device=device)], dim=1)
             pos = torch.full((f,), last + d, device=device)
-            out, kk, vv = cached_step(dr, all_tok[frontier][None], h_in[None], pos, ent_k, ent_v, mask)
-            ent_k, ent_v = torch.cat([ent_k, kk], dim=2), torch.cat([ent_v, vv], dim=2)
+            out = cached_step(dr, all_tok[frontier][None], h_in[None], pos, self.kv, self.n_real + e, mask)
             ent_anc = torch.cat([torch.cat([ent_anc, torch.zeros(e, f, dtype=torch.bool, device=device)], 1),
                                  torch.cat([anc_rows, torch.eye(f, dtype=torch.bool, device=device)], 1)], 0)
             ent_a = torch.cat([ent_a, out[0]], dim=0)

@@ -73,6 +73,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 == self.weight.dtype:  # same maths, one fused op (decode is op-bound)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -452,14 +454,69 @@ def _rope_inv_freq(tc: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, f
 # entry at position i reads (emb(t_{i+1}), g_i) and sits at RoPE position i; a drafted token at depth s after the
 # last real entry (position n) reads (emb(d_s), a of its parent entry) and sits at RoPE position n + s.
 # ---------------------------------------------------------------------------------------------------------------
+class DraftKV:
+    """The drafter's KV cache: [B, nh, capacity, d] buffers that grow by doubling, so a step writes its new
+    entries in place instead of copying the whole cache (``torch.cat``) every drafted token.
+
+    ``n`` entries are committed (the "real" ones); drafted entries are written after them as scratch and are
+    overwritten by the next real entries, which is exactly their lifetime in speculative decoding.
+    """
+
+    def __init__(self) -> None:
+        self.k = self.v = None
+        self.n = 0
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [B, nh, M, d] at [start, start+M); return views of entries [0, start+M)."""
+        end = start + k.shape[2]
+        if self.k is None or end > self.k.shape[2]:
+            cap = max(64, 2 * end)
+            grown_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            grown_v = v.new_empty(grown_k.shape)
+            if self.k is not None:
+                grown_k[:, :, :start] = self.k[:, :, :start]
+                grown_v[:, :, :start] = self.v[:, :, :start]
+            self.k, self.v = grown_k, grown_v
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def _inference_weights(drafter: Eagle3Drafter) -> dict[str, torch.Tensor | None]:
+    """q/k/v and gate/up weights concatenated (one matmul each instead of three and two), plus a RoPE table.
+
+    Cached on the module outside its state dict and rebuilt when any source parameter is replaced or updated
+    in place (data_ptr / _version), so a drafter that trains on keeps giving correct proposals.
+    """
+    attn, mlp = drafter.midlayer.self_attn, drafter.midlayer.mlp
+    src = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+    if attn.q_proj.bias is not None:
+        src += [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in src)
+    cached = drafter.__dict__.get("_infer_cache")
+    if cached is not None and cached["key"] == key:
+        return cached
+    bias = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+    cached = {"key": key, "qkv": torch.cat(src[:3]).detach(), "qkv_bias": None if bias is None else bias.detach(),
+              "gate_up": torch.cat(src[3:5]).detach(), "cos": None, "sin": None}
+    drafter.__dict__["_infer_cache"] = cached
+    return cached
+
+
 def rope_at(drafter: Eagle3Drafter, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [M, d] for arbitrary RoPE positions [M] (tree siblings share a position)."""
-    device = drafter.fc.weight.device
-    freqs = positions.to(device=device, dtype=torch.float32)[:, None] * drafter._inv_freq.to(device)[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    dtype = drafter.fc.weight.dtype
-    f = drafter.rope_scaling_factor
-    return (emb.cos() * f).to(dtype), (emb.sin() * f).to(dtype)
+    """cos/sin [M, d] for arbitrary RoPE positions [M] (tree siblings share a position), read from a table
+    that grows by doubling (one gather per step instead of ~8 small ops)."""
+    w = _inference_weights(drafter)
+    need = int(positions.max()) + 1
+    if w["cos"] is None or w["cos"].shape[0] < need:
+        device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+        freqs = torch.arange(max(256, 2 * need), device=device, dtype=torch.float32)[:, None] \
+            * drafter._inv_freq.to(device)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        f = drafter.rope_scaling_factor
+        w["cos"], w["sin"] = (emb.cos() * f).to(dtype), (emb.sin() * f).to(dtype)
+    idx = positions.to(w["cos"].device)
+    return w["cos"][idx], w["sin"][idx]
 
 
 @torch.no_grad()
@@ -468,29 +525,38 @@ def cached_step(
     token_ids: torch.Tensor,
     h: torch.Tensor,
     positions: torch.Tensor,
-    past_k: torch.Tensor | None,
-    past_v: torch.Tensor | None,
+    kv: DraftKV,
+    start: int,
     mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One midlayer pass for M new entries over a KV cache of P earlier entries.
+) -> torch.Tensor:
+    """One midlayer pass for M new entries over the first ``start`` entries of the cache ``kv``.
 
     ``token_ids`` [B, M]: target ids whose embedding each entry reads; ``h`` [B, M, H]: the state it reads
     (fused target state g for real entries, the parent entry's output ``a`` for drafted ones);
-    ``positions`` [M] RoPE positions; ``past_k``/``past_v`` [B, nh, P, d] (RoPE applied, GQA-expanded) or None;
-    ``mask`` [M, P + M] bool (True = attend), None = every past entry plus causal among the new ones.
-    Returns ``a`` [B, M, H] (pre-norm outputs: ``drafter.logits(a)`` scores the next token) and the new
-    entries' ``k``, ``v`` [B, nh, M, d] for the caller to append to its cache.
+    ``positions`` [M] RoPE positions; the new entries' K/V (RoPE applied, GQA-expanded) are written to ``kv``
+    at [start, start+M); ``mask`` [M, start + M] bool (True = attend), None = every earlier entry plus causal
+    among the new ones. Returns ``a`` [B, M, H] (pre-norm outputs: ``drafter.logits(a)`` scores the next token).
+    Same maths as the training forward, with q/k/v and gate/up each fused into one matmul.
     """
-    layer, attn = drafter.midlayer, drafter.midlayer.self_attn
+    layer, attn, mlp = drafter.midlayer, drafter.midlayer.self_attn, drafter.midlayer.mlp
+    w = _inference_weights(drafter)
     g = h.to(drafter.fc.weight.dtype)
     emb = drafter.embed_tokens(token_ids).to(g.dtype)
     x, residual = layer.pre(emb, g)
+    B, M, _ = x.shape
+    nq, nkv, d = attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.head_dim
+    qkv = F.linear(x, w["qkv"], w["qkv_bias"])  # [B, M, nq + 2 nkv]
     cos, sin = rope_at(drafter, positions)
-    q, k, v = attn.qkv(x, cos, sin)
-    keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-    values = v if past_v is None else torch.cat([past_v, v], dim=2)
-    m, total = k.shape[2], keys.shape[2]
-    if mask is None:
-        mask = torch.ones(m, total, dtype=torch.bool, device=q.device).tril(total - m)  # causal, past all visible
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(drafter.head_dim))
-    return layer.post(o, residual), k, v
+    q = _apply_rope(qkv[..., :nq].view(B, M, attn.heads, d).transpose(1, 2), cos, sin)
+    k = _apply_rope(qkv[..., nq : nq + nkv].view(B, M, attn.kv_heads, d).transpose(1, 2), cos, sin)
+    v = qkv[..., nq + nkv :].view(B, M, attn.kv_heads, d).transpose(1, 2)
+    n_rep = attn.heads // attn.kv_heads
+    keys, values = kv.write(start, _expand_kv(k, n_rep), _expand_kv(v, n_rep))
+    if mask is None and M > 1:
+        total = start + M
+        mask = torch.ones(M, total, dtype=torch.bool, device=q.device).tril(total - M)  # causal, past all visible
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(d))
+    a = residual + attn.out(o)
+    gu = F.linear(layer.post_attention_layernorm(a), w["gate_up"])
+    inter = gu.shape[-1] // 2
+    return a + mlp.down_proj(mlp.act(gu[..., :inter]) * gu[..., inter:])
