@@ -35,9 +35,9 @@ test: install lint
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# Benchmark every method on the embedded target: trains the three recipes' drafters first when their
-# checkpoints are absent, then writes bench/results/{results.json,results.md,*.png}. Exits non-zero if any
-# method is not lossless. Extra Hydra overrides: make bench BENCH_ARGS="n_prompts=4 batch_sizes=[1,4]"
+# Benchmark every method on the embedded target: trains the three recipes' drafters (and the 2-layer
+# draft-model baseline) first when absent, then writes bench/results/{results.json,results.md,*.png}.
+# Exits non-zero if any method is not lossless. Extra Hydra overrides: make bench BENCH_ARGS="n_prompts=4 batch_sizes=[1,4]"
 bench: install
 	@for r in eagle3 medusa mtp; do \
 		if [ ! -f runs/$$r/final/model.safetensors ]; then \
@@ -45,6 +45,10 @@ bench: install
 			$(BIN)/python -m train +recipe=$$r || exit 1; \
 		fi; \
 	done
+	@if [ ! -f runs/tiny_code_draft/model.safetensors ]; then \
+		echo "bench: training the small draft-model baseline (runs/tiny_code_draft absent)"; \
+		$(BIN)/python -m models.build_tiny_code --draft --out runs/tiny_code_draft || exit 1; \
+	fi
 	$(BIN)/python -m eval out_dir=bench/results $(BENCH_ARGS)
 
 # Recompute tiny-code's held-out loss (README numbers).

@@ -45,3 +45,14 @@ def test_schedule_and_batches_are_pure_functions_of_step():
     stream = np.arange(10_000, dtype=np.int32)
     assert torch.equal(batch_at(stream, 7, r), batch_at(stream, 7, r))
     assert not torch.equal(batch_at(stream, 7, r), batch_at(stream, 8, r))
+
+
+def test_draft_model_shares_the_target_tokenizer(tmp_path):
+    build(tmp_path / "t", Recipe.tiny(steps=1), files=_files())
+    r = Recipe.tiny(steps=1)
+    r.num_hidden_layers = 1
+    build(tmp_path / "d", r, files=_files(), tokenizer_from=tmp_path / "t")
+    t, d = AutoTokenizer.from_pretrained(tmp_path / "t"), AutoTokenizer.from_pretrained(tmp_path / "d")
+    assert t.get_vocab() == d.get_vocab()
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "d").config.num_hidden_layers == 1
+    assert Recipe.draft().num_hidden_layers < Recipe().num_hidden_layers
