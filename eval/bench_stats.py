@@ -1,0 +1,145 @@
+"""Benchmark accounting: per-round counts pooled over prompts and repetitions, repetition statistics, tokens/s,
+the T=0 lossless comparison and the per-(method, temperature) summaries of the single-sequence runs.
+
+Split out of eval/benchmark.py for readability (no behaviour change); eval/benchmark.py re-exports every name.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from eval.bench_setup import BenchSettings, Method, Prompt
+from eval.cost_model import _interp
+from eval.decode import DecodeResult
+
+
+# --------------------------------------------------------------------------------------------- aggregation
+@dataclass
+class _Pool:
+    """Accounting pooled over prompts and repetitions for one (method, temperature)."""
+
+    rounds: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    v_units: float = 0.0  # Σ over rounds of v(K_r)
+    pos_tries: list[int] = field(default_factory=list)
+    pos_accepts: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def add(self, r: DecodeResult, v: Mapping[int, float] | None) -> None:
+        self.rounds += r.rounds
+        self.accepted += sum(r.accepted)
+        self.drafted += sum(r.drafted)
+        if v is not None:
+            self.v_units += sum(_interp(v, k) for k in r.drafted)
+        for i, (t, a) in enumerate(zip(r.pos_tries, r.pos_accepts)):
+            if i >= len(self.pos_tries):
+                self.pos_tries.append(0)
+                self.pos_accepts.append(0)
+            self.pos_tries[i] += t
+            self.pos_accepts[i] += a
+        self.draft_s += r.draft_s
+        self.verify_s += r.verify_s
+        self.prefill_s += r.prefill_s
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def acceptance(self) -> list[float]:
+        return [a / t if t else float("nan") for a, t in zip(self.pos_accepts, self.pos_tries)]
+
+
+def _stats(xs: Sequence[float]) -> dict:
+    """median / min / max / spread (half the range: with a handful of repetitions a range is the honest spread)."""
+    xs = [float(x) for x in xs]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "spread": (max(xs) - min(xs)) / 2,
+            "values": xs}
+
+
+def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _lossless_single(tokens0: Mapping[str, list], names: Sequence[str]) -> dict[str, list[dict]]:
+    """Every method's T=0 tokens against AR's, per repetition and prompt (AR also against its own first
+    repetition: a nondeterministic target would make every other check moot)."""
+    ar = tokens0["ar"]
+    out: dict[str, list[dict]] = {n: [] for n in names}
+    for name in names:
+        for rep, toks in enumerate(tokens0[name]):
+            ref = ar[0] if name == "ar" else ar[rep]
+            for i, (a, b) in enumerate(zip(ref, toks)):
+                if a != b:
+                    out[name].append({"where": "single", "rep": rep, "prompt": i, "first_diff": _first_diff(a, b)})
+    return out
+
+
+def _tps(single: dict, key: tuple[str, float], rep: int, idx: Sequence[int] | None = None) -> float:
+    n, t = single["ntoks"][key][rep], single["times"][key][rep]
+    idx = range(len(n)) if idx is None else idx
+    return sum(n[i] for i in idx) / sum(t[i] for i in idx)
+
+
+def _decode_tps(single: dict, key: tuple[str, float], rep: int) -> float:
+    """Decode-phase tokens/s: the tokens after the prefill's first one over the time after the prefill."""
+    n, t = single["ntoks"][key][rep], single["dtimes"][key][rep]
+    return (sum(n) - len(n)) / sum(t)
+
+
+def _summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSettings, single: dict, costs: dict,
+               mismatches: Mapping[str, list]) -> list[dict]:
+    """One entry per (method, temperature): τ, acceptance, timings, speedup, cost model, lossless, categories."""
+    reps = range(s.repetitions)
+    cats: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        cats.setdefault(p.category, []).append(i)
+    hf_pl = (_stats([_tps(single, ("hf_prompt_lookup", 0.0), r) for r in reps])
+             if ("hf_prompt_lookup", 0.0) in single["times"] else None)
+    runs = []
+    for temp in s.temperatures:
+        for m in methods:
+            key, ark = (m.name, temp), ("ar", temp)
+            pool = single["pools"][key]
+            tok_s = _stats([_tps(single, key, r) for r in reps])
+            e: dict[str, Any] = {
+                "method": m.name, "kind": m.kind, "temperature": temp, "tau": pool.tau,
+                "acceptance_by_pos": pool.acceptance, "rounds": pool.rounds,
+                "tokens": sum(map(sum, single["ntoks"][key])) // s.repetitions,
+                "time_s": _stats([sum(t) for t in single["times"][key]]), "tokens_per_s": tok_s,
+                "speedup": _stats([_tps(single, key, r) / _tps(single, ark, r) for r in reps]),
+                # what the cost-model bound describes: rounds only (the prefill is the same forward for everyone)
+                "decode_speedup": _stats([_decode_tps(single, key, r) / _decode_tps(single, ark, r) for r in reps]),
+                # seconds per repetition (all prompts); draft = propose + accept, verify = forward + accept + KV
+                "draft_s": pool.draft_s / s.repetitions, "verify_s": pool.verify_s / s.repetitions,
+                "prefill_s": pool.prefill_s / s.repetitions,
+            }
+            busy = pool.draft_s + pool.verify_s
+            e["draft_frac"] = pool.draft_s / busy if busy else 0.0
+            if m.kind == "ar":
+                e.update(k_mean=0.0, c=0.0, v=1.0, bound=1.0)
+            else:
+                k_mean = pool.drafted / pool.rounds if pool.rounds else float("nan")
+                c = pool.draft_s / costs["t_ar_step_s"][temp] / pool.drafted if pool.drafted else 0.0
+                v = pool.v_units / pool.rounds if pool.rounds else float("nan")
+                e.update(k_mean=k_mean, c=c, v=v, bound=pool.tau / (k_mean * c + v) if pool.rounds else float("nan"))
+            e["efficiency"] = e["decode_speedup"]["median"] / e["bound"]
+            e["lossless"] = (not mismatches[m.name]) if temp == 0 else None
+            e["vs_hf_prompt_lookup"] = tok_s["median"] / hf_pl["median"] if (temp == 0 and hf_pl) else None
+            e["by_category"] = {
+                cat: {"n_prompts": len(idx), "tau": single["pools"][(*key, cat)].tau,
+                      "acceptance_by_pos": single["pools"][(*key, cat)].acceptance,
+                      "tokens_per_s": statistics.median(_tps(single, key, r, idx) for r in reps),
+                      "speedup": statistics.median(_tps(single, key, r, idx) / _tps(single, ark, r, idx) for r in reps)}
+                for cat, idx in cats.items()}
+            runs.append(e)
+    return runs

@@ -1,0 +1,137 @@
+"""The cost model: the target's forward-cost microbenchmark and the speculation policy built on it.
+
+``measure_costs`` times v(K) (a (K+1)-token verify forward) and w_B(K) (a B-row one) in units of one single-token
+forward; ``expected_tokens`` / ``predicted_speedup`` / ``choose_k`` turn per-position acceptance and the draft
+cost c into K*(B); ``crossover_batch_size`` finds where speculation stops paying (formulas: eval/benchmark.py's
+docstring). Split out of eval/benchmark.py for readability (no behaviour change); eval/benchmark.py re-exports
+every name.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from eval.decode import new_cache
+from eval.decode_batch import _batch_mask
+from models.target import FrozenTarget
+
+
+# --------------------------------------------------------------------------------------------- timing
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":  # time device work, not kernel launches
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def measure_costs(
+    target: FrozenTarget,
+    prefix_len: int,
+    widths: Sequence[int] = (1,),
+    batch_sizes: Sequence[int] = (1,),
+    k_max_batch: int = 0,
+    reps: int = 5,
+    seed: int = 0,
+) -> dict:
+    """Microbenchmark the target's forward cost on a KV cache of ``prefix_len`` entries (random ids: the cost
+    does not depend on them).
+
+    Returns ``t_target_s`` = t1 (one row, one token, seconds), ``verify`` {K: cost of one row x (K+1) tokens
+    / t1} for every K+1 in ``widths`` (and 1..k_max_batch+1), and ``batch`` {B: {K: cost of B rows x (K+1)
+    tokens / t1}} for K = 0..k_max_batch (w_B(0) = one batched AR step). Each entry is the fastest of ``reps``
+    timed forwards after an untimed one; the cache is cropped back to ``prefix_len`` after each.
+    """
+    if prefix_len < 1:
+        raise ValueError(f"prefix_len must be >= 1, got {prefix_len}")
+    device = target.model.device
+    g = torch.Generator().manual_seed(seed)
+    vocab = target.vocab_size
+
+    def timed(b: int, ws: Sequence[int]) -> dict[int, float]:
+        cache = new_cache(target)
+        target(torch.randint(vocab, (b, prefix_len), generator=g).to(device), cache=cache, use_cache=True,
+               logits_to_keep=1)
+        out = {}
+        for w in sorted(set(ws)):
+            x = torch.randint(vocab, (b, w), generator=g).to(device)
+            pos = torch.arange(prefix_len, prefix_len + w, device=device)[None].expand(b, -1)
+            # the batched engine always passes its 4D mask (eval/decode.py); B=1 chains use plain causal attention
+            mask = None if b == 1 else _batch_mask(torch.full((b,), prefix_len, device=device), prefix_len, w,
+                                                   target.model.dtype)
+            samples = []
+            for r in range(reps + 1):
+                t = _now(device)
+                target(x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+                dt = _now(device) - t
+                cache.crop(-w)  # transformers 5: a negative count removes that many entries
+                if r:
+                    samples.append(dt)
+            out[w] = min(samples)  # the intrinsic cost: noise on a shared machine only ever adds time
+        return out
+
+    batch_ws = range(1, k_max_batch + 2)
+    t_b1 = timed(1, sorted({1, *widths, *batch_ws}))
+    t1 = t_b1[1]
+    batch = {}
+    for b in sorted(set(batch_sizes)):
+        tb = t_b1 if b == 1 else timed(b, batch_ws)
+        batch[b] = {w - 1: tb[w] / t1 for w in batch_ws}
+    return {"prefix_len": prefix_len, "reps": reps, "t_target_s": t1,
+            "verify": {w - 1: t / t1 for w, t in t_b1.items()}, "batch": batch}
+
+
+def _interp(table: Mapping[int, float], x: float) -> float:
+    """Piecewise-linear interpolation of a {K: cost} table; past the last point the last segment's slope
+    continues (verify cost keeps growing with width), below the first point the first value holds."""
+    ks = sorted(table)
+    if x <= ks[0] or len(ks) == 1:
+        return table[ks[0]]
+    for a, b in zip(ks, ks[1:]):
+        if x <= b:
+            return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+    a, b = ks[-2], ks[-1]
+    return table[b] + (table[b] - table[a]) * (x - b) / (b - a)
+
+
+# --------------------------------------------------------------------------------------------- policy
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """E[tokens per round] of a K-token chain: 1 + Σ_{j≤K} Π_{i≤j} α_i (α_i = P(accept depth i | reached it);
+    positions never measured — NaN or beyond the list — count as 0)."""
+    total, run = 1.0, 1.0
+    for j in range(k):
+        a = acceptance[j] if j < len(acceptance) else 0.0
+        a = 0.0 if a is None or math.isnan(a) else min(max(float(a), 0.0), 1.0)
+        run *= a
+        total += run
+    return total
+
+
+def predicted_speedup(acceptance: Sequence[float], c: float, w: Mapping[int, float], batch_size: int, k: int) -> float:
+    """Throughput of K-token chains over batched AR at batch B (cost model; c per drafted token, w in units of
+    one single-token forward):
+    E(K) · w_B(0) / (B·K·c + w_B(K)); the B proposers draft one after another, hence B·K·c. K = 0 → 1."""
+    if k == 0:
+        return 1.0
+    return expected_tokens(acceptance, k) * _interp(w, 0) / (batch_size * k * c + _interp(w, k))
+
+
+def choose_k(
+    acceptance: Sequence[float], c: float, w: Mapping[int, float], batch_size: int, k_max: int, k_min: int = 0
+) -> tuple[int, dict[int, float]]:
+    """K* = argmax over K in k_min..k_max of ``predicted_speedup`` (K = 0: speculation off; ties → smaller K).
+    Returns (K*, {K: predicted speedup})."""
+    pred = {k: predicted_speedup(acceptance, c, w, batch_size, k) for k in range(k_min, k_max + 1)}
+    best = max(pred, key=lambda k: (pred[k], -k))
+    return best, pred
+
+
+def crossover_batch_size(batch_sizes: Sequence[int], speedups: Sequence[float]) -> int | None:
+    """The first batch size (ascending) whose speedup is below 1 — where speculation stops paying — or None."""
+    for b, s in sorted(zip(batch_sizes, speedups)):
+        if s < 1.0:
+            return int(b)
+    return None

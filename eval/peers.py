@@ -1,0 +1,66 @@
+"""HF peers (T = 0): plain greedy ``generate``, prompt lookup with our n-gram settings and assisted generation
+with our draft model, run on the raw target, and their summaries against our AR.
+
+Split out of eval/benchmark.py for readability (no behaviour change); eval/benchmark.py re-exports every name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from eval.bench_setup import DEFAULT_OPTIONS, BenchSettings, Method
+from eval.bench_stats import _stats, _tps
+from eval.cost_model import _now
+from models.target import FrozenTarget
+
+
+def _hf_generate(target: FrozenTarget, ids: Tensor, s: BenchSettings, eos: int | None,
+                 extra: Mapping[str, Any]) -> tuple[list[int], float]:
+    """One greedy HF ``generate`` on the raw target (``extra``: prompt lookup / assistant settings)."""
+    from transformers import GenerationConfig
+
+    cfg = target.model.config
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos if eos is not None else 0)
+    gc = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad,
+                          **{k: v for k, v in extra.items() if k != "assistant_model"})
+    device = ids.device
+    t = _now(device)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+                                assistant_model=extra.get("assistant_model"))
+    dt = _now(device) - t
+    return out[0, ids.shape[1]:].tolist(), dt
+
+
+def _peers(methods: Sequence[Method]) -> list[tuple[str, dict]]:
+    """HF peers: plain greedy generate, prompt lookup with our n-gram settings, assisted generation with our
+    draft model (HF's own num_assistant_tokens schedule: what a user of generate() gets)."""
+    ng = next((m for m in methods if m.kind == "ngram"), None)
+    o = ng.options if ng else DEFAULT_OPTIONS["ngram"]
+    lookup = {"prompt_lookup_num_tokens": int(o["k"]), "max_matching_ngram_size": int(o["max_ngram"])}
+    peers = [("hf_greedy", {}), ("hf_prompt_lookup", lookup)]
+    dm = next((m for m in methods if m.kind == "draft_model"), None)
+    if dm is not None:
+        peers.append(("hf_assisted", {"assistant_model": dm.model}))
+    return peers
+
+
+def _peer_summaries(single: dict, s: BenchSettings) -> dict:
+    reps = range(s.repetitions)
+    out = {}
+    ar0 = single["tokens0"]["ar"]
+    for name, extra in single["peers"]:
+        key = (name, 0.0)
+        out[name] = {
+            "temperature": 0.0,
+            "settings": {k: (v if k != "assistant_model" else getattr(v.config, "_name_or_path", "") or "draft_model")
+                         for k, v in extra.items()},
+            "tokens_per_s": _stats([_tps(single, key, r) for r in reps]),
+            "speedup_vs_ar": _stats([_tps(single, key, r) / _tps(single, ("ar", 0.0), r) for r in reps]),
+            "matches_ar": all(a == b for rep, toks in enumerate(single["tokens0"][name])
+                              for a, b in zip(ar0[rep], toks)),
+        }
+    return out
