@@ -240,6 +240,10 @@ def build_methods(
             if not draft_model:
                 skipped[name] = "no draft_model given (a small causal LM sharing the target's tokenizer)"
                 continue
+            if str(draft_model).startswith(("runs/", "./", "/")) and not Path(draft_model).exists():
+                skipped[name] = (f"draft model {draft_model} not found (tiny-code's: "
+                                 "python -m models.build_tiny_code --draft)")
+                continue
             from models.target import load_causal_lm
 
             model, tok = load_causal_lm(draft_model, dtype=target.model.dtype, device=str(target.model.device))
