@@ -412,3 +412,21 @@ def test_cli_exports_checks_and_refuses(ckpts, llama_dir, target, tiny_tokenizer
     assert main([str(ckpts["medusa"]), "--format", "medusa", "--out", str(tmp_path / "m"),
                  "--target", str(other)]) == 2
     assert "trained for another target" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["medusa_fasterdecoding", "medusa_vllm"])
+def test_shared_lm_head_medusa_round_trip(target, tmp_path, fmt):
+    """The CPU recipe's heads borrow the target's frozen lm_head; both formats must reproduce its proposals."""
+    from models.medusa import MedusaConfig, MedusaHeads
+
+    torch.manual_seed(0)
+    lm = target.model.get_output_embeddings().weight.detach()
+    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=2, share_lm_head=True), target.model.config, lm)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    out = ex.export(heads.eval(), fmt, tmp_path / fmt, target, meta={"method": "medusa", "target": target.identity()})
+    back = ex.load_export(out, target)
+    h = target(_inputs(target), layer_ids=heads.layer_ids).hidden[heads.layer_ids[0]]
+    torch.testing.assert_close(back(h), heads(h), rtol=1e-5, atol=1e-5)
+    assert torch.equal(propose(back, h[:, -1], top_k=3), propose(heads, h[:, -1], top_k=3))
