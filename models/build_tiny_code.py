@@ -2,7 +2,7 @@
 
     python -m models.build_tiny_code --out models/tiny_code            # everything (~80 min, 2 cores)
     python -m models.build_tiny_code --out /tmp/t --steps 3 --tiny    # a smoke run (tests do this)
-    python -m models.build_tiny_code --draft --out runs/tiny_code_draft  # the eval's small draft model (~10 min)
+    python -m models.build_tiny_code --draft --out runs/tiny_code_draft  # the eval's small draft model (~10 min, 300 steps)
 
 ``--draft`` trains a 2-layer model on the same data with tiny-code's own tokenizer (copied, so token ids
 match): the "separate small draft model" baseline of the eval harness and HF assisted generation.
@@ -56,7 +56,7 @@ class Recipe:
     def draft(cls) -> Recipe:
         # ~1/5 of tiny-code's per-token cost; its lm_head [8192, 256] is most of it
         return cls(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
-                   lr=3e-3, warmup=50, steps=500, ckpt_every=50)
+                   lr=3e-3, warmup=30, steps=300, ckpt_every=50)
 
     @classmethod
     def tiny(cls, steps: int = 3) -> Recipe:
