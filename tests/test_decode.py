@@ -188,6 +188,33 @@ def test_eagle3_kv_chain_equals_draft_greedy(target, drafters):
         torch.testing.assert_close(sampled.q[s, dr.draft_ids], ref_q, atol=1e-5, rtol=0)
 
 
+def test_eagle3_kv_buffer_growth_keeps_the_cache(target, drafters):
+    """Contexts past DraftKV's first capacity (64) and accepts that cross a doubling still draft exactly
+    what the no-cache loop drafts; drafted scratch entries never leak into the real ones."""
+    from models.eagle3 import DraftKV
+
+    kv = DraftKV()
+    a = torch.randn(1, 2, 60, 4)
+    kv.write(0, a, a + 1)
+    b = torch.randn(1, 2, 10, 4)
+    keys, values = kv.write(60, b, b + 1)  # grows past 64: the first 60 entries are copied over
+    assert keys.shape[2] == 70 and torch.equal(keys[:, :, :60], a) and torch.equal(values[:, :, 60:], b + 1)
+    dr = drafters["eagle"]
+    g = torch.Generator().manual_seed(4)
+    ctx = torch.randint(3, V, (1, 140), generator=g)
+    hid = target(ctx, layer_ids=dr.layer_ids).hidden
+    prop = P.Eagle3ChainProposer(dr, k=5)
+    n0 = 60
+    prop.begin(ctx[:, : n0 + 1], {k: v[:, :n0] for k, v in hid.items()}, decode.Sampling())
+    prop.propose(5)  # drafted scratch entries are written after the real ones, then overwritten
+    for n1 in (63, 66, 130, 139):  # accepts that land just below / above a capacity doubling
+        prop.accept(ctx[:, n0 + 1 : n1 + 1], {k: v[:, n0:n1] for k, v in hid.items()})
+        n0 = n1
+        ref = dr.draft_greedy({k: v[:, :n0] for k, v in hid.items()}, ctx[:, : n0 + 1], 5)[0]
+        assert torch.equal(prop.propose(5).tokens, ref), n0
+        assert prop.n_real == n0
+
+
 def _eagle_reference_logp(dr, hid, ctx, path_tokens):
     """No-cache reference (draft_greedy's loop with forced tokens): log q [Vd] after drafting ``path_tokens``."""
     import math
