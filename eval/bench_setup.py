@@ -34,7 +34,7 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "draft_model": {"k": 4},
     "eagle3": {"k": 5},
     "eagle3_tree": {"depth": 5, "top_k": 4, "total_tokens": 24},
-    "medusa": {"top_k": 4, "num_nodes": 24, "choices": None},
+    "medusa": {"top_k": 4, "num_nodes": "auto", "max_nodes": 24, "choices": None},
     "mtp": {"k": None},  # None = the drafter's number of modules
 }
 
@@ -278,10 +278,15 @@ def build_methods(
             methods.append(Method(name, name, make, checkpoint=str(path), options=o, model=drafter))
         elif name == "medusa":
             choices = o.get("choices")
+            auto = o.get("num_nodes") == "auto"  # sized by the cost model in run_benchmark, up to max_nodes
             if choices is None:  # the tree saved with the checkpoint (held-out rank accuracies), resized
                 from models.medusa import load_static_tree, tree_capacity
 
-                choices = load_static_tree(path, o.get("num_nodes"))
+                choices = load_static_tree(path, int(o["max_nodes"]) if auto else o.get("num_nodes"))
+            if choices is None and auto:
+                raise ValueError(f"options.medusa.num_nodes=auto needs the rank accuracies saved with the checkpoint "
+                                 f"({path}/medusa_choices.json, written when trained with metric_top_k > 0); "
+                                 "pass a number of nodes instead")
             if choices is None:
                 heads = drafter.cfg.num_heads
                 n_nodes = min(int(o["num_nodes"]), tree_capacity(heads, int(o["top_k"])))
@@ -292,8 +297,8 @@ def build_methods(
                 return P.MedusaProposer(d, choices=choices)
 
             make(None)
-            methods.append(Method(name, name, make, checkpoint=str(path), options={**o, "num_nodes": len(choices)},
-                                  model=drafter))
+            methods.append(Method(name, name, make, checkpoint=str(path),
+                                  options={**o, "num_nodes": len(choices), "auto_size": auto}, model=drafter))
         elif name == "mtp":
             k0 = int(o["k"] or drafter.cfg.num_modules)
 

@@ -188,6 +188,9 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
               *(w for w in (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if w <= max(trees or [0]))]
     prefix_len = round(statistics.mean(len(p.ids) for p in prompts)) + s.max_new_tokens // 2  # mid-generation
     costs = measure_costs(target, prefix_len, widths, sorted({1, *s.batch_sizes}), k_chain, s.cost_reps, s.seed)
+    for m in spec:
+        if m.kind == "medusa" and m.options.get("auto_size"):
+            _size_medusa_tree(m, costs["verify"])
 
     single = _single_runs(target, methods, ids, prompts, s, costs["verify"], eos)
     # the target's real cost per call: AR's in-situ seconds per decode step (forward + sampling), per temperature;
@@ -302,6 +305,21 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
                     tokens0.setdefault(name, []).append(tok_rep)
     bar.close()
     return {"pools": pools, "times": times, "dtimes": dtimes, "ntoks": ntoks, "tokens0": tokens0, "peers": peers}
+
+
+def _size_medusa_tree(m: Method, v_table: Mapping[int, float]) -> None:
+    """Shrink a Medusa method's static tree to the size the cost model predicts is fastest (expected τ from the
+    checkpoint's held-out rank accuracies over the measured verify cost v(n)); recorded in its options."""
+    from eval.cost_model import _interp
+    from eval.proposers import MedusaProposer
+    from models.medusa import build_medusa_tree, load_rank_accuracy, size_tree
+
+    acc = load_rank_accuracy(m.checkpoint)
+    n, pred = size_tree(acc, lambda n: _interp(v_table, n), int(m.options["num_nodes"]))
+    choices = build_medusa_tree(acc, n)
+    m.make = lambda k, d=m.model, choices=choices: MedusaProposer(d, choices=choices)
+    m.options.update(num_nodes=n, choices_sized={"num_nodes": n, "predicted_bound": {k: round(v, 3) for k, v in
+                                                                                      pred.items()}})
 
 
 def _tree_size(m: Method) -> int:

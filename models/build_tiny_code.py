@@ -2,7 +2,7 @@
 
     python -m models.build_tiny_code --out models/tiny_code            # everything (~80 min, 2 cores)
     python -m models.build_tiny_code --out /tmp/t --steps 3 --tiny    # a smoke run (tests do this)
-    python -m models.build_tiny_code --draft --out runs/tiny_code_draft  # the eval's small draft model (~10 min, 300 steps)
+    python -m models.build_tiny_code --draft --out runs/tiny_code_draft  # eval draft-model baseline (~6 min)
 
 ``--draft`` trains a 2-layer model on the same data with tiny-code's own tokenizer (copied, so token ids
 match): the "separate small draft model" baseline of the eval harness and HF assisted generation.

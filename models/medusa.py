@@ -292,6 +292,29 @@ def load_static_tree(ckpt_dir: str | Path, num_nodes: int | None = None) -> list
     return build_medusa_tree(acc, min(int(num_nodes), tree_capacity(*acc.shape)))
 
 
+def load_rank_accuracy(ckpt_dir: str | Path) -> torch.Tensor | None:
+    """The [K, top_k] held-out rank accuracies saved with a checkpoint (``save_static_tree``), or None."""
+    path = Path(ckpt_dir) / TREE_FILE
+    return torch.tensor(json.loads(path.read_text())["rank_accuracy"], dtype=torch.float64) if path.exists() else None
+
+
+def expected_tree_tau(acc: torch.Tensor, choices: Sequence[Sequence[int]]) -> float:
+    """Expected tokens per verification of a static tree: 1 (the bonus token) + Σ_nodes P(node's path is
+    accepted) = 1 + Σ Π_i acc[i, r_i], heads treated as independent (as ``build_medusa_tree`` ranks them)."""
+    a = acc.double()
+    return 1.0 + sum(float(torch.prod(a[torch.arange(len(c)), torch.tensor(c)])) for c in choices)
+
+
+def size_tree(acc: torch.Tensor, verify_cost, max_nodes: int) -> tuple[int, dict[int, float]]:
+    """The tree size n <= max_nodes maximising expected τ(n) / verify_cost(n): a wider tree accepts more but
+    its verification forward costs more (on a CPU it grows with width; ``verify_cost(n)`` is the measured cost of
+    a forward over n + 1 tokens in one-token-forward units). Medusa drafts every node in one call whatever n is,
+    so the draft cost does not enter. Returns (n, {n: predicted speedup bound})."""
+    cap = min(int(max_nodes), tree_capacity(*acc.shape))
+    pred = {n: expected_tree_tau(acc, build_medusa_tree(acc, n)) / float(verify_cost(n)) for n in range(1, cap + 1)}
+    return max(pred, key=pred.get), pred
+
+
 def tree_capacity(num_heads: int, top_k: int) -> int:
     """Largest tree K heads × top_k ranks can address: Σ_{d=1..K} top_k^d."""
     return sum(top_k**d for d in range(1, num_heads + 1))

@@ -62,6 +62,8 @@ def _train(target_dir: Path, out: Path, method: str) -> str:
         over += ["draft.config.draft_vocab_size=200", "draft.config.ttt_steps=2", "draft.config.layer_ids=[1,2,3]"]
     if method == "mtp":
         over += ["draft.config.num_modules=2"]
+    if method == "medusa":  # rank accuracies saved with the checkpoint: the bench sizes the tree from them
+        over += ["draft.config.metric_top_k=3", "draft.config.tree_nodes=8"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         train_run(compose(config_name="config", overrides=over))
     return str(out / "final")
@@ -85,7 +87,7 @@ def env(tmp_path_factory, tiny_llama, tiny_tokenizer):
 
 # small CPU-sized trees: the engine's cost grows with nodes
 OPTIONS = {"eagle3": {"k": 3}, "eagle3_tree": {"depth": 3, "top_k": 3, "total_tokens": 8},
-           "medusa": {"top_k": 3, "num_nodes": 8}, "ngram": {"k": 3}, "draft_model": {"k": 3}}
+           "medusa": {"top_k": 3, "num_nodes": "auto", "max_nodes": 8}, "ngram": {"k": 3}, "draft_model": {"k": 3}}
 
 
 def settings(**kw) -> BenchSettings:
@@ -99,6 +101,21 @@ def full(env):
     methods, skipped = build_methods(env.target, list(KINDS), env.ckpts, env.draft, OPTIONS)
     assert not skipped
     return run_benchmark(env.target, methods, env.prompts, settings())
+
+
+def test_medusa_tree_is_sized_by_the_cost_model(full, env):
+    """num_nodes=auto: the tree is the checkpoint's greedy tree of the size that maximises expected τ / v(n)."""
+    from eval.cost_model import _interp
+    from models.medusa import build_medusa_tree, expected_tree_tau, load_rank_accuracy
+
+    o = full["methods"]["medusa"]["options"]
+    pred = {int(k): v for k, v in o["choices_sized"]["predicted_bound"].items()}
+    assert sorted(pred) == list(range(1, 9)) and o["num_nodes"] == max(pred, key=pred.get)
+    acc = load_rank_accuracy(env.ckpts["medusa"])
+    v = {int(k): x for k, x in full["cost_model"]["verify"].items()}
+    for n in (1, 8):
+        assert pred[n] == pytest.approx(expected_tree_tau(acc, build_medusa_tree(acc, n)) / _interp(v, n), abs=1e-3)
+    assert all(e["k_mean"] <= o["num_nodes"] for e in full["runs"] if e["method"] == "medusa")
 
 
 def test_end_to_end_results_have_every_measurement(full, env):
@@ -326,7 +343,7 @@ def _cli_overrides(env, out: Path, *extra: str) -> list[str]:
             f"checkpoints.medusa={env.ckpts['medusa']}", f"checkpoints.mtp={env.dir / 'none'}", "n_prompts=2",
             "prompt_tokens=12", f"max_new_tokens={MAX_NEW}", "repetitions=1", "warmup=0", "cost_reps=1",
             "threads=1", "progress=false", "options.eagle3_tree.total_tokens=8", "options.medusa.num_nodes=8",
-            f"out_dir={out}", *extra]
+            "draft_model=null", f"out_dir={out}", *extra]
 
 
 def test_cli_run_writes_report(env, tmp_path):

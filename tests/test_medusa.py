@@ -287,6 +287,19 @@ def test_static_tree_from_training_metrics(target, tmp_path):
     assert no_ranks.save_static_tree(tmp_path / "x", metrics) is None
 
 
+def test_tree_sizing_trades_expected_tau_against_verify_cost():
+    from models.medusa import expected_tree_tau, size_tree
+
+    acc = torch.tensor([[0.9, 0.5, 0.1], [0.8, 0.3, 0.05]])
+    # (0,) .9  (0,0) .72  (1,) .5 → 1 + .9 + .72 + .5
+    assert expected_tree_tau(acc, [(0,), (0, 0), (1,)]) == pytest.approx(3.12)
+    n, pred = size_tree(acc, lambda n: 1.0, 15)  # free verification: the whole capacity (12 nodes) pays
+    assert n == 12 and sorted(pred) == list(range(1, 13))
+    n, pred = size_tree(acc, lambda n: 1.0 + 0.3 * n, 12)  # steep verify cost: a small tree wins
+    assert pred[n] == max(pred.values()) and n <= 3
+    assert pred[2] == pytest.approx((1 + 0.9 + 0.72) / 1.6)
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="num_heads"):
         MedusaConfig(num_heads=0)
