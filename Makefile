@@ -50,13 +50,13 @@ bench: install
 	done
 	@if [ ! -f runs/tiny_code_draft/model.safetensors ]; then \
 		echo "bench: training the small draft-model baseline (runs/tiny_code_draft absent)"; \
-		$(BIN)/python -m models.build_tiny_code --draft --out runs/tiny_code_draft || exit 1; \
+		$(BIN)/python -m train.build_tiny_code --draft --out runs/tiny_code_draft || exit 1; \
 	fi
 	$(BIN)/python -m eval out_dir=bench/results $(BENCH_ARGS)
 
 # Recompute tiny-code's held-out loss (README numbers).
 target-loss: install
-	$(BIN)/python -m eval.perplexity
+	$(BIN)/python -m data.perplexity
 
 clean:
 	rm -rf runs outputs multirun .pytest_cache .ruff_cache

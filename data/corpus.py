@@ -19,6 +19,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from models.target import EMBEDDED_DIR
+
 # Non-code bulk (codec tables, generated pydoc topics), the test suites (17 MB of fixtures
 # and odd syntax) and anything installed into site-packages (not the standard library).
 EXCLUDED_DIRS = frozenset(
@@ -37,7 +39,6 @@ EXCLUDED_DIRS = frozenset(
 )
 MAX_FILE_BYTES = 400_000  # a few generated modules (e.g. unicode tables) are pure data
 HELDOUT_MOD = 25  # ~4 % of files by name: ~30 files, ~430 KB
-EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny_code"
 HELDOUT_FILE = EMBEDDED_DIR / "heldout.jsonl"
 
 
@@ -101,7 +102,7 @@ def load_heldout(path: Path = HELDOUT_FILE) -> list[SourceFile]:
     if not path.exists():
         raise FileNotFoundError(
             f"{path} is missing: the embedded held-out split ships with the repo "
-            "(rebuild it with `python -m models.build_tiny_code --stage data`)."
+            "(rebuild it with `python -m train.build_tiny_code --stage data`)."
         )
     with open(path, encoding="utf-8") as fh:
         return [SourceFile(**json.loads(line)) for line in fh if line.strip()]

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from eval import verify
 from eval.decode import DecodeResult
+from models import verify
 from models.target import FrozenTarget
 
 # the harness's logger, kept from before the split (logging config and filters on "eval.benchmark" still apply)
@@ -97,7 +97,7 @@ class BenchSettings:
         temps = [float(t) for t in self.temperatures]
         if not temps:
             raise ValueError("temperatures is empty; give at least one (0 = greedy)")
-        for t in temps:  # eval/verify.py's own checks: the same one-line errors the engine would give
+        for t in temps:  # models/verify.py's own checks: the same one-line errors the engine would give
             verify.sampling_probs(torch.zeros(2), t, self.top_p, self.top_k)
         if 0.0 not in temps:
             # T = 0 is the lossless check; it always runs
@@ -242,7 +242,7 @@ def build_methods(
                 continue
             if str(draft_model).startswith(("runs/", "./", "/")) and not Path(draft_model).exists():
                 skipped[name] = (f"draft model {draft_model} not found (tiny-code's: "
-                                 "python -m models.build_tiny_code --draft)")
+                                 "python -m train.build_tiny_code --draft)")
                 continue
             from models.target import load_causal_lm
 

@@ -10,21 +10,13 @@ every name.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from eval.decode import new_cache
-from eval.decode_batch import _batch_mask
+from eval.decode import device_time, new_cache
+from eval.decode_batch import batch_mask
 from models.target import FrozenTarget
-
-
-# --------------------------------------------------------------------------------------------- timing
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":  # time device work, not kernel launches
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 @torch.no_grad()
@@ -60,13 +52,13 @@ def measure_costs(
             x = torch.randint(vocab, (b, w), generator=g).to(device)
             pos = torch.arange(prefix_len, prefix_len + w, device=device)[None].expand(b, -1)
             # the batched engine always passes its 4D mask (eval/decode.py); B=1 chains use plain causal attention
-            mask = None if b == 1 else _batch_mask(torch.full((b,), prefix_len, device=device), prefix_len, w,
+            mask = None if b == 1 else batch_mask(torch.full((b,), prefix_len, device=device), prefix_len, w,
                                                    target.model.dtype)
             samples = []
             for r in range(reps + 1):
-                t = _now(device)
+                t = device_time(device)
                 target(x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-                dt = _now(device) - t
+                dt = device_time(device) - t
                 cache.crop(-w)  # transformers 5: a negative count removes that many entries
                 if r:
                     samples.append(dt)

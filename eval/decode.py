@@ -9,7 +9,7 @@ A ladder of small functions (gpt-fast style):
         verify_inputs / verify_forward: ONE target forward over [last accepted token (root) + drafted nodes]
             with positions prefix_len + depth and, for trees, a 4D mask over [prefix + tree] (nodes see
             the prefix, the root, their ancestors and themselves)
-        accept_proposal: eval/verify.py (greedy at temperature 0, speculative sampling otherwise; trees with
+        accept_proposal: models/verify.py (greedy at temperature 0, speculative sampling otherwise; trees with
             deterministic drafts use the point-mass rule, sampled drafts the residual rule)
         commit_kv: keep only the accepted path's KV entries (chain: crop; tree: gather into place, crop)
         proposer.accept(new tokens, the target's hidden states for them)
@@ -26,25 +26,22 @@ forward, which emits the first token, is counted in ``target_forwards`` but is n
 ``speculative_decode_batch`` / ``decode_ar_batch`` run B sequences with one batched verification forward
 per round (chains only): each row keeps its own B=1 proposer, drafts of different lengths are padded, and the
 shared cache holds per-row valid lengths (right padding hidden by a 4D mask; accepted entries moved into place
-per row, see ``commit_kv_rows``). They live in eval/decode_batch.py and are re-exported here.
+per row, see ``commit_kv_rows``). They live in eval/decode_batch.py, which builds on this module.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
-from eval import verify
+from models import verify
+from models.proposal import MAX_TREE_NODES, Proposal, Proposer, Sampling, tree_layout
 from models.target import FrozenTarget, TargetOutput
-
-if TYPE_CHECKING:  # resolved lazily at runtime: see __getattr__ at the bottom
-    from eval.decode_batch import commit_kv_rows, decode_ar_batch, speculative_decode_batch
 
 __all__ = [
     "Sampling",
@@ -61,89 +58,8 @@ __all__ = [
     "accept_proposal",
     "commit_kv",
     "speculative_decode",
-    "commit_kv_rows",
-    "speculative_decode_batch",
-    "decode_ar_batch",
     "MAX_TREE_NODES",
 ]
-
-MAX_TREE_NODES = 256  # default cap on drafted nodes per round (verification cost grows with it)
-
-
-# --------------------------------------------------------------------------------------------- types
-@dataclass
-class Sampling:
-    """How tokens are chosen: temperature 0 = greedy; otherwise temperature → top-k → top-p (eval/verify.py)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    generator: torch.Generator | None = None
-
-    def __post_init__(self) -> None:
-        verify.sampling_probs(torch.zeros(2), self.temperature, self.top_p, self.top_k)  # one-line errors
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def probs(self, logits: Tensor) -> Tensor:
-        """[..., V] logits → the processed distribution (the same for target and draft)."""
-        return verify.sampling_probs(logits, self.temperature, self.top_p, self.top_k)
-
-
-@dataclass
-class Proposal:
-    """What a proposer drafts for one round (batch size 1).
-
-    ``tokens`` [N] target ids. Chain: ``parents`` None (node j follows node j-1). Tree: ``parents`` [N]
-    (-1 = child of the root, parents[j] < j). ``q`` [N, V]: the draft distribution each token was *sampled*
-    from (row j for node j); None = deterministic drafts (greedy / top-k / lookup), verified with the
-    point-mass rule. ``depth`` [N] (1-based) and ``ancestors`` [N, N] bool ([i, j] = j is i or an ancestor
-    of i) are optional tree layout a proposer may precompute (static trees); the engine derives them otherwise.
-    """
-
-    tokens: Tensor
-    parents: Tensor | None = None
-    q: Tensor | None = None
-    depth: Tensor | None = None
-    ancestors: Tensor | None = None
-
-    @property
-    def size(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def is_chain(self) -> bool:
-        return self.parents is None
-
-    @property
-    def deterministic(self) -> bool:
-        return self.q is None
-
-    @staticmethod
-    def empty(device: torch.device | str = "cpu") -> Proposal:
-        return Proposal(tokens=torch.zeros(0, dtype=torch.long, device=device))
-
-
-class Proposer(Protocol):
-    """The protocol every proposer follows (see the module docstring for the context bookkeeping).
-
-    ``layer_ids``: the target hidden states it consumes (models/target.py ids; empty for model-free or
-    separate-model drafters); the engine requests exactly these in prefill and verification.
-    """
-
-    layer_ids: list[int]
-
-    def begin(self, tokens: Tensor, hidden: dict[int, Tensor], sampling: Sampling) -> None:
-        """tokens [1, P+1] = prompt + first generated token; hidden {id: [1, P, H]} for the prompt."""
-
-    def propose(self, max_depth: int) -> Proposal:
-        """Draft at most ``max_depth`` tokens deep (>= 1) after the newest token."""
-
-    def accept(self, tokens: Tensor, hidden: dict[int, Tensor]) -> None:
-        """tokens [1, r] new tokens; hidden {id: [1, r, H]} the target's states for the r tokens before them."""
-
 
 @dataclass
 class DecodeResult:
@@ -185,13 +101,13 @@ class DecodeResult:
             self.pos_accepts[k] += int(k < n_accepted)
 
 
-def _now(device: torch.device) -> float:
+def device_time(device: torch.device) -> float:
     if device.type == "cuda":  # time device work, not kernel launches
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
-def _check_prompt(prompt_ids: Tensor, max_new_tokens: int) -> Tensor:
+def check_prompt(prompt_ids: Tensor, max_new_tokens: int) -> Tensor:
     if prompt_ids.dim() == 1:
         prompt_ids = prompt_ids[None]
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] == 0:
@@ -232,13 +148,13 @@ def decode_ar(
 ) -> DecodeResult:
     """Plain autoregressive decoding with a KV cache: one target forward per token (the baseline)."""
     sampling = Sampling(temperature, top_p, top_k, generator)
-    prompt_ids = _check_prompt(prompt_ids, max_new_tokens)
+    prompt_ids = check_prompt(prompt_ids, max_new_tokens)
     device = prompt_ids.device
     res = DecodeResult(tokens=[])
-    t0 = _now(device)
+    t0 = device_time(device)
     cache = new_cache(target)
     tok = sample_token(prefill(target, prompt_ids, cache).logits[:, -1], sampling)  # [1]
-    res.prefill_s = _now(device) - t0
+    res.prefill_s = device_time(device) - t0
     res.target_forwards = 1
     out = [tok]
     stop = eos_id is not None and int(tok) == eos_id
@@ -252,31 +168,12 @@ def decode_ar(
         stop = eos_id is not None and int(tok) == eos_id  # the only sync, and only when an eos is given
     res.tokens = torch.cat(out).tolist()
     res.stop = "eos" if stop else "length"
-    res.total_s = _now(device) - t0
+    res.total_s = device_time(device) - t0
     res.verify_s = res.total_s - res.prefill_s
     return res
 
 
 # --------------------------------------------------------------------------------------------- verification
-def tree_layout(parents: Tensor) -> tuple[Tensor, Tensor]:
-    """parents [N] (-1 = root child, topological) → (depth [N] 1-based, ancestors [N, N] bool incl. self).
-
-    Vectorised over nodes, one step per tree level: walk every node's ancestor chain in lockstep.
-    """
-    n = parents.shape[0]
-    device = parents.device
-    anc = torch.eye(n, dtype=torch.bool, device=device)
-    depth = torch.ones(n, dtype=torch.long, device=device)
-    rows = torch.arange(n, device=device)
-    cur = parents.clone()
-    while bool((cur >= 0).any()):
-        live = cur >= 0
-        anc[rows[live], cur[live]] = True
-        depth += live.long()
-        cur = torch.where(live, parents[cur.clamp_min(0)], cur)
-    return depth, anc
-
-
 def verify_inputs(
     root: Tensor, proposal: Proposal, prefix_len: int, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -308,14 +205,14 @@ def verify_forward(
     target: FrozenTarget, cache: DynamicCache, root: Tensor, proposal: Proposal, layer_ids: list[int] = ()
 ) -> TargetOutput:
     """ONE target forward over [root + drafted nodes] on top of ``cache`` (which then also holds their KV).
-    logits [1, N+1, V]: row 0 follows the root, row j+1 follows node j (eval/verify.py's layout)."""
+    logits [1, N+1, V]: row 0 follows the root, row j+1 follows node j (models/verify.py's layout)."""
     prefix_len = cache.get_seq_length()
     ids, pos, mask = verify_inputs(root, proposal, prefix_len, target.model.dtype)
     return target(ids, layer_ids=layer_ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
 
 
 def accept_proposal(proposal: Proposal, logits: Tensor, sampling: Sampling) -> tuple[list[int], int]:
-    """Acceptance through eval/verify.py: logits [N+1, V] → (accepted node indices root→leaf, next token)."""
+    """Acceptance through models/verify.py: logits [N+1, V] → (accepted node indices root→leaf, next token)."""
     toks = proposal.tokens.to(logits.device)
     if sampling.greedy:
         if proposal.is_chain:
@@ -386,36 +283,36 @@ def speculative_decode(
     max_nodes: int = MAX_TREE_NODES,
 ) -> DecodeResult:
     """Lossless speculative decoding of one sequence: greedy output equals ``decode_ar``'s token for token;
-    sampled output follows the target's processed distribution exactly (eval/verify.py).
+    sampled output follows the target's processed distribution exactly (models/verify.py).
 
     Each round drafts at most ``max_new_tokens - generated - 1`` tokens deep (a round emits accepted + 1),
     so the run never overshoots and the last rounds may draft fewer tokens.
     """
     sampling = Sampling(temperature, top_p, top_k, generator)
-    prompt_ids = _check_prompt(prompt_ids, max_new_tokens)
+    prompt_ids = check_prompt(prompt_ids, max_new_tokens)
     device = prompt_ids.device
     layer_ids = list(proposer.layer_ids)
     res = DecodeResult(tokens=[])
 
-    t0 = _now(device)
+    t0 = device_time(device)
     cache = new_cache(target)
     pre = prefill(target, prompt_ids, cache, layer_ids)
     root = sample_token(pre.logits[:, -1], sampling)  # [1]: the newest token, not yet through the target
-    res.prefill_s = _now(device) - t0
+    res.prefill_s = device_time(device) - t0
     res.target_forwards = 1
     out = [int(root)]
     stop = eos_id is not None and out[0] == eos_id
-    t = _now(device)
+    t = device_time(device)
     proposer.begin(torch.cat([prompt_ids[0], root])[None], pre.hidden, sampling)
-    res.draft_s += _now(device) - t
+    res.draft_s += device_time(device) - t
 
     while len(out) < max_new_tokens and not stop:
         budget = max_new_tokens - len(out) - 1
-        t = _now(device)
+        t = device_time(device)
         prop = proposer.propose(budget) if budget > 0 else Proposal.empty(device)
-        t_drafted = _now(device)
+        t_drafted = device_time(device)
         res.draft_s += t_drafted - t
-        _check_proposal(prop, budget, max_nodes)
+        check_proposal(prop, budget, max_nodes)
 
         prefix_len = cache.get_seq_length()
         ver = verify_forward(target, cache, root, prop, layer_ids)
@@ -425,11 +322,11 @@ def speculative_decode(
         new = torch.cat([prop.tokens[path].to(device), torch.tensor([nxt], device=device)])  # [n + 1]
         rows = torch.tensor([0, *(j + 1 for j in path)], device=device)  # root + accepted nodes
         hidden = {k: v.index_select(1, rows) for k, v in ver.hidden.items()}
-        t = _now(device)
+        t = device_time(device)
         res.verify_s += t - t_drafted
 
         proposer.accept(new[None], hidden)
-        res.draft_s += _now(device) - t
+        res.draft_s += device_time(device) - t
         res.target_forwards += 1
         res.accepted.append(n)
         res.drafted.append(prop.size)
@@ -442,11 +339,11 @@ def speculative_decode(
         root = new[-1:]
     res.tokens = out
     res.stop = "eos" if stop else "length"
-    res.total_s = _now(device) - t0
+    res.total_s = device_time(device) - t0
     return res
 
 
-def _check_proposal(prop: Proposal, budget: int, max_nodes: int) -> None:
+def check_proposal(prop: Proposal, budget: int, max_nodes: int) -> None:
     n = prop.size
     if n > max_nodes:
         raise ValueError(f"proposal has {n} nodes, more than max_nodes={max_nodes}; draft a smaller tree "
@@ -462,24 +359,3 @@ def _check_proposal(prop: Proposal, budget: int, max_nodes: int) -> None:
     if depth > budget:
         raise ValueError(f"proposal is {depth} tokens deep but only {budget} more can be drafted this round; "
                          "proposers must honour propose(max_depth)")
-
-
-# --------------------------------------------------------------------------------------------- batched chains
-# The batched engine lives in eval/decode_batch.py (split out for readability). It imports the types and helpers
-# above, so it is re-exported lazily (PEP 562): a plain bottom-of-file import would fail whenever
-# eval.decode_batch is imported before eval.decode (circular import).
-_BATCH_NAMES = ("_NoDraft", "commit_kv_rows", "_batch_mask", "speculative_decode_batch", "decode_ar_batch")
-
-
-def __getattr__(name: str):
-    if name in _BATCH_NAMES:
-        from eval import decode_batch
-
-        value = getattr(decode_batch, name)
-        globals()[name] = value  # resolve once
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_BATCH_NAMES})

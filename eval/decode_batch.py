@@ -17,19 +17,19 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
-from eval import verify
 from eval.decode import (
     MAX_TREE_NODES,
     DecodeResult,
     Proposal,
     Proposer,
     Sampling,
-    _check_prompt,
-    _check_proposal,
-    _now,
+    check_prompt,
+    check_proposal,
+    device_time,
     new_cache,
     sample_token,
 )
+from models import verify
 from models.target import FrozenTarget
 
 __all__ = ["commit_kv_rows", "speculative_decode_batch", "decode_ar_batch"]
@@ -72,7 +72,7 @@ def commit_kv_rows(cache: DynamicCache, lens: Tensor, start: int, width: int, ke
         cache.crop(-drop)
 
 
-def _batch_mask(lens: Tensor, start: int, width: int, dtype: torch.dtype) -> Tensor:
+def batch_mask(lens: Tensor, start: int, width: int, dtype: torch.dtype) -> Tensor:
     """[A, 1, width, start+width] additive mask: row a's queries see its valid prefix [0, lens[a]) and the new
     entries causally (key start+j visible to query i when j <= i)."""
     device = lens.device
@@ -100,7 +100,7 @@ def speculative_decode_batch(
 
     Per round: every active row drafts (its own proposer, its own budget), drafts are right-padded with
     ``pad_id`` to the longest (q = a point mass on the pad), ONE target forward verifies all rows
-    (per-row positions lens[b] + i and a 4D mask), eval/verify.py's batched rules accept, and each row keeps
+    (per-row positions lens[b] + i and a 4D mask), models/verify.py's batched rules accept, and each row keeps
     its accepted entries (``commit_kv_rows``). A row whose draft was padded at position k_b stops there: if
     the pad was accepted, the pad *is* that position's token — a draw from p (accept w.p. p(pad), else the
     residual p − δ_pad) — so truncating keeps the output exact. Finished rows leave the batch.
@@ -111,12 +111,12 @@ def speculative_decode_batch(
         raise ValueError(f"need one proposer per prompt, got {len(proposers)} proposers for {len(prompts)} prompts")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    rows_in = [_check_prompt(p, max_new_tokens)[0] for p in prompts]
+    rows_in = [check_prompt(p, max_new_tokens)[0] for p in prompts]
     device = rows_in[0].device
     layer_ids = sorted({k for pr in proposers for k in pr.layer_ids})
     b_all = len(rows_in)
     res = [DecodeResult(tokens=[]) for _ in range(b_all)]
-    t0 = _now(device)
+    t0 = device_time(device)
 
     # prefill, right-padded: pad entries sit past each row's length and are never visible afterwards
     lens = torch.tensor([r.shape[0] for r in rows_in], device=device)
@@ -129,7 +129,7 @@ def speculative_decode_batch(
     pre = target(ids, layer_ids=layer_ids, attention_mask=attn, cache=cache, use_cache=True)
     arange_b = torch.arange(b_all, device=device)
     roots = sample_token(pre.logits[arange_b, lens - 1], sampling)  # [B]
-    t_pre = _now(device)
+    t_pre = device_time(device)
     for r in res:
         r.prefill_s, r.target_forwards = t_pre - t0, 1
     outs = [[int(x)] for x in roots.tolist()]
@@ -138,7 +138,7 @@ def speculative_decode_batch(
         n = rows_in[b].shape[0]
         pr.begin(torch.cat([rows_in[b], roots[b : b + 1]])[None], {k: v[b : b + 1, :n] for k, v in pre.hidden.items()},
                  sampling)
-    draft_s = _now(device) - t_pre
+    draft_s = device_time(device) - t_pre
     verify_s = 0.0
 
     active = [b for b in range(b_all) if not done[b]]
@@ -147,14 +147,14 @@ def speculative_decode_batch(
     lens, roots = lens[active], roots[active]
     vocab = target.vocab_size
     while active:
-        t = _now(device)
+        t = device_time(device)
         props = []
         for b in active:
             budget = max_new_tokens - len(outs[b]) - 1
             prop = proposers[b].propose(budget) if budget > 0 else Proposal.empty(device)
             if not prop.is_chain:
                 raise ValueError("speculative_decode_batch verifies chains only; use speculative_decode for trees")
-            _check_proposal(prop, budget, MAX_TREE_NODES)
+            check_proposal(prop, budget, MAX_TREE_NODES)
             props.append(prop)
         k_b = torch.tensor([p.size for p in props], device=device)
         width = int(k_b.max()) + 1
@@ -167,12 +167,12 @@ def speculative_decode_batch(
             for a, p in enumerate(props):
                 if p.q is not None:
                     q[a, : p.size] = p.q.to(device=device, dtype=q.dtype)
-        t_drafted = _now(device)
+        t_drafted = device_time(device)
         draft_s += t_drafted - t
 
         start = cache.get_seq_length()
         pos = lens[:, None] + torch.arange(width, device=device)
-        mask = _batch_mask(lens, start, width, target.model.dtype)
+        mask = batch_mask(lens, start, width, target.model.dtype)
         ver = target(torch.cat([roots[:, None], drafts], dim=1), layer_ids=layer_ids, attention_mask=mask,
                      position_ids=pos, cache=cache, use_cache=True)
         if sampling.greedy:
@@ -184,7 +184,7 @@ def speculative_decode_batch(
         last = torch.where(n > k_b, torch.full_like(nxt, pad_id), nxt)
         keep = lens + 1 + n_eff
         commit_kv_rows(cache, lens, start, width, keep)
-        t = _now(device)
+        t = device_time(device)
         verify_s += t - t_drafted
 
         n_list, last_list, draft_list = n_eff.tolist(), last.tolist(), drafts.tolist()
@@ -207,7 +207,7 @@ def speculative_decode_batch(
                 done[b] = True
             if not done[b]:
                 still.append(a)
-        draft_s += _now(device) - t
+        draft_s += device_time(device) - t
         if len(still) < len(active):
             idx = torch.tensor(still, dtype=torch.long, device=device)
             if still:
@@ -215,7 +215,7 @@ def speculative_decode_batch(
             keep, last = keep[idx], last[idx]
             active = [active[a] for a in still]
         lens, roots = keep, last
-    total = _now(device) - t0
+    total = device_time(device) - t0
     for b, r in enumerate(res):
         r.tokens = outs[b]
         r.stop = "eos" if eos_id is not None and outs[b][-1] == eos_id else "length"

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from eval.bench_setup import DEFAULT_OPTIONS, BenchSettings, Method
 from eval.bench_stats import _stats, _tps
-from eval.cost_model import _now
+from eval.decode import device_time
 from models.target import FrozenTarget
 
 
@@ -28,10 +28,10 @@ def _hf_generate(target: FrozenTarget, ids: Tensor, s: BenchSettings, eos: int |
     gc = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad,
                           **{k: v for k, v in extra.items() if k != "assistant_model"})
     device = ids.device
-    t = _now(device)
+    t = device_time(device)
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
                                 assistant_model=extra.get("assistant_model"))
-    dt = _now(device) - t
+    dt = device_time(device) - t
     return out[0, ids.shape[1]:].tolist(), dt
 
 

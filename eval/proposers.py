@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from eval.decode import MAX_TREE_NODES, Proposal, Sampling, tree_layout
+from models.proposal import MAX_TREE_NODES, Proposal, Sampling, chain_proposal, check_k, pick_token, tree_layout
 from models.target import FrozenTarget
 
 __all__ = [
@@ -42,38 +42,6 @@ __all__ = [
 ]
 
 
-def _check_k(name: str, k: int) -> int:
-    if isinstance(k, bool) or int(k) != k or k < 1:
-        raise ValueError(f"{name} must be a positive integer, got {k}")
-    return int(k)
-
-
-def _pick(logits: Tensor, sampling: Sampling, sample: bool, vocab_ids: Tensor | None,
-          vocab_size: int) -> tuple[Tensor, Tensor | None]:
-    """Choose one draft token from logits [V'] (V' = the drafter's vocabulary).
-
-    Greedy (temperature 0 or ``sample`` False): argmax, q None (a point mass). Otherwise a draw from the
-    processed distribution, returned as q over the *target* vocabulary [V] (``vocab_ids`` [V'] maps a
-    reduced draft vocabulary to target ids). Returns (target id [1], q or None).
-    """
-    if sampling.greedy or not sample:
-        idx = logits.argmax(-1, keepdim=True)
-        return (idx if vocab_ids is None else vocab_ids[idx]), None
-    probs = sampling.probs(logits)
-    idx = torch.multinomial(probs, 1, generator=sampling.generator)
-    if vocab_ids is None:
-        return idx, probs
-    q = probs.new_zeros(vocab_size).index_copy_(0, vocab_ids, probs)
-    return vocab_ids[idx], q
-
-
-def _chain(tokens: list[Tensor], qs: list[Tensor | None], device: torch.device) -> Proposal:
-    if not tokens:
-        return Proposal.empty(device)
-    q = None if qs[0] is None else torch.stack(qs)
-    return Proposal(tokens=torch.cat(tokens).long(), q=q)
-
-
 # --------------------------------------------------------------------------------------------- n-gram
 class NGramProposer:
     """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens (n = max_ngram
@@ -82,9 +50,9 @@ class NGramProposer:
     layer_ids: list[int] = []
 
     def __init__(self, k: int = 5, max_ngram: int = 3, min_ngram: int = 1):
-        self.k = _check_k("k", k)
-        self.max_ngram = _check_k("max_ngram", max_ngram)
-        self.min_ngram = _check_k("min_ngram", min_ngram)
+        self.k = check_k("k", k)
+        self.max_ngram = check_k("max_ngram", max_ngram)
+        self.min_ngram = check_k("min_ngram", min_ngram)
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram={min_ngram} > max_ngram={max_ngram}")
         self.ctx = torch.zeros(0, dtype=torch.long)
@@ -131,7 +99,7 @@ class DraftModelProposer:
     def __init__(self, model: PreTrainedModel, k: int = 4, target: FrozenTarget | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, sample_drafts: bool = True):
         self.model = model.eval()
-        self.k = _check_k("k", k)
+        self.k = check_k("k", k)
         self.sample_drafts = sample_drafts
         dv = int(model.config.vocab_size)
         self.vocab_size = dv if target is None else target.vocab_size
@@ -165,12 +133,12 @@ class DraftModelProposer:
         logits = self._forward(self.ctx[self.seen.shape[0]:])  # the context tokens it has not seen (>= 1)
         toks, qs = [], []
         for s in range(k):
-            tok, q = _pick(logits, self.sampling, self.sample_drafts, None, self.vocab_size)
+            tok, q = pick_token(logits, self.sampling, self.sample_drafts, None, self.vocab_size)
             toks.append(tok)
             qs.append(q)
             if s + 1 < k:
                 logits = self._forward(tok)
-        return _chain(toks, qs, self.ctx.device)
+        return chain_proposal(toks, qs, self.ctx.device)
 
     @torch.no_grad()
     def accept(self, tokens: Tensor, hidden: dict[int, Tensor]) -> None:
@@ -231,7 +199,7 @@ class Eagle3ChainProposer(_Eagle3Base):
 
     def __init__(self, drafter, k: int = 5, sample_drafts: bool = True):
         super().__init__(drafter)
-        self.k = _check_k("k", k)
+        self.k = check_k("k", k)
         self.sample_drafts = sample_drafts
 
     @torch.no_grad()
@@ -243,14 +211,14 @@ class Eagle3ChainProposer(_Eagle3Base):
         last = self.n_real - 1
         toks, qs = [], []
         for s in range(1, k + 1):
-            tok, q = _pick(self.drafter.logits(a)[0], self.sampling, self.sample_drafts, self.vocab_ids,
+            tok, q = pick_token(self.drafter.logits(a)[0], self.sampling, self.sample_drafts, self.vocab_ids,
                            self.vocab_size)
             toks.append(tok)
             qs.append(q)
             if s < k:  # draft s enters as scratch entry n_real + s - 1, RoPE position last + s
                 pos = torch.tensor([last + s], device=a.device)
                 a = cached_step(self.drafter, tok[None], a[:, None], pos, self.kv, self.n_real + s - 1)[:, -1]
-        return _chain(toks, qs, a.device)
+        return chain_proposal(toks, qs, a.device)
 
 
 class Eagle3TreeProposer(_Eagle3Base):
@@ -267,9 +235,9 @@ class Eagle3TreeProposer(_Eagle3Base):
     def __init__(self, drafter, depth: int = 6, top_k: int = 10, total_tokens: int = 60,
                  max_nodes: int = MAX_TREE_NODES):
         super().__init__(drafter)
-        self.depth = _check_k("depth", depth)
-        self.top_k = _check_k("top_k", top_k)
-        self.total_tokens = _check_k("total_tokens", total_tokens)
+        self.depth = check_k("depth", depth)
+        self.top_k = check_k("top_k", top_k)
+        self.total_tokens = check_k("total_tokens", total_tokens)
         if self.top_k > drafter.draft_vocab_size:
             raise ValueError(f"top_k={top_k} exceeds the draft vocabulary ({drafter.draft_vocab_size})")
         if self.total_tokens > max_nodes:
@@ -420,7 +388,7 @@ class MTPProposer:
     def __init__(self, drafter, k: int | None = None, sample_drafts: bool = True):
         self.drafter = drafter.eval()
         self.layer_ids = list(drafter.layer_ids)
-        self.k = _check_k("k", drafter.cfg.num_modules if k is None else k)
+        self.k = check_k("k", drafter.cfg.num_modules if k is None else k)
         self.sample_drafts = sample_drafts
 
     @torch.no_grad()
@@ -459,13 +427,13 @@ class MTPProposer:
             st.out = full[:, : c + conf - st.out_start]
             st.n = c + conf
             prev, prev_start = full, st.out_start
-            tok, q = _pick(dr.logits(min(j, dr.cfg.num_modules - 1), h[:, -1])[0], self.sampling,
+            tok, q = pick_token(dr.logits(min(j, dr.cfg.num_modules - 1), h[:, -1])[0], self.sampling,
                            self.sample_drafts, None, dr.vocab_size)
             toks.append(tok)
             qs.append(q)
             ext = torch.cat([ext, tok])
         self._trim()
-        return _chain(toks, qs, self.ctx.device)
+        return chain_proposal(toks, qs, self.ctx.device)
 
     def _trim(self) -> None:
         """Drop stored outputs no later stream needs (stream j+1 restarts at its own confirmed count)."""

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from data.corpus import EMBEDDED_DIR
-
 EMBEDDED_NAME = "tiny-code"
+# the embedded default target ships in the repo (models/tiny_code/; built by train/build_tiny_code.py)
+EMBEDDED_DIR = Path(__file__).resolve().parent / "tiny_code"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -57,7 +57,7 @@ def load_causal_lm(
     path = resolve_name(name_or_path)
     if name_or_path == EMBEDDED_NAME and not (Path(path) / "model.safetensors").exists():
         raise FileNotFoundError(f"embedded target weights missing under {path}; "
-                                "build them with `python -m models.build_tiny_code`")
+                                "build them with `python -m train.build_tiny_code`")
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=True

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from data import corpus
-from models.build_tiny_code import Recipe, batch_at, build, lr_at
+from train.build_tiny_code import Recipe, batch_at, build, lr_at
 
 
 def _files():

@@ -1,6 +1,7 @@
 import json
 
 from data import corpus
+from models.target import EMBEDDED_DIR
 
 
 def test_split_is_by_whole_file_and_deterministic():
@@ -16,7 +17,7 @@ def test_shipped_heldout_matches_rule_and_manifest():
     held = corpus.load_heldout()
     assert 100_000 < sum(len(f.text.encode()) for f in held) < 1_000_000
     assert all(corpus.is_heldout(f.path) for f in held)
-    manifest = json.loads((corpus.EMBEDDED_DIR / "manifest.json").read_text())
+    manifest = json.loads((EMBEDDED_DIR / "manifest.json").read_text())
     assert [m["path"] for m in manifest["heldout_files"]] == [f.path for f in held]
     assert [m["sha256"] for m in manifest["heldout_files"]] == [f.sha256 for f in held]
 

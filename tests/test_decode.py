@@ -20,7 +20,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from eval import decode
+from eval import decode, decode_batch
 from eval import proposers as P
 from eval.decode import Proposal
 from models.eagle3 import Eagle3Config, Eagle3Drafter
@@ -447,17 +447,17 @@ def test_sampled_draft_model_reproduces_target_distribution(small_target):
 def test_batched_greedy_equals_per_row_autoregressive(target, drafters, name):
     ps = prompts(4)  # lengths 5, 8, 11, 28: right padding + per-row positions
     refs = [decode.decode_ar(target, p, 19) for p in ps]
-    res = decode.speculative_decode_batch(target, [make_proposer(name, target, drafters) for _ in ps], ps, 19)
+    res = decode_batch.speculative_decode_batch(target, [make_proposer(name, target, drafters) for _ in ps], ps, 19)
     for r, ref in zip(res, refs):
         assert r.tokens == ref.tokens
         assert len(r.tokens) == 1 + sum(a + 1 for a in r.accepted) and r.target_forwards == 1 + r.rounds
     if name == "self_draft":
         assert all(r.tau > 3 for r in res)
     eos = refs[1].tokens[6]
-    res = decode.speculative_decode_batch(target, [make_proposer(name, target, drafters) for _ in ps], ps, 19,
+    res = decode_batch.speculative_decode_batch(target, [make_proposer(name, target, drafters) for _ in ps], ps, 19,
                                           eos_id=eos)
     assert [r.tokens for r in res] == [decode.decode_ar(target, p, 19, eos_id=eos).tokens for p in ps]
-    assert [r.tokens for r in decode.decode_ar_batch(target, ps, 19)] == [r.tokens for r in refs]
+    assert [r.tokens for r in decode_batch.decode_ar_batch(target, ps, 19)] == [r.tokens for r in refs]
 
 
 class RaggedChainProposer:
@@ -491,7 +491,7 @@ def test_batched_sampling_reproduces_target_distribution(small_target):
     q0 = torch.tensor([0.4, 0.2, 0.4])
     samples, accepted = [], 0
     for _ in range(90):
-        res = decode.speculative_decode_batch(small_target, [RaggedChainProposer(q0, g) for _ in range(8)],
+        res = decode_batch.speculative_decode_batch(small_target, [RaggedChainProposer(q0, g) for _ in range(8)],
                                               [prompt] * 8, 4, temperature=1.0, generator=gen)
         samples += [tuple(r.tokens) for r in res]
         accepted += sum(sum(r.accepted) for r in res)

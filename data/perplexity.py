@@ -1,7 +1,7 @@
 """Held-out loss of a causal LM on the shipped held-out files: nats/token and bits/byte.
 
-    python -m eval.perplexity                      # tiny-code on models/tiny_code/heldout.jsonl
-    python -m eval.perplexity --model PATH_OR_ID   # any HF causal LM
+    python -m data.perplexity                      # tiny-code on models/tiny_code/heldout.jsonl
+    python -m data.perplexity --model PATH_OR_ID   # any HF causal LM
 
 Each file is tokenized as ``<bos> text`` and scored in non-overlapping windows of ``seq_len``
 tokens (every token after <bos> is predicted exactly once; a window's first token is
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data import corpus
+from models.target import EMBEDDED_DIR
 
 
 @torch.inference_mode()
@@ -67,7 +68,7 @@ def main() -> None:
     from models.target import load_causal_lm
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(corpus.EMBEDDED_DIR))
+    p.add_argument("--model", default=str(EMBEDDED_DIR))
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--sample-tokens", type=int, default=0, help="also print a greedy continuation of a held-out prompt")
     a = p.parse_args()

@@ -1,8 +1,8 @@
 """Build the embedded default target, `tiny-code`, from the Python standard library source.
 
-    python -m models.build_tiny_code --out models/tiny_code            # everything (~80 min, 2 cores)
-    python -m models.build_tiny_code --out /tmp/t --steps 3 --tiny    # a smoke run (tests do this)
-    python -m models.build_tiny_code --draft --out runs/tiny_code_draft  # eval draft-model baseline (~6 min)
+    python -m train.build_tiny_code --out models/tiny_code            # everything (~80 min, 2 cores)
+    python -m train.build_tiny_code --out /tmp/t --steps 3 --tiny    # a smoke run (tests do this)
+    python -m train.build_tiny_code --draft --out runs/tiny_code_draft  # eval draft-model baseline (~6 min)
 
 ``--draft`` trains a 2-layer model on the same data with tiny-code's own tokenizer (copied, so token ids
 match): the "separate small draft model" baseline of the eval harness and HF assisted generation.
@@ -30,6 +30,7 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from data import corpus
+from models.target import EMBEDDED_DIR
 from models.tokenizer import train_tokenizer
 
 
@@ -191,7 +192,7 @@ def build(out: Path, r: Recipe, files: list[corpus.SourceFile] | None = None,
           tokenizer_from: Path | None = None) -> dict:
     """All stages; ``tokenizer_from``: reuse that directory's tokenizer (a draft model for a target must
     share its token ids) instead of training one."""
-    from eval.perplexity import heldout_loss  # eval depends on models, not the reverse
+    from data.perplexity import heldout_loss
 
     out.mkdir(parents=True, exist_ok=True)
     if r.threads:
@@ -210,7 +211,7 @@ def build(out: Path, r: Recipe, files: list[corpus.SourceFile] | None = None,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=corpus.EMBEDDED_DIR)
+    p.add_argument("--out", type=Path, default=EMBEDDED_DIR)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="a tiny config for smoke tests")
     p.add_argument("--draft", action="store_true",
@@ -219,14 +220,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     a = p.parse_args()
     r = Recipe.tiny() if a.tiny else Recipe.draft() if a.draft else Recipe()
-    if a.draft and a.out == corpus.EMBEDDED_DIR:
+    if a.draft and a.out == EMBEDDED_DIR:
         a.out = Path("runs/tiny_code_draft")
     if a.steps is not None:
         r.steps = a.steps
     if a.no_compile:
         r.compile = False
     r.threads = a.threads
-    print(json.dumps(build(a.out, r, tokenizer_from=corpus.EMBEDDED_DIR if a.draft else None), indent=1))
+    print(json.dumps(build(a.out, r, tokenizer_from=EMBEDDED_DIR if a.draft else None), indent=1))
 
 
 if __name__ == "__main__":
