@@ -1,7 +1,4 @@
-"""Benchmark inputs: the method kinds and their default options, prompts, methods under test, settings.
-
-Split out of eval/benchmark.py for readability (no behaviour change); eval/benchmark.py re-exports every name.
-"""
+"""Benchmark inputs: prompts, the methods under test (built from models/registry.py), settings."""
 
 from __future__ import annotations
 
@@ -15,28 +12,16 @@ from typing import Any
 import torch
 
 from eval.decode import DecodeResult
-from models import verify
+from models import registry, verify
+from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
 
 # the harness's logger, kept from before the split (logging config and filters on "eval.benchmark" still apply)
 log = logging.getLogger("eval.benchmark")
 
 
-KINDS = ("ar", "ngram", "draft_model", "eagle3", "eagle3_tree", "medusa", "mtp")
-CHAIN_KINDS = ("ngram", "draft_model", "eagle3", "mtp")  # what speculative_decode_batch can verify
-CHECKPOINT_KINDS = {"eagle3": "eagle3", "eagle3_tree": "eagle3", "medusa": "medusa", "mtp": "mtp"}
 # Which method's batch-1 K* becomes the top-level recommendation (the exporter reads one number).
-RECOMMEND_ORDER = ("eagle3", "mtp", "draft_model", "ngram")
-# Per-kind proposer settings. Trees are sized for CPU (verify cost grows with nodes there); the EAGLE-2 paper's
-# GPU setting is depth 6, top_k 10, total_tokens 60 and Medusa's default tree has 63 nodes.
-DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
-    "ngram": {"k": 5, "max_ngram": 3, "min_ngram": 1},
-    "draft_model": {"k": 4},
-    "eagle3": {"k": 5},
-    "eagle3_tree": {"depth": 5, "top_k": 4, "total_tokens": 24},
-    "medusa": {"top_k": 4, "num_nodes": "auto", "max_nodes": 24, "choices": None},
-    "mtp": {"k": None},  # None = the drafter's number of modules
-}
+RECOMMEND_ORDER = ("eagle3", "dflash", "mtp", "draft_model", "ngram")
 
 
 # --------------------------------------------------------------------------------------------- inputs
@@ -68,10 +53,32 @@ class Method:
     options: dict[str, Any] = field(default_factory=dict)
     decode: Callable[..., DecodeResult] | None = None
     model: Any = None
+    spec: ProposerSpec | None = None  # None for AR and for methods a test builds by hand (chains)
+
+    def proposer_spec(self) -> ProposerSpec | None:
+        return self.spec or registry.proposers().get(self.kind, (None, None))[1]
 
     @property
     def chain(self) -> bool:
-        return self.kind in CHAIN_KINDS
+        p = self.proposer_spec()
+        return p.chain if p is not None else self.kind != "ar"
+
+    @property
+    def nodes(self) -> int:
+        """Drafted nodes per round (cost tables): the tree's size, or the chain length."""
+        p = self.proposer_spec()
+        return p.nodes(self.options) if p is not None and p.nodes is not None else int(self.k or 1)
+
+    def size_tree(self, target: FrozenTarget, verify_cost: Callable[[float], float]) -> None:
+        """The method's cost-model step (e.g. Medusa ``num_nodes: auto``): given v(n), fix the tree and rebuild
+        ``make``; a no-op for methods without one."""
+        p = self.proposer_spec()
+        if p is None or p.size is None:
+            return
+        sized = p.size(self.model, self.checkpoint, self.options, verify_cost)
+        if sized is not None:
+            self.options = sized
+            self.make = registry.factory(p, self.model, target, sized)
 
 
 @dataclass
@@ -209,104 +216,59 @@ def build_methods(
     draft_model: str | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[list[Method], dict[str, str]]:
-    """The methods named in ``names`` (``KINDS``), AR first. A method whose checkpoint (or draft model) is not
-    given or not on disk is skipped; returns (methods, {skipped name: reason}). A checkpoint trained for
-    another target, or of another method, raises a one-line ValueError (train/build.py ``load_drafter``)."""
-    from eval import proposers as P
-    from train.build import load_drafter
-
+    """The methods named in ``names`` (``ar`` + models/registry.py ``proposers()``), AR first. A method whose
+    checkpoint (or draft model) is not given or not on disk is skipped; returns (methods, {skipped: reason}).
+    A checkpoint trained for another target, or of another method, raises a one-line ValueError."""
     checkpoints = dict(checkpoints or {})
-    unknown = [n for n in names if n not in KINDS]
+    table = registry.proposers()
+    unknown = [n for n in names if n != "ar" and n not in table]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; use any of {list(KINDS)}")
-    opts = {k: {**v, **dict((options or {}).get(k) or {})} for k, v in DEFAULT_OPTIONS.items()}
-    bad = [k for k in (options or {}) if k not in DEFAULT_OPTIONS]
+        raise ValueError(f"unknown method(s) {unknown}; use any of {['ar', *table]}")
+    bad = [k for k in (options or {}) if k not in table]
     if bad:
-        raise ValueError(f"options for unknown method(s) {bad}; known: {sorted(DEFAULT_OPTIONS)}")
+        raise ValueError(f"options for unknown method(s) {bad}; known: {sorted(table)}")
     methods = [Method("ar", "ar")]
     skipped: dict[str, str] = {}
-    drafters: dict[str, tuple[Any, dict]] = {}
+    sources: dict[str, tuple[Any, dict | None]] = {}  # loaded once per checkpoint / model path
     for name in dict.fromkeys(names):  # ordered, no duplicates
         if name == "ar":
             continue
-        o = opts[name]
-        if name == "ngram":
-            def make(k, o=o):
-                return P.NGramProposer(k=k or o["k"], max_ngram=o["max_ngram"], min_ngram=o["min_ngram"])
-
-            methods.append(Method(name, name, make, k=int(o["k"]), options=o))
+        spec, p = table[name]
+        path, why = _source_path(spec, name, checkpoints, draft_model)
+        if why:
+            skipped[name] = why
             continue
-        if name == "draft_model":
-            if not draft_model:
-                skipped[name] = "no draft_model given (a small causal LM sharing the target's tokenizer)"
-                continue
-            if str(draft_model).startswith(("runs/", "./", "/")) and not Path(draft_model).exists():
-                skipped[name] = (f"draft model {draft_model} not found (tiny-code's: "
-                                 "python -m train.build_tiny_code --draft)")
-                continue
-            from models.target import load_causal_lm
-
-            model, tok = load_causal_lm(draft_model, dtype=target.model.dtype, device=str(target.model.device))
-            P.DraftModelProposer(model, k=o["k"], target=target, tokenizer=tok)  # refuses another tokenizer now
-
-            def make(k, o=o, model=model):
-                return P.DraftModelProposer(model, k=k or o["k"], target=target)
-
-            methods.append(Method(name, name, make, k=int(o["k"]), checkpoint=str(draft_model), options=o,
-                                  model=model))
-            continue
-        path = checkpoints.get(CHECKPOINT_KINDS[name])
-        if not path or not (Path(path) / "model.safetensors").exists():
-            skipped[name] = f"no checkpoint at {path!r} (train it: python -m train +recipe={CHECKPOINT_KINDS[name]})"
-            continue
-        if path not in drafters:
-            drafters[path] = load_drafter(path, target)  # raises for a drafter trained on another target
-        drafter, meta = drafters[path]
-        if meta["method"] != CHECKPOINT_KINDS[name]:
-            raise ValueError(f"{path} is a {meta['method']} checkpoint, not {CHECKPOINT_KINDS[name]}; "
-                             f"fix checkpoints.{CHECKPOINT_KINDS[name]}")
-        if name == "eagle3":
-            def make(k, o=o, d=drafter):
-                return P.Eagle3ChainProposer(d, k=k or o["k"])
-
-            methods.append(Method(name, name, make, k=int(o["k"]), checkpoint=str(path), options=o, model=drafter))
-        elif name == "eagle3_tree":
-            def make(k, o=o, d=drafter):
-                return P.Eagle3TreeProposer(d, depth=o["depth"], top_k=o["top_k"], total_tokens=o["total_tokens"])
-
-            make(None)  # one-line errors for bad tree settings now, not mid-run
-            methods.append(Method(name, name, make, checkpoint=str(path), options=o, model=drafter))
-        elif name == "medusa":
-            choices = o.get("choices")
-            auto = o.get("num_nodes") == "auto"  # sized by the cost model in run_benchmark, up to max_nodes
-            if choices is None:  # the tree saved with the checkpoint (held-out rank accuracies), resized
-                from models.medusa import load_static_tree, tree_capacity
-
-                choices = load_static_tree(path, int(o["max_nodes"]) if auto else o.get("num_nodes"))
-            if choices is None and auto:
-                raise ValueError(f"options.medusa.num_nodes=auto needs the rank accuracies saved with the checkpoint "
-                                 f"({path}/medusa_choices.json, written when trained with metric_top_k > 0); "
-                                 "pass a number of nodes instead")
-            if choices is None:
-                heads = drafter.cfg.num_heads
-                n_nodes = min(int(o["num_nodes"]), tree_capacity(heads, int(o["top_k"])))
-                log.warning("%s has no medusa_choices.json: using a made-up-accuracy tree of %d nodes", path, n_nodes)
-                choices = P.default_medusa_choices(heads, top_k=int(o["top_k"]), num_nodes=n_nodes)
-
-            def make(k, d=drafter, choices=choices):
-                return P.MedusaProposer(d, choices=choices)
-
-            make(None)
-            methods.append(Method(name, name, make, checkpoint=str(path),
-                                  options={**o, "num_nodes": len(choices), "auto_size": auto}, model=drafter))
-        elif name == "mtp":
-            k0 = int(o["k"] or drafter.cfg.num_modules)
-
-            def make(k, d=drafter, k0=k0):
-                return P.MTPProposer(d, k=k or k0)
-
-            methods.append(Method(name, name, make, k=k0, checkpoint=str(path), options={**o, "k": k0},
-                                  model=drafter))
+        if path is not None and path not in sources:
+            sources[path] = _load_source(spec, path, target)
+        drafter, meta = sources[path] if path is not None else (None, None)
+        if meta is not None and meta["method"] != spec.name:
+            raise ValueError(f"{path} is a {meta['method']} checkpoint, not {spec.name}; fix checkpoints.{spec.name}")
+        make, o = registry.make_proposer_factory(name, drafter, target, path, (options or {}).get(name))
+        methods.append(Method(name, name, make, k=int(o[p.k_option]) if p.k_option else None, checkpoint=path,
+                              options=o, model=drafter, spec=p))
     for name, why in skipped.items():
         log.warning("skipping %s: %s", name, why)
     return methods, skipped
+
+
+def _source_path(spec: MethodSpec, name: str, checkpoints: Mapping[str, str | None],
+                 draft_model: str | None) -> tuple[str | None, str | None]:
+    """(what to load, or None; why the method is skipped, or None)."""
+    if spec.source == "none":
+        return None, None
+    if spec.source == "model":
+        if not draft_model:
+            return None, f"no {name} given (a small causal LM sharing the target's tokenizer)"
+        if str(draft_model).startswith(("runs/", "./", "/")) and not Path(draft_model).exists():
+            return None, f"{name} {draft_model} not found (tiny-code's: python -m train.build_tiny_code --draft)"
+        return str(draft_model), None
+    path = checkpoints.get(spec.name)
+    if not path or not (Path(path) / "model.safetensors").exists():
+        return None, f"no checkpoint at {path!r} (train it: python -m train +recipe={spec.name})"
+    return str(path), None
+
+
+def _load_source(spec: MethodSpec, path: str, target: FrozenTarget) -> tuple[Any, dict | None]:
+    if spec.source == "model":
+        return spec.load(path, target), None
+    return registry.load_drafter(path, target)  # raises for a drafter trained on another target

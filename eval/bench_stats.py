@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eval.bench_setup import BenchSettings, Method, Prompt
-from eval.cost_model import _interp
+from eval.cost_model import interp
 from eval.decode import DecodeResult
 
 
@@ -36,7 +36,7 @@ class _Pool:
         self.accepted += sum(r.accepted)
         self.drafted += sum(r.drafted)
         if v is not None:
-            self.v_units += sum(_interp(v, k) for k in r.drafted)
+            self.v_units += sum(interp(v, k) for k in r.drafted)
         for i, (t, a) in enumerate(zip(r.pos_tries, r.pos_accepts)):
             if i >= len(self.pos_tries):
                 self.pos_tries.append(0)

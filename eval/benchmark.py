@@ -81,9 +81,6 @@ from tqdm.auto import tqdm
 # the split-out parts of the harness; the public names (``__all__``) still import from here
 from eval.batch_sweep import _batch_sweep, _generator
 from eval.bench_setup import (
-    CHAIN_KINDS,
-    DEFAULT_OPTIONS,
-    KINDS,
     RECOMMEND_ORDER,
     BenchSettings,
     Method,
@@ -92,15 +89,12 @@ from eval.bench_setup import (
     load_prompts,
 )
 from eval.bench_stats import _lossless_single, _Pool, _summaries
-from eval.cost_model import choose_k, crossover_batch_size, expected_tokens, measure_costs, predicted_speedup
+from eval.cost_model import choose_k, crossover_batch_size, expected_tokens, interp, measure_costs, predicted_speedup
 from eval.decode import DecodeResult, decode_ar, speculative_decode
 from eval.peers import _hf_generate, _peer_summaries, _peers
 from models.target import FrozenTarget
 
 __all__ = [
-    "KINDS",
-    "CHAIN_KINDS",
-    "DEFAULT_OPTIONS",
     "Prompt",
     "Method",
     "BenchSettings",
@@ -183,14 +177,13 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
 
     # ---- cost tables: t1, v(K) up to the largest tree, w_B(K) up to the largest chain
     k_chain = max([int(m.k) for m in chains] or [0])
-    trees = [_tree_size(m) for m in spec if not m.chain]
+    trees = [m.nodes for m in spec if not m.chain]
     widths = [*range(1, k_chain + 2), *(n + 1 for n in trees),
               *(w for w in (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if w <= max(trees or [0]))]
     prefix_len = round(statistics.mean(len(p.ids) for p in prompts)) + s.max_new_tokens // 2  # mid-generation
     costs = measure_costs(target, prefix_len, widths, sorted({1, *s.batch_sizes}), k_chain, s.cost_reps, s.seed)
-    for m in spec:
-        if m.kind == "medusa" and m.options.get("auto_size"):
-            _size_medusa_tree(m, costs["verify"])
+    for m in spec:  # trees sized by the cost model (e.g. Medusa num_nodes: auto) before any decoding
+        m.size_tree(target, lambda n: interp(costs["verify"], n))
 
     single = _single_runs(target, methods, ids, prompts, s, costs["verify"], eos)
     # the target's real cost per call: AR's in-situ seconds per decode step (forward + sampling), per temperature;
@@ -305,29 +298,6 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
                     tokens0.setdefault(name, []).append(tok_rep)
     bar.close()
     return {"pools": pools, "times": times, "dtimes": dtimes, "ntoks": ntoks, "tokens0": tokens0, "peers": peers}
-
-
-def _size_medusa_tree(m: Method, v_table: Mapping[int, float]) -> None:
-    """Shrink a Medusa method's static tree to the size the cost model predicts is fastest (expected τ from the
-    checkpoint's held-out rank accuracies over the measured verify cost v(n)); recorded in its options."""
-    from eval.cost_model import _interp
-    from eval.proposers import MedusaProposer
-    from models.medusa import build_medusa_tree, load_rank_accuracy, size_tree
-
-    acc = load_rank_accuracy(m.checkpoint)
-    n, pred = size_tree(acc, lambda n: _interp(v_table, n), int(m.options["num_nodes"]))
-    choices = build_medusa_tree(acc, n)
-    m.make = lambda k, d=m.model, choices=choices: MedusaProposer(d, choices=choices)
-    m.options.update(num_nodes=n, choices_sized={"num_nodes": n, "predicted_bound": {k: round(v, 3) for k, v in
-                                                                                      pred.items()}})
-
-
-def _tree_size(m: Method) -> int:
-    if m.kind == "eagle3_tree":
-        return int(m.options["total_tokens"])
-    if m.kind == "medusa":
-        return int(m.options["num_nodes"])
-    return int(m.k or 1)
 
 
 def all_lossless(results: Mapping[str, Any]) -> bool:

@@ -76,7 +76,7 @@ def measure_costs(
             "verify": {w - 1: t / t1 for w, t in t_b1.items()}, "batch": batch}
 
 
-def _interp(table: Mapping[int, float], x: float) -> float:
+def interp(table: Mapping[int, float], x: float) -> float:
     """Piecewise-linear interpolation of a {K: cost} table; past the last point the last segment's slope
     continues (verify cost keeps growing with width), below the first point the first value holds."""
     ks = sorted(table)
@@ -108,7 +108,7 @@ def predicted_speedup(acceptance: Sequence[float], c: float, w: Mapping[int, flo
     E(K) · w_B(0) / (B·K·c + w_B(K)); the B proposers draft one after another, hence B·K·c. K = 0 → 1."""
     if k == 0:
         return 1.0
-    return expected_tokens(acceptance, k) * _interp(w, 0) / (batch_size * k * c + _interp(w, k))
+    return expected_tokens(acceptance, k) * interp(w, 0) / (batch_size * k * c + interp(w, k))
 
 
 def choose_k(

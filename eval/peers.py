@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.bench_setup import DEFAULT_OPTIONS, BenchSettings, Method
+from eval.bench_setup import BenchSettings, Method
 from eval.bench_stats import _stats, _tps
 from eval.decode import device_time
+from models import registry
 from models.target import FrozenTarget
 
 
@@ -39,7 +40,7 @@ def _peers(methods: Sequence[Method]) -> list[tuple[str, dict]]:
     """HF peers: plain greedy generate, prompt lookup with our n-gram settings, assisted generation with our
     draft model (HF's own num_assistant_tokens schedule: what a user of generate() gets)."""
     ng = next((m for m in methods if m.kind == "ngram"), None)
-    o = ng.options if ng else DEFAULT_OPTIONS["ngram"]
+    o = ng.options if ng else registry.proposer("ngram")[1].defaults
     lookup = {"prompt_lookup_num_tokens": int(o["k"]), "max_matching_ngram_size": int(o["max_ngram"])}
     peers = [("hf_greedy", {}), ("hf_prompt_lookup", lookup)]
     dm = next((m for m in methods if m.kind == "draft_model"), None)

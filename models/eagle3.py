@@ -33,13 +33,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from models.drafter import simulated_tau
-from models.target import validate_layer_ids
-from models.vocab import check_mapping, draft_to_target
+from models.proposal import MAX_TREE_NODES, Proposal, Sampling, chain_proposal, check_k, pick_token, tree_layout
+from models.spec import MethodSpec, ProposerSpec
+from models.target import FrozenTarget, validate_layer_ids
+from models.vocab import build_draft_vocab, check_mapping, count_tokens, draft_to_target
 
 
 @dataclass
@@ -182,10 +184,15 @@ class Eagle3Drafter(nn.Module):
     """EAGLE-3 draft head for a frozen target (see the module docstring for the exact maths)."""
 
     def __init__(self, cfg: Eagle3Config, target_config: PretrainedConfig, embed_weight: torch.Tensor,
-                 d2t: torch.Tensor, t2d: torch.Tensor):
+                 d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
+        """``d2t``/``t2d``: the draft vocabulary (models/vocab.py); None → the first draft_vocab_size target ids,
+        the shape a checkpoint's own buffers then overwrite (``rebuild``)."""
         super().__init__()
         tc = target_config
         L, H, V = tc.num_hidden_layers, tc.hidden_size, tc.vocab_size
+        if d2t is None and t2d is None and 0 < cfg.draft_vocab_size <= V:
+            t2d = torch.arange(V) < cfg.draft_vocab_size
+            d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         if cfg.layer_ids is None:
             ids = default_layer_ids(L)
             if len(set(ids)) != 3 or min(ids) < 0:
@@ -450,7 +457,7 @@ def _rope_inv_freq(tc: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, f
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Inference with a KV cache (used by eval/proposers.py). Entries follow the training convention above: the "real"
+# Inference with a KV cache (used by the proposers below). Entries follow the training convention above: the "real"
 # entry at position i reads (emb(t_{i+1}), g_i) and sits at RoPE position i; a drafted token at depth s after the
 # last real entry (position n) reads (emb(d_s), a of its parent entry) and sits at RoPE position n + s.
 # ---------------------------------------------------------------------------------------------------------------
@@ -560,3 +567,185 @@ def cached_step(
     gu = F.linear(layer.post_attention_layernorm(a), w["gate_up"])
     inter = gu.shape[-1] // 2
     return a + mlp.down_proj(mlp.act(gu[..., :inter]) * gu[..., inter:])
+
+
+# --------------------------------------------------------------------------------------------- proposers
+
+class _Eagle3Base:
+    """KV cache of the drafter's "real" entries (built from the target's fused states, models/eagle3.py
+    convention: entry i reads (emb(x_{i+1}), g_i) at RoPE position i). Drafted entries never enter it."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter.eval()
+        self.layer_ids = list(drafter.layer_ids)
+        self.vocab_ids = drafter.draft_ids  # [Vd] target id of each draft id
+        self.vocab_size = drafter.vocab_size
+
+    @torch.no_grad()
+    def begin(self, tokens: Tensor, hidden: dict[int, Tensor], sampling: Sampling) -> None:
+        self.sampling = sampling
+        self.kv = DraftKV()  # real entries [0, n_real); drafted ones are scratch after them
+        self.n_real = 0
+        self.pending_ids = tokens[:, 1:].long()  # the token each pending entry's embedding reads
+        self.pending_g = self.drafter.fuse(hidden)  # [1, P, H]
+
+    @torch.no_grad()
+    def accept(self, tokens: Tensor, hidden: dict[int, Tensor]) -> None:
+        self.pending_ids = torch.cat([self.pending_ids, tokens.long()], dim=1)
+        self.pending_g = torch.cat([self.pending_g, self.drafter.fuse(hidden)], dim=1)
+
+    @torch.no_grad()
+    def _extend(self) -> Tensor:
+        """Add the pending real entries to the cache; return the last one's output a [1, H] (it scores the
+        token after the newest context token)."""
+        t = self.pending_ids.shape[1]
+        pos = torch.arange(self.n_real, self.n_real + t, device=self.pending_g.device)
+        a = cached_step(self.drafter, self.pending_ids, self.pending_g, pos, self.kv, self.n_real)
+        self.n_real += t
+        self.pending_ids = self.pending_ids[:, :0]
+        self.pending_g = self.pending_g[:, :0]
+        return a[:, -1]
+
+
+class Eagle3ChainProposer(_Eagle3Base):
+    """EAGLE-3 chain of k drafts: draft s (1-based) enters as (emb(d_s), a of the previous entry) at RoPE
+    position n + s (n = the last real entry's position) and attends to every real entry and earlier draft."""
+
+    def __init__(self, drafter, k: int = 5, sample_drafts: bool = True):
+        super().__init__(drafter)
+        self.k = check_k("k", k)
+        self.sample_drafts = sample_drafts
+
+    @torch.no_grad()
+    def propose(self, max_depth: int) -> Proposal:
+        k = min(self.k, max_depth)
+        a = self._extend()  # [1, H]
+        last = self.n_real - 1
+        toks, qs = [], []
+        for s in range(1, k + 1):
+            tok, q = pick_token(self.drafter.logits(a)[0], self.sampling, self.sample_drafts, self.vocab_ids,
+                           self.vocab_size)
+            toks.append(tok)
+            qs.append(q)
+            if s < k:  # draft s enters as scratch entry n_real + s - 1, RoPE position last + s
+                pos = torch.tensor([last + s], device=a.device)
+                a = cached_step(self.drafter, tok[None], a[:, None], pos, self.kv, self.n_real + s - 1)[:, -1]
+        return chain_proposal(toks, qs, a.device)
+
+
+class Eagle3TreeProposer(_Eagle3Base):
+    """EAGLE-2 dynamic draft tree on an EAGLE-3 head.
+
+    Depth 1: the top_k tokens after the newest context token, score = log q. Then for depth-1 more levels:
+    expand the top_k highest-scoring nodes of the newest level (each node's entry reads (emb(token), a of its
+    parent's entry) at RoPE position n + depth and sees the real entries, its ancestors' entries and itself),
+    give each its top_k children with score = parent score + log q. Finally keep the best ``total_tokens``
+    of all generated nodes (ties: shallower first, so the kept set contains every kept node's ancestors).
+    Scores use the drafter's softmax at temperature 1; drafts are deterministic (point-mass verification).
+    """
+
+    def __init__(self, drafter, depth: int = 6, top_k: int = 10, total_tokens: int = 60,
+                 max_nodes: int = MAX_TREE_NODES):
+        super().__init__(drafter)
+        self.depth = check_k("depth", depth)
+        self.top_k = check_k("top_k", top_k)
+        self.total_tokens = check_k("total_tokens", total_tokens)
+        if self.top_k > drafter.draft_vocab_size:
+            raise ValueError(f"top_k={top_k} exceeds the draft vocabulary ({drafter.draft_vocab_size})")
+        if self.total_tokens > max_nodes:
+            raise ValueError(f"total_tokens={total_tokens} is more than max_nodes={max_nodes} tree nodes; "
+                             "lower total_tokens")
+
+    @torch.no_grad()
+    def propose(self, max_depth: int) -> Proposal:
+        dr, top_k = self.drafter, self.top_k
+        a_root = self._extend()  # [1, H]
+        device = a_root.device
+        last = self.n_real - 1
+        logp = torch.log_softmax(dr.logits(a_root).float(), -1)[0]  # [Vd]
+        top = logp.topk(top_k)
+        # the node pool, level by level; pool index order is topological (children appended after parents)
+        tokens = [self.vocab_ids[top.indices]]
+        scores = [top.values]
+        parents = [torch.full((top_k,), -1, dtype=torch.long, device=device)]
+        depths = [torch.ones(top_k, dtype=torch.long, device=device)]
+        n_pool = top_k
+        frontier = torch.arange(top_k, device=device)  # pool indices to expand next
+        # drafted entries: outputs, KV, ancestor mask over entries (incl. self); entry index of expanded nodes
+        ent_a = a_root.new_zeros(0, a_root.shape[-1])
+        ent_anc = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        node_entry = torch.full((top_k,), -1, dtype=torch.long, device=device)
+        all_tok, all_par = tokens[0], parents[0]
+        for d in range(1, min(self.depth, max_depth)):
+            f = frontier.shape[0]
+            e = ent_a.shape[0]
+            if d == 1:  # depth-1 nodes hang off the root: they read the last real entry's output
+                h_in = a_root.expand(f, -1)
+                anc_rows = torch.zeros(f, 0, dtype=torch.bool, device=device)
+            else:  # every frontier node's parent was expanded one level up, so it has an entry
+                par_ent = node_entry[all_par[frontier]]
+                h_in = ent_a[par_ent]
+                anc_rows = ent_anc[par_ent]  # [f, e]: the parent's entry and its ancestors' entries
+            mask = torch.cat([torch.ones(f, self.n_real, dtype=torch.bool, device=device), anc_rows,
+                              torch.eye(f, dtype=torch.bool, device=device)], dim=1)
+            pos = torch.full((f,), last + d, device=device)
+            out = cached_step(dr, all_tok[frontier][None], h_in[None], pos, self.kv, self.n_real + e, mask)
+            ent_anc = torch.cat([torch.cat([ent_anc, torch.zeros(e, f, dtype=torch.bool, device=device)], 1),
+                                 torch.cat([anc_rows, torch.eye(f, dtype=torch.bool, device=device)], 1)], 0)
+            ent_a = torch.cat([ent_a, out[0]], dim=0)
+            node_entry[frontier] = e + torch.arange(f, device=device)
+            # children of every expanded node: top_k each, cumulative log q
+            logq = torch.log_softmax(dr.logits(out[0]).float(), -1)  # [f, Vd]
+            ctop = logq.topk(top_k, dim=-1)
+            cscore = torch.cat(scores)[frontier][:, None] + ctop.values  # [f, top_k]
+            tokens.append(self.vocab_ids[ctop.indices].reshape(-1))
+            scores.append(cscore.reshape(-1))
+            parents.append(frontier[:, None].expand(f, top_k).reshape(-1))
+            depths.append(torch.full((f * top_k,), d + 1, dtype=torch.long, device=device))
+            frontier = n_pool + cscore.reshape(-1).topk(min(top_k, f * top_k)).indices
+            n_pool += f * top_k
+            node_entry = torch.cat([node_entry, torch.full((f * top_k,), -1, dtype=torch.long, device=device)])
+            all_tok, all_par = torch.cat(tokens), torch.cat(parents)
+        return self._select(torch.cat(tokens), torch.cat(scores), torch.cat(parents), torch.cat(depths))
+
+    def _select(self, tok: Tensor, score: Tensor, par: Tensor, depth: Tensor) -> Proposal:
+        """Keep the best total_tokens nodes (score desc, then depth asc), re-indexed in pool (topological) order."""
+        order = depth.argsort(stable=True)
+        order = order[score[order].argsort(descending=True, stable=True)]
+        keep = order[: self.total_tokens].sort().values
+        new_index = torch.full_like(par, -1)
+        new_index[keep] = torch.arange(keep.shape[0], device=keep.device)
+        kp = par[keep]
+        parents = torch.where(kp >= 0, new_index[kp.clamp_min(0)], -1)
+        if bool(((kp >= 0) & (parents < 0)).any()):
+            raise RuntimeError("EAGLE-2 tree selection dropped an ancestor of a kept node")
+        d, anc = tree_layout(parents)
+        self.last_scores = score[keep]  # [N] cumulative log q of the kept nodes (for inspection)
+        return Proposal(tokens=tok[keep].long(), parents=parents, depth=d, ancestors=anc)
+
+
+# --------------------------------------------------------------------------------------------- the method
+def build(cfg: Eagle3Config, target: FrozenTarget, train_rows: list[dict]) -> Eagle3Drafter:
+    """A new drafter; its draft vocabulary = the most frequent tokens at loss-masked positions of the data."""
+    if cfg.draft_vocab_size > target.vocab_size:
+        raise ValueError(f"draft.config.draft_vocab_size={cfg.draft_vocab_size} is larger than the target's "
+                         f"vocabulary ({target.vocab_size}); set it <= {target.vocab_size}")
+    d2t, t2d = build_draft_vocab(count_tokens(train_rows, target.vocab_size), cfg.draft_vocab_size)
+    return Eagle3Drafter(cfg, target.model.config, target.embed.weight.detach().clone(), d2t, t2d)
+
+
+def rebuild(cfg: Eagle3Config, target: FrozenTarget) -> Eagle3Drafter:
+    return Eagle3Drafter(cfg, target.model.config, target.embed.weight.detach().clone())
+
+
+SPEC = MethodSpec(
+    name="eagle3", config=Eagle3Config, build=build, rebuild=rebuild,
+    export_formats=("eagle3_native", "eagle3_speculators"),
+    proposers=(
+        ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5}),
+        # EAGLE-2 dynamic tree, sized for CPU (verify cost grows with nodes there; GPU: depth 6, top_k 10, 60)
+        ProposerSpec("eagle3_tree", lambda d, _t, **o: Eagle3TreeProposer(d, **o),
+                     {"depth": 5, "top_k": 4, "total_tokens": 24}, chain=False, k_option=None,
+                     nodes=lambda o: int(o["total_tokens"])),
+    ),
+)

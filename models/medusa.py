@@ -24,17 +24,22 @@ from __future__ import annotations
 
 import heapq
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from transformers import PreTrainedConfig
 
 from models.drafter import simulated_tau
+from models.proposal import MAX_TREE_NODES, Proposal, Sampling
+from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -404,3 +409,99 @@ def tree_buffers(choices: Sequence[Sequence[int]]) -> MedusaTreeBuffers:
 def tree_tokens(buffers: MedusaTreeBuffers, candidates: torch.Tensor) -> torch.Tensor:
     """candidates [B, K, top_k] (``propose``) → node tokens [B, N] in ``buffers.choices`` order."""
     return candidates[:, buffers.head.to(candidates.device), buffers.rank.to(candidates.device)]
+
+
+# --------------------------------------------------------------------------------------------- proposers
+
+def default_medusa_choices(num_heads: int, top_k: int = 10, num_nodes: int = 63) -> list[tuple[int, ...]]:
+    """A Medusa tree without measured head accuracies: build_medusa_tree on a made-up table where head k's
+    rank-r candidate is right with probability 0.6^(k+1) / (r+1) (deeper heads and lower ranks less often).
+    Prefer ``build_medusa_tree(head_topk_accuracy(...), n)`` with the trained heads."""
+    acc = torch.tensor([[0.6 ** (k + 1) / (r + 1) for r in range(top_k)] for k in range(num_heads)])
+    return build_medusa_tree(acc, min(num_nodes, tree_capacity(num_heads, top_k)))
+
+
+class MedusaProposer:
+    """Medusa heads on a static tree: node (r_0, …, r_{d-1}) is head d-1's rank-r_{d-1} token, read from the
+    target's post-norm hidden state of the token before the newest one (head k predicts newest + 1 + k)."""
+
+    def __init__(self, heads, choices: Sequence[Sequence[int]] | None = None, max_nodes: int = MAX_TREE_NODES):
+        self.heads = heads.eval()
+        self.layer_ids = list(heads.layer_ids)
+        K = heads.cfg.num_heads
+        choices = default_medusa_choices(K) if choices is None else [tuple(c) for c in choices]
+        self.buffers = tree_buffers(choices)
+        deepest = int(self.buffers.depth.max())
+        if deepest > K:
+            raise ValueError(f"medusa choices are {deepest} deep but the drafter has {K} heads: each depth needs "
+                             "its own head; use choices of depth <= num_heads")
+        if len(choices) > max_nodes:
+            raise ValueError(f"medusa tree has {len(choices)} nodes, more than max_nodes={max_nodes}")
+        self.top_k = int(self.buffers.rank.max()) + 1
+        if self.top_k > heads.vocab_size:
+            raise ValueError(f"medusa choices use rank {self.top_k - 1} but the vocabulary has {heads.vocab_size}")
+        self.depth_of = self.buffers.depth
+
+    @torch.no_grad()
+    def begin(self, tokens: Tensor, hidden: dict[int, Tensor], sampling: Sampling) -> None:
+        self.last_h = hidden[self.layer_ids[0]][:, -1]  # [1, H]
+
+    @torch.no_grad()
+    def accept(self, tokens: Tensor, hidden: dict[int, Tensor]) -> None:
+        self.last_h = hidden[self.layer_ids[0]][:, -1]
+
+    @torch.no_grad()
+    def propose(self, max_depth: int) -> Proposal:
+        b = self.buffers
+        cand = propose(self.heads, self.last_h, self.top_k)  # [1, K, top_k]
+        tok = tree_tokens(b, cand)[0]
+        n = int((b.depth <= max_depth).sum())  # choices are sorted by depth: a prefix is a shallower tree
+        return Proposal(tokens=tok[:n], parents=b.parent[:n].to(tok.device), depth=b.depth[:n].to(tok.device),
+                        ancestors=b.attn_mask[:n, :n].to(tok.device))
+
+
+# --------------------------------------------------------------------------------------------- the method
+def build(cfg: MedusaConfig, target: FrozenTarget, train_rows: list[dict] | None = None) -> MedusaHeads:
+    # the heads' own projections are copies; a shared (frozen) head borrows the target's storage
+    return MedusaHeads(cfg, target.model.config, target.model.get_output_embeddings().weight.detach())
+
+
+def _prepare_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict) -> dict:
+    """The tree before any proposer exists: ``choices`` given, else the one saved with the checkpoint (held-out
+    rank accuracies; with ``num_nodes: auto`` at its largest, ``max_nodes``, for ``_size_tree`` to shrink),
+    else a made-up-accuracy tree (warned)."""
+    choices, auto = o.get("choices"), o.get("num_nodes") == "auto"
+    if choices is None and ckpt_dir is not None:
+        choices = load_static_tree(ckpt_dir, int(o["max_nodes"]) if auto else o.get("num_nodes"))
+    if choices is None and auto:
+        raise ValueError(f"options.medusa.num_nodes=auto needs the rank accuracies saved with the checkpoint "
+                         f"({ckpt_dir}/{TREE_FILE}, written when trained with metric_top_k > 0); "
+                         "pass a number of nodes instead")
+    if choices is None:
+        n_nodes = min(int(o["num_nodes"]), tree_capacity(heads.cfg.num_heads, int(o["top_k"])))
+        log.warning("%s has no %s: using a made-up-accuracy tree of %d nodes", ckpt_dir, TREE_FILE, n_nodes)
+        choices = default_medusa_choices(heads.cfg.num_heads, top_k=int(o["top_k"]), num_nodes=n_nodes)
+    choices = [tuple(c) for c in choices]
+    return {**o, "choices": choices, "num_nodes": len(choices), "auto_size": auto}
+
+
+def _size_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict, verify_cost) -> dict | None:
+    """Cost-model sizing (``num_nodes: auto``): the tree size whose expected τ (saved rank accuracies) over the
+    measured verify cost v(n) is largest, up to the prepared tree's size."""
+    if not o.get("auto_size"):
+        return None
+    acc = load_rank_accuracy(ckpt_dir)
+    n, pred = size_tree(acc, verify_cost, int(o["num_nodes"]))
+    return {**o, "choices": build_medusa_tree(acc, n), "num_nodes": n,
+            "choices_sized": {"num_nodes": n, "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
+
+
+SPEC = MethodSpec(
+    name="medusa", config=MedusaConfig, build=build, rebuild=build,
+    export_formats=("medusa_fasterdecoding", "medusa_vllm"),
+    after_training=lambda heads, out_dir, metrics: heads.save_static_tree(out_dir, metrics),
+    proposers=(ProposerSpec(
+        "medusa", lambda heads, _t, **o: MedusaProposer(heads, choices=o["choices"]),
+        {"top_k": 4, "num_nodes": "auto", "max_nodes": 24, "choices": None},
+        chain=False, k_option=None, prepare=_prepare_tree, size=_size_tree, nodes=lambda o: int(o["num_nodes"])),),
+)

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 
 from data.corpus import heldout_prompts
-from eval import proposers as P
 from eval.decode import Sampling, accept_proposal, commit_kv, new_cache, prefill, verify_forward
+from models.eagle3 import Eagle3ChainProposer
 from models.export import ExportError, export, load_export
-from models.medusa import load_static_tree
+from models.medusa import MedusaProposer, load_static_tree
+from models.mtp import MTPProposer
+from models.registry import load_drafter
 from models.target import FrozenTarget
-from train.build import load_drafter
 
 FORMATS = {"eagle3": ["eagle3_native", "eagle3_speculators"], "medusa": ["medusa_fasterdecoding", "medusa_vllm"],
            "mtp": ["mtp_deepseek", "mtp_sglang_nextn"]}
@@ -32,10 +33,10 @@ FORMATS = {"eagle3": ["eagle3_native", "eagle3_speculators"], "medusa": ["medusa
 
 def _proposer(method: str, drafter, ckpt: Path):
     if method == "eagle3":
-        return P.Eagle3ChainProposer(drafter, k=5)
+        return Eagle3ChainProposer(drafter, k=5)
     if method == "medusa":
-        return P.MedusaProposer(drafter, choices=load_static_tree(ckpt))
-    return P.MTPProposer(drafter)
+        return MedusaProposer(drafter, choices=load_static_tree(ckpt))
+    return MTPProposer(drafter)
 
 
 @torch.no_grad()

@@ -29,7 +29,6 @@ from hydra import compose, initialize_config_dir
 
 from eval import decode
 from eval.benchmark import (
-    KINDS,
     BenchSettings,
     Method,
     Prompt,
@@ -44,10 +43,12 @@ from eval.benchmark import (
     write_json,
 )
 from eval.report import console_summary, markdown, write_report
+from models import registry
 from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from train.loop import run as train_run
 
+KINDS = ["ar", *registry.proposers()]  # every method the registry knows
 CONF = Path(__file__).resolve().parent.parent / "conf"
 MAX_NEW = 8
 PROMPT_TEXTS = ["def add(a, b):\n    return a + b\ndef add(a, b):\n", "for i in range(10):\n    print(i * i)\nfor i in"]
@@ -105,7 +106,7 @@ def full(env):
 
 def test_medusa_tree_is_sized_by_the_cost_model(full, env):
     """num_nodes=auto: the tree is the checkpoint's greedy tree of the size that maximises expected τ / v(n)."""
-    from eval.cost_model import _interp
+    from eval.cost_model import interp
     from models.medusa import build_medusa_tree, expected_tree_tau, load_rank_accuracy
 
     o = full["methods"]["medusa"]["options"]
@@ -114,7 +115,7 @@ def test_medusa_tree_is_sized_by_the_cost_model(full, env):
     acc = load_rank_accuracy(env.ckpts["medusa"])
     v = {int(k): x for k, x in full["cost_model"]["verify"].items()}
     for n in (1, 8):
-        assert pred[n] == pytest.approx(expected_tree_tau(acc, build_medusa_tree(acc, n)) / _interp(v, n), abs=1e-3)
+        assert pred[n] == pytest.approx(expected_tree_tau(acc, build_medusa_tree(acc, n)) / interp(v, n), abs=1e-3)
     assert all(e["k_mean"] <= o["num_nodes"] for e in full["runs"] if e["method"] == "medusa")
 
 

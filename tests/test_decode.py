@@ -1,4 +1,4 @@
-"""The decoding engine (eval/decode.py) and every proposer (eval/proposers.py) on tiny models built in code.
+"""The decoding engine (eval/decode.py) and every proposer (models/<method>.py) on tiny models built in code.
 
 What is checked:
 - the KV cache: cached greedy decoding equals a naive no-cache argmax loop;
@@ -21,11 +21,13 @@ import torch
 from scipy.stats import chisquare
 
 from eval import decode, decode_batch
-from eval import proposers as P
 from eval.decode import Proposal
-from models.eagle3 import Eagle3Config, Eagle3Drafter
-from models.medusa import MedusaConfig, MedusaHeads
-from models.mtp import MTPConfig, MTPDrafter, propose_chain
+from models.draft_model import DraftModelProposer
+from models.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
+from models.medusa import MedusaConfig, MedusaHeads, MedusaProposer, default_medusa_choices
+from models.mtp import MTPConfig, MTPDrafter, MTPProposer, propose_chain
+from models.ngram import NGramProposer
+from models.registry import load_proposer
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
 from tests.conftest import make_tiny_llama
@@ -62,19 +64,19 @@ def drafters(target):
 
 def make_proposer(name: str, target: FrozenTarget, d: dict):
     if name == "ngram":
-        return P.NGramProposer(k=4, max_ngram=3)
+        return NGramProposer(k=4, max_ngram=3)
     if name == "draft_model":
-        return P.DraftModelProposer(d["draft_lm"], k=3, target=target)
+        return DraftModelProposer(d["draft_lm"], k=3, target=target)
     if name == "self_draft":  # the target drafting for itself: every draft is accepted
-        return P.DraftModelProposer(target.model, k=3, target=target)
+        return DraftModelProposer(target.model, k=3, target=target)
     if name == "eagle3_chain":
-        return P.Eagle3ChainProposer(d["eagle"], k=4)
+        return Eagle3ChainProposer(d["eagle"], k=4)
     if name == "eagle3_tree":
-        return P.Eagle3TreeProposer(d["eagle"], depth=4, top_k=4, total_tokens=24)
+        return Eagle3TreeProposer(d["eagle"], depth=4, top_k=4, total_tokens=24)
     if name == "medusa_tree":
-        return P.MedusaProposer(d["medusa"], choices=P.default_medusa_choices(3, top_k=4, num_nodes=20))
+        return MedusaProposer(d["medusa"], choices=default_medusa_choices(3, top_k=4, num_nodes=20))
     if name == "mtp_chain":
-        return P.MTPProposer(d["mtp"], k=3)  # 3 > D = 2: the last module is reused
+        return MTPProposer(d["mtp"], k=3)  # 3 > D = 2: the last module is reused
     raise KeyError(name)
 
 
@@ -164,7 +166,7 @@ def test_eagle3_kv_chain_equals_draft_greedy(target, drafters):
     g = torch.Generator().manual_seed(3)
     ctx = torch.randint(3, V, (1, 12), generator=g)
     hid = target(ctx, layer_ids=dr.layer_ids).hidden
-    prop = P.Eagle3ChainProposer(dr, k=5)
+    prop = Eagle3ChainProposer(dr, k=5)
     n0 = 8  # begin: tokens x_0..x_8, states for x_0..x_7
     prop.begin(ctx[:, : n0 + 1], {k: v[:, :n0] for k, v in hid.items()}, decode.Sampling())
     got = prop.propose(5).tokens
@@ -177,7 +179,7 @@ def test_eagle3_kv_chain_equals_draft_greedy(target, drafters):
     assert torch.equal(got, ref)
     assert prop.n_real == 11
     # sampled drafts: q over the target vocabulary is the drafter's distribution after the drafted tokens
-    prop = P.Eagle3ChainProposer(dr, k=4)
+    prop = Eagle3ChainProposer(dr, k=4)
     prop.begin(ctx, {k: v[:, :11] for k, v in hid.items()}, decode.Sampling(1.0, generator=g))
     sampled = prop.propose(4)
     assert sampled.q.shape == (4, V) and torch.allclose(sampled.q.sum(-1), torch.ones(4))
@@ -203,7 +205,7 @@ def test_eagle3_kv_buffer_growth_keeps_the_cache(target, drafters):
     g = torch.Generator().manual_seed(4)
     ctx = torch.randint(3, V, (1, 140), generator=g)
     hid = target(ctx, layer_ids=dr.layer_ids).hidden
-    prop = P.Eagle3ChainProposer(dr, k=5)
+    prop = Eagle3ChainProposer(dr, k=5)
     n0 = 60
     prop.begin(ctx[:, : n0 + 1], {k: v[:, :n0] for k, v in hid.items()}, decode.Sampling())
     prop.propose(5)  # drafted scratch entries are written after the real ones, then overwritten
@@ -242,7 +244,7 @@ def test_eagle2_dynamic_tree_matches_a_no_cache_reference(target, drafters):
     g = torch.Generator().manual_seed(4)
     ctx = torch.randint(3, V, (1, 10), generator=g)
     hid = {k: v[:, :9] for k, v in target(ctx, layer_ids=dr.layer_ids).hidden.items()}
-    prop = P.Eagle3TreeProposer(dr, depth=4, top_k=3, total_tokens=15)
+    prop = Eagle3TreeProposer(dr, depth=4, top_k=3, total_tokens=15)
     prop.begin(ctx, hid, decode.Sampling())
     tree = prop.propose(10)
     par, toks, depth = tree.parents.tolist(), tree.tokens.tolist(), tree.depth.tolist()
@@ -288,7 +290,7 @@ def test_mtp_kv_chain_equals_propose_chain(target, drafters):
     ctx = torch.randint(3, V, (1, 14), generator=g)
     h = target(ctx, layer_ids=dr.layer_ids).hidden[L]
     for sampling in (decode.Sampling(), decode.Sampling(1.0, generator=g)):
-        prop = P.MTPProposer(dr, k=4)
+        prop = MTPProposer(dr, k=4)
         prop.begin(ctx[:, :7], {L: h[:, :6]}, sampling)
         end, k = 7, 4
         for nxt in (9, 10, 14, None):  # propose, then accept 2, 1, 4 tokens: the per-depth caches stay right
@@ -433,7 +435,7 @@ def test_sampled_draft_model_reproduces_target_distribution(small_target):
     gen = torch.Generator().manual_seed(321)
     samples, rounds, acc = [], 0, 0
     for _ in range(300):
-        prop = P.DraftModelProposer(draft, k=2, target=small_target)
+        prop = DraftModelProposer(draft, k=2, target=small_target)
         res = decode.speculative_decode(small_target, prop, prompt, 4, temperature=1.0, top_p=0.9, generator=gen)
         samples.append(tuple(res.tokens))
         rounds += res.rounds
@@ -540,9 +542,9 @@ def test_errors_are_one_line(target, drafters, tiny_tokenizer, tmp_path):
         with pytest.raises(ValueError, match="temperature|top_p"):
             decode.decode_ar(target, prompt, 4, **kw)
         with pytest.raises(ValueError, match="temperature|top_p"):
-            decode.speculative_decode(target, P.NGramProposer(), prompt, 4, **kw)
+            decode.speculative_decode(target, NGramProposer(), prompt, 4, **kw)
     with pytest.raises(ValueError, match="max_nodes"):
-        P.Eagle3TreeProposer(drafters["eagle"], total_tokens=300)
+        Eagle3TreeProposer(drafters["eagle"], total_tokens=300)
 
     class Huge(ScriptedProposer):
         def propose(self, max_depth):
@@ -551,21 +553,21 @@ def test_errors_are_one_line(target, drafters, tiny_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="more than max_nodes=256"):
         decode.speculative_decode(target, Huge([], 1), prompt, 4)
     with pytest.raises(ValueError, match="3 heads"):
-        P.MedusaProposer(drafters["medusa"], choices=[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)])
+        MedusaProposer(drafters["medusa"], choices=[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)])
     with pytest.raises(ValueError, match="smaller than the target"):
-        P.DraftModelProposer(make_tiny_llama(V - 1, layers=1, hidden=16), target=target)
+        DraftModelProposer(make_tiny_llama(V - 1, layers=1, hidden=16), target=target)
     with_tok = FrozenTarget(make_tiny_llama(len(tiny_tokenizer), layers=1, hidden=16), tiny_tokenizer)
     grown = copy.deepcopy(tiny_tokenizer)  # another tokenizer: one more token
     grown.add_tokens(["<extra_token>"])
     with pytest.raises(ValueError, match="tokenizer differs"):
-        P.DraftModelProposer(make_tiny_llama(len(grown), layers=1, hidden=16), target=with_tok, tokenizer=grown)
+        DraftModelProposer(make_tiny_llama(len(grown), layers=1, hidden=16), target=with_tok, tokenizer=grown)
     # a drafter checkpoint trained for another target is refused by load_proposer (via load_drafter)
     from train.checkpoint import save_drafter
 
     dr = drafters["medusa"]
     meta = {"method": "medusa", "target": target.identity(), "draft": dr.config_dict(), "layer_ids": dr.layer_ids}
     save_drafter(tmp_path / "ck", dr, meta)
-    assert isinstance(P.load_proposer(tmp_path / "ck", target), P.MedusaProposer)
+    assert isinstance(load_proposer(tmp_path / "ck", target, num_nodes=20), MedusaProposer)
     other = FrozenTarget(make_tiny_llama(V, layers=4, hidden=32, seed=11))
     with pytest.raises(ValueError, match="another target"):
-        P.load_proposer(tmp_path / "ck", other)
+        load_proposer(tmp_path / "ck", other, num_nodes=20)

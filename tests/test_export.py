@@ -22,10 +22,10 @@ from models import export as ex
 from models.eagle3 import Eagle3Config, Eagle3Drafter
 from models.medusa import propose
 from models.mtp import propose_chain
+from models.registry import load_drafter
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
 from tests.conftest import make_tiny_llama
-from train.build import load_drafter
 from train.export import main
 from train.loop import run
 

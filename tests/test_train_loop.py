@@ -10,8 +10,7 @@ from safetensors.torch import load_file
 from data.features import FeatureCache
 from data.sources import DataConfig, build_rows
 from models.target import FrozenTarget
-from train.build import build_drafter
-from train.loop import collate, run, target_features
+from train.loop import build_drafter, collate, run, target_features
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -114,8 +113,8 @@ def test_wrong_tokenizer_data_is_refused(tiny_tokenizer):
 
 
 def test_final_checkpoint_loads_back_and_refuses_other_target(target_dir, tmp_path):
+    from models.registry import load_drafter
     from tests.conftest import make_tiny_llama
-    from train.build import load_drafter
 
     run(cfg_for(target_dir, tmp_path, "train.steps=2"))
     target = FrozenTarget.from_pretrained(str(target_dir))

@@ -26,32 +26,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
+from models.checkpoint import CONFIG, WEIGHTS, load_trainable_state, read_meta, trainable_state
+
 TRAINER = "trainer.pt"
-
-
-def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Trainable parameters and all buffers; frozen parameters (copied from the target) are skipped."""
-    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items() if k not in frozen}
-
-
-def load_trainable_state(module: nn.Module, path: Path) -> None:
-    """Load ``model.safetensors``; every trainable weight and buffer must be present, nothing extra."""
-    state = load_file(str(path))
-    expected = set(trainable_state(module))
-    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or extra:
-        raise ValueError(f"{path}: weights do not match the drafter (missing {missing[:5]}, unexpected {extra[:5]})")
-    own = module.state_dict()
-    for k, v in state.items():
-        if own[k].shape != v.shape:
-            raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, the drafter expects {tuple(own[k].shape)}")
-    module.load_state_dict(state, strict=False)
+__all__ = ["CONFIG", "WEIGHTS", "TRAINER", "trainable_state", "load_trainable_state", "read_meta", "rng_state",
+           "set_rng_state", "save_drafter", "save_checkpoint", "latest_checkpoint", "check_compatible",
+           "load_trainer_state"]
 
 
 def rng_state() -> dict[str, Any]:
@@ -114,10 +97,6 @@ def latest_checkpoint(root: Path) -> Path | None:
         return None
     path = root / ptr.read_text().strip()
     return path if (path / CONFIG).exists() and (path / WEIGHTS).exists() else None
-
-
-def read_meta(path: Path) -> dict:
-    return json.loads((path / CONFIG).read_text())
 
 
 def check_compatible(meta: dict, expected: dict, path: Path) -> None:

@@ -52,7 +52,7 @@ def _check(args: argparse.Namespace) -> str:
 
 
 def _export(args: argparse.Namespace) -> str:
-    from train.build import load_drafter
+    from models.registry import load_drafter
     from train.checkpoint import read_meta
 
     if not (args.checkpoint and args.format and args.out):

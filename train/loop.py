@@ -20,10 +20,10 @@ from tqdm import tqdm
 
 from data.features import FeatureCache, pad_ids
 from data.sources import build_rows
+from models import registry
 from models.drafter import simulated_tau
 from models.target import FrozenTarget
 from train import checkpoint as ckpt
-from train.build import build_drafter
 from train.distributed import Dist, deepspeed_engine, init_distributed
 
 
@@ -64,6 +64,11 @@ def target_features(target: FrozenTarget, layer_ids: list[int], ids: torch.Tenso
         return cache.batch(rows, ids.shape[1])
     out = target(ids, layer_ids=layer_ids)
     return {k: v.float() for k, v in out.hidden.items()}, out.logits.float()
+
+
+def build_drafter(draft_cfg: DictConfig, target: FrozenTarget, train_rows: list[dict]) -> torch.nn.Module:
+    """The ``draft`` config group → a new drafter (its ``config`` is instantiated: the method's dataclass)."""
+    return registry.build_drafter(draft_cfg.method, instantiate(draft_cfg.config), target, train_rows)
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -243,10 +248,11 @@ def run(cfg: DictConfig) -> dict:
             accs = [f"{ev[f'acc_{i}']:.3f}" for i in range(64) if f"acc_{i}" in ev]
             log(f"held-out top-1 agreement with the target by position: {' '.join(accs)}")
             log(f"held-out simulated tau (greedy chain): {ev['sim_tau']:.2f}")
-            # methods with a static draft tree (Medusa) build it from these held-out numbers
-            tree = getattr(drafter, "save_static_tree", lambda *_: None)(out_dir / "final", ev)
-            if tree is not None:
-                log(f"static draft tree from held-out rank accuracies: {tree}")
+            # e.g. Medusa builds its static draft tree from these held-out numbers
+            after = registry.method(cfg.draft.method).after_training
+            made = after(drafter, out_dir / "final", ev) if after is not None else None
+            if made is not None:
+                log(f"{cfg.draft.method}: wrote {made} from the held-out metrics")
         log(f"drafter written to {out_dir / 'final'}")
     tracker.finish()
     if metrics_file:

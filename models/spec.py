@@ -1,0 +1,83 @@
+"""What a draft method is, in one object: every method file (models/<method>.py) exports ``SPEC``.
+
+train/, eval/ and export read methods only through these specs (collected in models/registry.py), so a
+new method is its file (module, loss, proposal, ``SPEC``), its ``conf/draft/<name>.yaml``, one registry
+line and, if engines serve it, its exporter in models/export/.
+
+    MethodSpec     the drafter: its config dataclass, how to build it for a target (training) and how to
+                   rebuild an empty one of a checkpoint's shapes (eval / export load the weights after);
+                   its proposers; its export formats; an optional step after training.
+    ProposerSpec   one way the method drafts at decode time, named as eval names it (``eagle3``,
+                   ``eagle3_tree``): a factory, its options with their defaults (the one source of defaults),
+                   and an optional cost-model sizing step that fixes a tree before proposers are built.
+
+Protocols over inheritance: a drafter is any nn.Module with the models/drafter.py protocol, a proposer any
+object with the models/proposal.py ``Proposer`` protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# what eval loads before it can build a method's proposers
+SOURCES = ("checkpoint", "model", "none")
+
+
+@dataclass(frozen=True)
+class ProposerSpec:
+    """``make(drafter, target, **options)`` → a fresh proposer (drafter: the loaded checkpoint module, the
+    separate draft model, or None for model-free methods; target: the FrozenTarget it drafts for).
+    ``defaults``: every option ``make`` takes, with its default.
+    ``k_option``: the option that is the chain length (the dynamic-K policy varies it); None for trees.
+    ``prepare(drafter, checkpoint_dir, options) → options``: once, when the method is set up (e.g. read the
+    tree saved with the checkpoint). ``size(drafter, checkpoint_dir, options, v) → options``: the cost-model
+    step, given v(n) = measured verification cost of n drafted nodes in target steps; it returns the options
+    of the fastest predicted tree (None: nothing to size). ``nodes(options)``: nodes drafted per round."""
+
+    name: str
+    make: Callable[..., Any]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    chain: bool = True
+    k_option: str | None = "k"
+    prepare: Callable[[Any, str | None, dict], dict] | None = None
+    size: Callable[..., dict | None] | None = None  # (drafter, checkpoint_dir, options, v) → options
+    nodes: Callable[[dict], int] | None = None
+
+    def options(self, overrides: Mapping[str, Any] | None = None) -> dict:
+        """The defaults with ``overrides`` applied; an unknown key is a one-line error listing the known ones."""
+        overrides = dict(overrides or {})
+        bad = sorted(set(overrides) - set(self.defaults))
+        if bad:
+            raise ValueError(f"options.{self.name}: unknown option(s) {bad}; known: {sorted(self.defaults)}")
+        return {**self.defaults, **overrides}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """``build(cfg, target, train_rows)`` → a new drafter to train; ``rebuild(cfg, target)`` → a drafter of the
+    shapes ``cfg`` describes, whose trainable weights and buffers the caller loads from a checkpoint.
+    ``config``: the draft config dataclass (``conf/draft/<name>.yaml`` instantiates it; a checkpoint's
+    ``config.json`` stores its fields). ``source``: what eval needs first (SOURCES): a drafter checkpoint, a
+    separate model (``load(path, target)`` → the module; e.g. the draft-model baseline) or nothing.
+    ``after_training(drafter, final_dir, heldout_metrics)``: optional, e.g. Medusa's static tree from held-out
+    rank accuracies; returns what it wrote (or None)."""
+
+    name: str
+    proposers: tuple[ProposerSpec, ...]
+    config: type | None = None
+    build: Callable[..., Any] | None = None
+    rebuild: Callable[..., Any] | None = None
+    source: str = "checkpoint"
+    export_formats: tuple[str, ...] = ()
+    after_training: Callable[..., Any] | None = None
+    load: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"method {self.name}: source {self.source!r} is not one of {SOURCES}")
+        if self.source == "checkpoint" and (self.config is None or self.build is None or self.rebuild is None):
+            raise ValueError(f"method {self.name}: a checkpoint method needs config, build and rebuild")
+        if self.source == "model" and self.load is None:
+            raise ValueError(f"method {self.name}: a separate-model method needs load")
