@@ -30,13 +30,10 @@ and load back each family's two formats), readme (the README.md), common (consta
 
 from .api import export, load_export
 from .common import (
-    CLI_FORMATS,
     CONFIG,
     DEFAULT_K,
-    FORMATS,
     LAYER_ID_CONVENTION,
     MEDUSA_WEIGHTS,
-    METHOD_OF,
     README,
     SIDECAR,
     WEIGHTS,
@@ -44,12 +41,14 @@ from .common import (
     embed_fingerprint,
     recommended_k_from_results,
 )
+from .formats import CLI_FORMATS, EXPORT_FORMATS, FORMATS, METHOD_OF, ExportFormat, export_format
 from .mtp import _fuse_experts as _fuse_experts
 from .mtp import _unfuse_experts as _unfuse_experts
 from .validate import detect_format, validate
 
 __all__ = [
-    "CLI_FORMATS", "CONFIG", "DEFAULT_K", "FORMATS", "LAYER_ID_CONVENTION", "MEDUSA_WEIGHTS", "METHOD_OF", "README",
+    "CLI_FORMATS", "EXPORT_FORMATS", "ExportFormat", "export_format", "CONFIG", "DEFAULT_K", "FORMATS",
+    "LAYER_ID_CONVENTION", "MEDUSA_WEIGHTS", "METHOD_OF", "README",
     "SIDECAR", "WEIGHTS", "ExportError", "detect_format", "embed_fingerprint", "export", "load_export",
     "recommended_k_from_results", "validate",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,34 +15,21 @@ from models.target import FrozenTarget
 
 from .common import (
     _DTYPE_NAMES,
-    CLI_FORMATS,
     CONFIG,
-    FORMATS,
-    MEDUSA_WEIGHTS,
-    METHOD_OF,
     README,
     SIDECAR,
-    WEIGHTS,
     ExportError,
     _Bundle,
     _load_json,
     _target_info,
     _Tensors,
 )
-from .eagle3 import _build_eagle3_native, _build_eagle3_speculators, _load_eagle3
-from .medusa import _build_medusa_fasterdecoding, _build_medusa_vllm, _load_medusa
-from .mtp import _build_mtp_deepseek, _build_mtp_sglang_nextn, _load_mtp
+from .formats import export_format
 from .readme import _readme
 from .validate import _check, validate
 
+
 # ============================================================================================ writing
-_BUILDERS: dict[str, Callable[..., _Bundle]] = {
-    "eagle3_native": _build_eagle3_native, "eagle3_speculators": _build_eagle3_speculators,
-    "medusa_fasterdecoding": _build_medusa_fasterdecoding, "medusa_vllm": _build_medusa_vllm,
-    "mtp_deepseek": _build_mtp_deepseek, "mtp_sglang_nextn": _build_mtp_sglang_nextn,
-}
-
-
 def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, *, target_name: str | None = None,
            recommended_k: int | None = None, meta: dict | None = None, dtype: torch.dtype | None = None,
            overwrite: bool = False) -> Path:
@@ -54,16 +40,15 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
     ``dtype``: cast float weights (default: keep the trained dtype; d2t/t2d are never cast).
     The export is validated in memory first, written atomically, then validated again from disk.
     """
-    fmt = CLI_FORMATS.get(fmt, fmt)
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; use one of {FORMATS} (CLI: {sorted(CLI_FORMATS)})")
+    spec = export_format(fmt)
+    fmt = spec.name
     method = drafter.config_dict().get("method")
-    if method != METHOD_OF[fmt]:
-        raise ExportError(f"format {fmt} is for {METHOD_OF[fmt]} drafters, this one is {method}")
+    if method != spec.method:
+        raise ExportError(f"format {fmt} is for {spec.method} drafters, this one is {method}")
     if recommended_k is not None and (not isinstance(recommended_k, int) or recommended_k < 1):
         raise ExportError(f"recommended_k must be a positive integer, got {recommended_k!r}")
     name = target_name or getattr(target.model.config, "_name_or_path", "") or "UNKNOWN-TARGET"
-    bundle = _BUILDERS[fmt](drafter, target, name, recommended_k, meta)
+    bundle = spec.build(drafter, target, name, recommended_k, meta)
     bundle.sidecar["k_from_results"] = recommended_k is not None
     if dtype is not None:
         bundle.tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in bundle.tensors.items()}
@@ -111,13 +96,7 @@ def load_export(path: str | Path, target: FrozenTarget, fmt: str | None = None) 
     export is self-sufficient. The directory is validated against ``target`` first.
     """
     path = Path(path)
-    fmt = validate(path, fmt, target)
+    spec = export_format(validate(path, fmt, target))
     cfg = _load_json(path / CONFIG)
-    wfile = path / (MEDUSA_WEIGHTS if fmt == "medusa_fasterdecoding" else WEIGHTS)
-    t = _Tensors.read(wfile)
-    sd = {k: t.get(k) for k in t.shapes}
-    if fmt.startswith("eagle3"):
-        return _load_eagle3(fmt, cfg, sd, target)
-    if fmt.startswith("medusa"):
-        return _load_medusa(fmt, cfg, sd, target)
-    return _load_mtp(fmt, cfg, sd, target)
+    t = _Tensors.read(path / spec.weights_file)
+    return spec.load(cfg, {k: t.get(k) for k in t.shapes}, target)

@@ -15,14 +15,6 @@ from torch import nn
 
 from models.target import EMBEDDED_NAME, FrozenTarget, resolve_name
 
-FORMATS = ("eagle3_native", "eagle3_speculators", "medusa_fasterdecoding", "medusa_vllm", "mtp_deepseek",
-           "mtp_sglang_nextn")
-# CLI spelling → format
-CLI_FORMATS = {"eagle3": "eagle3_native", "eagle3-speculators": "eagle3_speculators",
-               "medusa": "medusa_fasterdecoding", "medusa-vllm": "medusa_vllm", "mtp": "mtp_deepseek",
-               "mtp-nextn": "mtp_sglang_nextn"}
-METHOD_OF = {"eagle3_native": "eagle3", "eagle3_speculators": "eagle3", "medusa_fasterdecoding": "medusa",
-             "medusa_vllm": "medusa", "mtp_deepseek": "mtp", "mtp_sglang_nextn": "mtp"}
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 # FasterDecoding's trainer saves this name; TensorRT-LLM's loader looks for it after medusa_lm_head.pt
@@ -152,7 +144,8 @@ class _Bundle:
 
 def _sidecar(fmt: str, drafter: nn.Module, target: FrozenTarget, target_name: str, k: int,
              meta: dict | None) -> dict:
-    return {"format": fmt, "method": METHOD_OF[fmt], "target_name": target_name, "target": target.identity(),
+    return {"format": fmt, "method": drafter.config_dict().get("method"), "target_name": target_name,
+            "target": target.identity(),
             "layer_ids": list(drafter.layer_ids), "layer_id_convention": LAYER_ID_CONVENTION,
             "draft": drafter.config_dict(), "num_speculative_tokens": k,
             "trained_step": (meta or {}).get("step")}

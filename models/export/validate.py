@@ -7,18 +7,14 @@ format-specific checks live in the format modules; the shape comparison and the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .common import (
-    CLI_FORMATS,
     CONFIG,
-    FORMATS,
     LAYER_ID_CONVENTION,
-    MEDUSA_WEIGHTS,
     SIDECAR,
-    WEIGHTS,
     ExportError,
     _fail,
     _load_json,
@@ -28,30 +24,13 @@ from .common import (
     _Tensors,
     embed_fingerprint,
 )
-from .eagle3 import _check_eagle3
-from .medusa import _check_medusa
-from .mtp import _check_mtp
+from .formats import detect_format as _detect
+from .formats import export_format
 
 
 def detect_format(path: str | Path) -> str:
     """Which of FORMATS a directory holds (from its config.json and weight files)."""
-    path = Path(path)
-    cfg = _load_json(path / CONFIG)
-    arch = list(cfg.get("architectures") or [])
-    if "LlamaForCausalLMEagle3" in arch:
-        return "eagle3_native"
-    if "Eagle3Speculator" in arch or cfg.get("speculators_model_type") == "eagle3":
-        return "eagle3_speculators"
-    if (path / MEDUSA_WEIGHTS).exists() or "medusa_num_heads" in cfg:
-        return "medusa_fasterdecoding"
-    if cfg.get("model_type") == "medusa":
-        return "medusa_vllm"
-    if "DeepseekV3ForCausalLMNextN" in arch:
-        return "mtp_sglang_nextn"
-    if cfg.get("num_nextn_predict_layers"):
-        return "mtp_deepseek"
-    raise ExportError(f"{path}: config.json matches no export format (architectures {arch}, "
-                      f"model_type {cfg.get('model_type')!r}); expected one of {FORMATS}")
+    return _detect(path, _load_json(Path(path) / CONFIG)).name
 
 
 def validate(path: str | Path, fmt: str | None = None, target_config: Any = None) -> str:
@@ -61,12 +40,11 @@ def validate(path: str | Path, fmt: str | None = None, target_config: Any = None
     with num_hidden_layers/hidden_size/vocab_size(/_name_or_path) — or None for self-consistency only.
     """
     path = Path(path)
-    fmt = CLI_FORMATS.get(fmt, fmt) if fmt else detect_format(path)
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; use one of {FORMATS}")
     cfg = _load_json(path / CONFIG)
+    spec = export_format(fmt) if fmt else _detect(path, cfg)
+    fmt = spec.name
     side = _load_json(path / SIDECAR) if (path / SIDECAR).exists() else None
-    wfile = path / (MEDUSA_WEIGHTS if fmt == "medusa_fasterdecoding" else WEIGHTS)
+    wfile = path / spec.weights_file
     if not wfile.exists():
         raise ExportError(f"{path}: {fmt} export needs {wfile.name}, which is missing")
     try:
@@ -84,7 +62,7 @@ def _check(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target 
         if side.get("layer_id_convention") not in (None, LAYER_ID_CONVENTION):
             _fail(where, f"draftsmith.json layer ids use convention {side.get('layer_id_convention')!r}, "
                          f"expected {LAYER_ID_CONVENTION!r}")
-    expected, tgt_dims = _CHECKERS[fmt](cfg, t, side, target, where)
+    expected, tgt_dims = export_format(fmt).check(cfg, t, side, target, where)
     _check_same_target(fmt, cfg, t, side, target, tgt_dims, where)  # first: "another target" explains the rest
     _compare_tensors(expected, t, where, fmt)
 
@@ -103,16 +81,6 @@ def _compare_tensors(expected: dict[str, tuple[int, ...]], t: _Tensors, where: s
     floats = {k: d for k, d in t.dtypes.items() if d.is_floating_point}
     if len(set(floats.values())) > 1:
         _fail(where, f"float tensors mix dtypes {sorted({str(d) for d in floats.values()})}")
-
-
-_CHECKERS: dict[str, Callable[..., tuple[dict, dict]]] = {
-    "eagle3_native": lambda *a: _check_eagle3("eagle3_native", *a),
-    "eagle3_speculators": lambda *a: _check_eagle3("eagle3_speculators", *a),
-    "medusa_fasterdecoding": lambda *a: _check_medusa("medusa_fasterdecoding", *a),
-    "medusa_vllm": lambda *a: _check_medusa("medusa_vllm", *a),
-    "mtp_deepseek": lambda *a: _check_mtp("mtp_deepseek", *a),
-    "mtp_sglang_nextn": lambda *a: _check_mtp("mtp_sglang_nextn", *a),
-}
 
 
 def _check_same_target(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None,

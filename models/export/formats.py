@@ -1,0 +1,84 @@
+"""The export formats, by name: one explicit table (the export-side twin of models/registry.py).
+
+Each row says which method's drafters it holds, how to build it (config + tensors), check it (expected tensor
+shapes from its config.json), load it back into draftsmith's module, and recognise it on disk. A method's
+``SPEC.export_formats`` names its rows; a new format is its functions in a family module + one row here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from .common import MEDUSA_WEIGHTS, WEIGHTS, ExportError
+from .eagle3 import _build_eagle3_native, _build_eagle3_speculators, _check_eagle3, _load_eagle3
+from .medusa import _build_medusa_fasterdecoding, _build_medusa_vllm, _check_medusa, _load_medusa
+from .mtp import _build_mtp_deepseek, _build_mtp_sglang_nextn, _check_mtp, _load_mtp
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """``build(drafter, target, target_name, k, meta) → Bundle``; ``check(cfg, tensors, sidecar, target, where)
+    → (expected shapes, target dims)``; ``load(cfg, state_dict, target) → module``; ``detect(cfg, dir)`` → bool
+    (tried in table order, so a more specific format comes first)."""
+
+    name: str
+    cli: str
+    method: str
+    served_by: str
+    build: Callable
+    check: Callable
+    load: Callable
+    detect: Callable[[dict, Path], bool]
+    weights_file: str = WEIGHTS
+
+
+def _arch(cfg: dict) -> list[str]:
+    return list(cfg.get("architectures") or [])
+
+
+EXPORT_FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
+    ExportFormat("eagle3_native", "eagle3", "eagle3", "SGLang (EAGLE3), vLLM (eagle3)",
+                 _build_eagle3_native, partial(_check_eagle3, "eagle3_native"), partial(_load_eagle3, "eagle3_native"),
+                 lambda cfg, _p: "LlamaForCausalLMEagle3" in _arch(cfg)),
+    ExportFormat("eagle3_speculators", "eagle3-speculators", "eagle3", "vLLM (speculators format)",
+                 _build_eagle3_speculators, partial(_check_eagle3, "eagle3_speculators"),
+                 partial(_load_eagle3, "eagle3_speculators"),
+                 lambda cfg, _p: "Eagle3Speculator" in _arch(cfg) or cfg.get("speculators_model_type") == "eagle3"),
+    ExportFormat("medusa_fasterdecoding", "medusa", "medusa", "FasterDecoding/Medusa, TensorRT-LLM",
+                 _build_medusa_fasterdecoding, partial(_check_medusa, "medusa_fasterdecoding"),
+                 partial(_load_medusa, "medusa_fasterdecoding"),
+                 lambda cfg, p: (p / MEDUSA_WEIGHTS).exists() or "medusa_num_heads" in cfg, MEDUSA_WEIGHTS),
+    ExportFormat("medusa_vllm", "medusa-vllm", "medusa", "vLLM (medusa)",
+                 _build_medusa_vllm, partial(_check_medusa, "medusa_vllm"), partial(_load_medusa, "medusa_vllm"),
+                 lambda cfg, _p: cfg.get("model_type") == "medusa"),
+    ExportFormat("mtp_sglang_nextn", "mtp-nextn", "mtp", "SGLang (NEXTN) for DeepSeek-V3 targets",
+                 _build_mtp_sglang_nextn, partial(_check_mtp, "mtp_sglang_nextn"),
+                 partial(_load_mtp, "mtp_sglang_nextn"),
+                 lambda cfg, _p: "DeepseekV3ForCausalLMNextN" in _arch(cfg)),
+    ExportFormat("mtp_deepseek", "mtp", "mtp", "vLLM (mtp) for DeepSeek-V3 targets",
+                 _build_mtp_deepseek, partial(_check_mtp, "mtp_deepseek"), partial(_load_mtp, "mtp_deepseek"),
+                 lambda cfg, _p: bool(cfg.get("num_nextn_predict_layers"))),
+)}
+FORMATS = tuple(EXPORT_FORMATS)
+CLI_FORMATS = {f.cli: f.name for f in EXPORT_FORMATS.values()}  # CLI spelling → format
+METHOD_OF = {f.name: f.method for f in EXPORT_FORMATS.values()}
+
+
+def export_format(fmt: str) -> ExportFormat:
+    """A format by name or CLI spelling; an unknown one is a one-line error listing the known ones."""
+    fmt = CLI_FORMATS.get(fmt, fmt)
+    if fmt not in EXPORT_FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; use one of {FORMATS} (CLI: {sorted(CLI_FORMATS)})")
+    return EXPORT_FORMATS[fmt]
+
+
+def detect_format(path: str | Path, cfg: dict) -> ExportFormat:
+    path = Path(path)
+    for f in EXPORT_FORMATS.values():
+        if f.detect(cfg, path):
+            return f
+    raise ExportError(f"{path}: config.json matches no export format (architectures {_arch(cfg)}, "
+                      f"model_type {cfg.get('model_type')!r}); expected one of {FORMATS}")
