@@ -7,6 +7,7 @@ method failed the lossless check (its T=0 tokens differ from AR's); 2 with a one
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -25,11 +26,9 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 def settings_from(cfg: DictConfig) -> BenchSettings:
     """BenchSettings from the config (validated: bad values fail here, before any model is loaded)."""
-    return BenchSettings(
-        max_new_tokens=cfg.max_new_tokens, temperatures=list(cfg.temperatures), top_p=cfg.top_p, top_k=cfg.top_k,
-        repetitions=cfg.repetitions, warmup=cfg.warmup, threads=cfg.threads, batch_sizes=list(cfg.batch_sizes),
-        batch_temperature=cfg.batch_temperature, peers=cfg.peers, cost_reps=cfg.cost_reps, seed=cfg.seed,
-        stop_at_eos=cfg.stop_at_eos, progress=cfg.progress)
+    # the config's keys map 1:1 onto BenchSettings' fields (their defaults live in conf/eval.yaml)
+    return BenchSettings(**{f.name: OmegaConf.to_object(cfg[f.name]) if OmegaConf.is_config(cfg[f.name])
+                            else cfg[f.name] for f in dataclasses.fields(BenchSettings)})
 
 
 def run(cfg: DictConfig) -> dict:

@@ -51,3 +51,14 @@ def test_compose_and_instantiate(group, option):
 def test_recipes_only_list_differences():
     for f in (CONF / "recipe").glob("*.yaml"):
         assert f.read_text().lstrip().startswith("# @package _global_"), f
+
+
+def test_eval_yaml_options_are_the_registry_defaults():
+    """conf/eval.yaml lists every proposer's options (Hydra can only override keys it has) with exactly the
+    defaults of its ProposerSpec, the one source the harness uses when called from Python."""
+    from omegaconf import OmegaConf
+
+    from models import registry
+
+    opts = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "eval.yaml").options)
+    assert opts == {name: dict(p.defaults) for name, (_, p) in registry.proposers().items()}

@@ -7,6 +7,7 @@ checkpoint needs only the step count and reproduces an uninterrupted run exactly
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -68,6 +69,12 @@ def target_features(target: FrozenTarget, layer_ids: list[int], ids: torch.Tenso
 
 def build_drafter(draft_cfg: DictConfig, target: FrozenTarget, train_rows: list[dict]) -> torch.nn.Module:
     """The ``draft`` config group → a new drafter (its ``config`` is instantiated: the method's dataclass)."""
+    spec = registry.method(draft_cfg.method)
+    known = {f.name for f in dataclasses.fields(spec.config)} if spec.config else set()
+    extra = sorted(k for k in draft_cfg.config if k != "_target_" and k not in known)
+    if extra:  # e.g. `+recipe=eagle3 draft=mtp`: the recipe's EAGLE-3 fields merged into the MTP group
+        raise ValueError(f"draft.config has {extra}, which draft.method={draft_cfg.method} does not take; "
+                         f"a recipe for another method? use +recipe={draft_cfg.method} or drop those keys")
     return registry.build_drafter(draft_cfg.method, instantiate(draft_cfg.config), target, train_rows)
 
 
