@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from models import draft_model, eagle3, medusa, mtp, ngram
+from models import dflash, draft_model, eagle3, medusa, mtp, ngram
 from models.checkpoint import WEIGHTS, load_trainable_state, read_meta
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
@@ -22,6 +22,7 @@ METHODS: dict[str, MethodSpec] = {
     "eagle3": eagle3.SPEC,
     "medusa": medusa.SPEC,
     "mtp": mtp.SPEC,
+    "dflash": dflash.SPEC,
     "ngram": ngram.SPEC,
     "draft_model": draft_model.SPEC,
 }

@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from .common import MEDUSA_WEIGHTS, WEIGHTS, ExportError
+from .dflash import _build_dflash_speculators, _build_dflash_zlab, _check_dflash, _load_dflash
 from .eagle3 import _build_eagle3_native, _build_eagle3_speculators, _check_eagle3, _load_eagle3
 from .medusa import _build_medusa_fasterdecoding, _build_medusa_vllm, _check_medusa, _load_medusa
 from .mtp import _build_mtp_deepseek, _build_mtp_sglang_nextn, _check_mtp, _load_mtp
@@ -61,6 +62,13 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
     ExportFormat("mtp_deepseek", "mtp", "mtp", "vLLM (mtp) for DeepSeek-V3 targets",
                  _build_mtp_deepseek, partial(_check_mtp, "mtp_deepseek"), partial(_load_mtp, "mtp_deepseek"),
                  lambda cfg, _p: bool(cfg.get("num_nextn_predict_layers"))),
+    ExportFormat("dflash_speculators", "dflash-speculators", "dflash", "vLLM (dflash, speculators format)",
+                 _build_dflash_speculators, partial(_check_dflash, "dflash_speculators"),
+                 partial(_load_dflash, "dflash_speculators"),
+                 lambda cfg, _p: "DFlashSpeculator" in _arch(cfg) or cfg.get("speculators_model_type") == "dflash"),
+    ExportFormat("dflash_zlab", "dflash", "dflash", "SGLang (DFLASH), z-lab layout",
+                 _build_dflash_zlab, partial(_check_dflash, "dflash_zlab"), partial(_load_dflash, "dflash_zlab"),
+                 lambda cfg, _p: "DFlashDraftModel" in _arch(cfg)),
 )}
 FORMATS = tuple(EXPORT_FORMATS)
 CLI_FORMATS = {f.cli: f.name for f in EXPORT_FORMATS.values()}  # CLI spelling → format

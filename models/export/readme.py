@@ -63,6 +63,22 @@ def _readme(fmt: str, cfg: dict, side: dict) -> str:
     elif fmt == "mtp_sglang_nextn":
         spec = None
         sglang = "NEXTN"
+    elif fmt in ("dflash_speculators", "dflash_zlab"):
+        ours, blk = side["layer_ids"], cfg.get("block_size")
+        lines += ["## DFlash layer ids and block size", "",
+                  f"- draftsmith / vLLM / speculators `aux_hidden_state_layer_ids` (input of decoder layer k): {ours}",
+                  f"- z-lab / SGLang `dflash_config.target_layer_ids` (output of decoder layer k): "
+                  f"{[i - 1 for i in ours]}",
+                  f"- block size {blk}: vLLM `num_speculative_tokens` = {blk - 1} (B-1), SGLang "
+                  f"`--speculative-num-draft-tokens` = {blk} (B, anchor included)", "",
+                  "Checked against vLLM `model_executor/models/qwen3_dflash.py` + speculators `algos.py` "
+                  "`update_dflash`, and SGLang `srt/speculative/dflash_utils.py` (sources and commits: "
+                  "shared/design/dflash.md §0).", ""]
+        spec = {"method": "dflash", **spec} if fmt == "dflash_speculators" else None
+        if fmt == "dflash_zlab":
+            lines += ["## SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {tname} \\",
+                      f"  --speculative-algorithm DFLASH --speculative-draft-model-path {path} \\",
+                      f"  --speculative-num-draft-tokens {blk}", "```", ""]
     if spec is not None:
         lines += ["## vLLM", "", "```bash", f"vllm serve {tname} \\",
                   f"  --speculative-config '{json.dumps(spec)}'", "```", ""]

@@ -1,0 +1,477 @@
+"""DFlash: a block-parallel drafter — one forward drafts B−1 tokens (module, loss, proposal, SPEC).
+
+Method (DFlash, arXiv 2602.06036; facts and sources in shared/design/dflash.md, read against z-lab/dflash,
+vllm-project/speculators, SpecForge and ModelOpt):
+
+- Context features: F target hidden states per context position, concatenated [T, F·H] → ``fc`` (no bias) →
+  ``hidden_norm``: ctx [T, H], computed once and shared by every draft layer.
+- Block: [anchor token, mask × (B−1)] at positions a..a+B−1, embedded with the target's frozen embedding
+  (``mask_token_id`` is an existing embedding row, recorded in the config).
+- L_d Qwen3-style pre-norm decoder layers over the block only. **KV injection**: each layer projects ctx with
+  its own k/v projections and prepends them to the block's K/V: K = k_norm([k(ctx); k(x)]), V = [v(ctx); v(x)]
+  (QK-norm per head, V un-normed, RoPE after the norm: ctx keys at their positions, block at a..a+B−1).
+  Inside the block attention is bidirectional; the block sees context positions c < a only (strictly before
+  its anchor: the anchor's own target state is not visible).
+- Output: final ``norm``, then the target's frozen lm_head (optionally a draft vocabulary: its rows selected
+  by ``t2d``, d2t/t2d as in models/vocab.py). Slot k (1..B−1) predicts token a+k; slot 0 is not scored.
+
+Training (teacher forced, one forward per batch): up to ``num_anchors`` random anchors per row, redrawn every
+step, inside the loss-masked region; all blocks of a row in one attention call with one [N·B, T+N·B] mask.
+Label of slot k = the target's greedy token at a+k (argmax of its logits at a+k−1; ``loss: kl`` distils the
+whole distribution), weight exp(−(k−1)/γ) (paper Eq. 4), D-PACE weights as an option. ``acc_{k-1}`` is the
+agreement of slot k *given slots 1..k−1 agreed*, so ``simulated_tau`` of them is the expected accepted
+length of a greedy block.
+
+Inference: the drafter keeps a KV cache of the injected context only (per layer, positions 0..n−1); a round
+feeds the new context features (one row per newly committed token), then one forward over the block at
+positions n..n+B−1 with no mask (all context precedes the anchor); block K/V are never cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PretrainedConfig
+
+from models.drafter import simulated_tau
+from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
+from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from models.spec import MethodSpec, ProposerSpec
+from models.target import FrozenTarget, validate_layer_ids
+from models.vocab import build_draft_vocab, check_mapping, count_tokens, draft_to_target
+
+
+@dataclass
+class DFlashConfig:
+    # Target hidden states fused, in this project's convention (index into HF output_hidden_states = vLLM's
+    # capture ids = z-lab target_layer_ids + 1). None → z-lab's build_target_layer_ids(L, num_layers) + 1.
+    layer_ids: list[int] | None = None
+    num_layers: int = 1  # draft decoder layers (z-lab / speculators / ModelOpt ship 5 for 8B targets)
+    block_size: int = 8  # B: anchor + B−1 drafted slots (vLLM num_speculative_tokens = B−1; SGLang counts B)
+    mask_token_id: int | None = None  # None → chosen at build time (an embedding row the data never uses)
+    num_anchors: int = 32  # blocks per row per step (≈ T / B covers a row)
+    loss: str = "ce"  # "ce": the target's greedy token; "kl": the target's distribution
+    decay_gamma: float | None = None  # None → 7 for B >= 16, else 4 (paper / ModelOpt recommendation)
+    dpace: bool = False  # D-PACE position weights (arXiv 2605.18810), CE only
+    dpace_alpha: float = 0.5
+    draft_vocab_size: int | None = None  # None → the target's whole vocabulary
+    intermediate_size: int | None = None  # None → the target's
+    loss_chunk: int = 2048  # slots per logits chunk (never all N·B slots × V in fp32 at once)
+
+
+def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """z-lab / SpecForge / ModelOpt / SGLang ``build_target_layer_ids`` (output-of-layer ids: [L//2] for n = 1,
+    else evenly spaced 1..L−3), converted to this project's convention (+1)."""
+    if n == 1:
+        zl = [num_target_layers // 2]
+    else:
+        zl = [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+    return [i + 1 for i in zl]
+
+
+def choose_mask_token(target: FrozenTarget, train_rows: list[dict]) -> int:
+    """An embedding row the data never uses: the first padding row past the tokenizer when the embedding has
+    one (Qwen3: 151669), else the tokenizer's mask token, else the highest id absent from the training data."""
+    tok, rows = target.tokenizer, target.vocab_size
+    n_tok = len(tok) if tok is not None else rows
+    if n_tok < rows:
+        return n_tok
+    if tok is not None and getattr(tok, "mask_token_id", None) is not None:
+        return int(tok.mask_token_id)
+    seen = torch.zeros(rows, dtype=torch.bool)
+    for r in train_rows:
+        seen[torch.as_tensor(r["input_ids"], dtype=torch.long)] = True
+    special = set(getattr(tok, "all_special_ids", []) or []) if tok is not None else set()
+    unused = [i for i in (~seen).nonzero().flatten().tolist() if i not in special]
+    if not unused:
+        raise ValueError("every embedding row occurs in the training data; set draft.config.mask_token_id to a "
+                         "reserved id explicitly")
+    return int(unused[-1])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention with KV injection: q from the block, k/v from [context features; block]."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, T, H] → K, V [B, kv_heads, T, d] (K normed then rotated at the rows' positions)."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor,
+                mask: Tensor | None) -> Tensor:
+        """x [B, Q, H] block rows at positions (cos/sin [B, 1, Q, d]); ctx_k/v [B, kv, C, d] already rotated;
+        mask [B, 1, Q, C+Q] bool (True = visible) or None (everything visible: inference)."""
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        bk, bv = self.kv(x, cos, sin)
+        k, v = torch.cat([ctx_k, bk], dim=2), torch.cat([ctx_v, bv], dim=2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = DFlashAttention(hidden, heads, kv_heads, head_dim, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = nn.ModuleDict({"gate_proj": nn.Linear(hidden, intermediate, bias=False),
+                                  "up_proj": nn.Linear(hidden, intermediate, bias=False),
+                                  "down_proj": nn.Linear(intermediate, hidden, bias=False)})
+
+    def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor,
+                mask: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
+        h = self.post_attention_layernorm(x)
+        return x + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h))
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash drafter for a frozen target (module docstring: the maths, masks and positions)."""
+
+    def __init__(self, cfg: DFlashConfig, target_config: PretrainedConfig, embed_weight: Tensor,
+                 lm_head_weight: Tensor, d2t: Tensor | None = None, t2d: Tensor | None = None):
+        super().__init__()
+        tc = target_config
+        L, H, V = tc.num_hidden_layers, tc.hidden_size, tc.vocab_size
+        self.cfg = cfg
+        check_k("num_layers", cfg.num_layers)
+        B = check_k("block_size", cfg.block_size)
+        if B < 2:
+            raise ValueError(f"block_size={B}: a block is the anchor plus at least one drafted slot; use >= 2")
+        check_k("num_anchors", cfg.num_anchors)
+        check_k("loss_chunk", cfg.loss_chunk)
+        if cfg.loss not in ("ce", "kl"):
+            raise ValueError(f"draft.config.loss={cfg.loss!r}: use 'ce' (target's token) or 'kl' (its distribution)")
+        if cfg.dpace and cfg.loss != "ce":
+            raise ValueError("draft.config.dpace=true needs loss=ce (D-PACE weights come from the CE of each slot)")
+        ids = list(cfg.layer_ids) if cfg.layer_ids is not None else default_layer_ids(L, cfg.num_layers)
+        if not ids:
+            raise ValueError("draft.config.layer_ids is empty; DFlash fuses at least one target hidden state")
+        self.layer_ids = validate_layer_ids(ids, L)
+        if L in self.layer_ids:  # id L is the target's *post*-norm state here, vLLM's L is the pre-norm one
+            raise ValueError(f"layer_ids={ids}: id {L} is the target's post-norm output here but the pre-norm "
+                             f"state in vLLM/SGLang capture; use ids < {L}")
+        if cfg.mask_token_id is None or not 0 <= int(cfg.mask_token_id) < V:
+            raise ValueError(f"draft.config.mask_token_id={cfg.mask_token_id} is not a row of the target's "
+                             f"embedding (0..{V - 1}); pick an existing unused row (e.g. the first padding row)")
+        vd = cfg.draft_vocab_size or V
+        if not 0 < vd <= V:
+            raise ValueError(f"draft_vocab_size={vd} must be in 1..{V} (the target's vocabulary)")
+        if d2t is None and t2d is None:  # the first vd ids; a checkpoint's own buffers overwrite them
+            t2d, d2t = torch.arange(V) < vd, torch.zeros(vd, dtype=torch.long)
+        check_mapping(d2t, t2d)
+        if d2t.numel() != vd or t2d.numel() != V:
+            raise ValueError(f"d2t/t2d sizes ({d2t.numel()}, {t2d.numel()}) do not match draft_vocab_size={vd} "
+                             f"and the target vocab {V}")
+        heads = tc.num_attention_heads
+        kv_heads = getattr(tc, "num_key_value_heads", None) or heads
+        head_dim = int(getattr(tc, "head_dim", None) or H // heads)
+        inter = cfg.intermediate_size or getattr(tc, "intermediate_size", None) or 3 * H
+        eps = float(getattr(tc, "rms_norm_eps", 1e-6))
+        self.vocab_size, self.draft_vocab_size, self.hidden_size = V, vd, H
+        self.num_attention_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, head_dim
+        self.intermediate_size, self.rms_norm_eps, self.num_target_layers = inter, eps, L
+        self.final_logit_softcapping = getattr(tc, "final_logit_softcapping", None)
+
+        # frozen, borrowed from the target (never stored in checkpoints)
+        self.embed_tokens = nn.Parameter(embed_weight.detach().float().clone(), requires_grad=False)
+        rows = draft_to_target(d2t)
+        self.lm_head = nn.Parameter(lm_head_weight.detach().float()[rows].clone(), requires_grad=False)
+        self.fc = nn.Linear(len(self.layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.layers = nn.ModuleList(DFlashLayer(H, inter, heads, kv_heads, head_dim, eps)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(H, eps)
+        self.register_buffer("d2t", d2t.clone())
+        self.register_buffer("t2d", t2d.clone())
+        self._lm_head_full = lm_head_weight.detach()  # rebuild rows when a checkpoint's d2t is loaded
+        self._inv_freq, self._rope_factor, self.rope_parameters = rope_inv_freq(tc, head_dim)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        with torch.no_grad():  # the frozen head rows follow the loaded draft vocabulary
+            self.lm_head.copy_(self._lm_head_full.float()[draft_to_target(self.d2t).to(self._lm_head_full.device)])
+
+    # ------------------------------------------------------------------ pieces
+    @property
+    def draft_ids(self) -> Tensor:
+        return draft_to_target(self.d2t)
+
+    @property
+    def block_size(self) -> int:
+        return int(self.cfg.block_size)
+
+    def config_dict(self) -> dict:
+        d = asdict(self.cfg)
+        d.update(method="dflash", layer_ids=list(self.layer_ids), draft_vocab_size=self.draft_vocab_size,
+                 intermediate_size=self.intermediate_size, hidden_size=self.hidden_size,
+                 num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                 head_dim=self.head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+                 num_target_layers=self.num_target_layers)
+        return d
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [B, T] → cos, sin [B, 1, T, d] in the drafter's dtype."""
+        cos, sin = rope_cos_sin(self._inv_freq, positions, self._rope_factor, self.fc.weight.dtype)
+        return cos[:, None], sin[:, None]
+
+    def context(self, hidden: dict[int, Tensor] | Tensor) -> Tensor:
+        """{id: [B, T, H]} (or the concatenation [B, T, F·H]) → ctx [B, T, H] = hidden_norm(fc(cat))."""
+        if isinstance(hidden, dict):
+            hidden = torch.cat([hidden[k] for k in self.layer_ids], dim=-1)
+        return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per layer (K, V) [B, kv, T, d] of the context features at their positions."""
+        cos, sin = self.rope(positions)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def blocks(self, anchor_ids: Tensor, kvs: list[tuple[Tensor, Tensor]], positions: Tensor,
+               mask: Tensor | None) -> Tensor:
+        """anchor_ids [B, N] → block outputs [B, N·B_blk, H] (after the final norm); rows j·B_blk + s are block
+        j's slot s at positions [B, N·B_blk]."""
+        b, n = anchor_ids.shape
+        blk = self.block_size
+        ids = torch.full((b, n, blk), int(self.cfg.mask_token_id), dtype=torch.long, device=anchor_ids.device)
+        ids[:, :, 0] = anchor_ids
+        x = F.embedding(ids.view(b, n * blk), self.embed_tokens).to(self.fc.weight.dtype)
+        cos, sin = self.rope(positions)
+        for layer, (k, v) in zip(self.layers, kvs):
+            x = layer(x, k, v, cos, sin, mask)
+        return self.norm(x)
+
+    def logits(self, out: Tensor) -> Tensor:
+        """[..., H] → draft-vocabulary logits [..., Vd] (the target's frozen head rows; Gemma soft-capping)."""
+        z = out @ self.lm_head.t().to(out.dtype)
+        cap = self.final_logit_softcapping
+        return z if not cap else torch.tanh(z / cap) * cap
+
+    # ------------------------------------------------------------------ training
+    def sample_anchors(self, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Up to num_anchors random anchors per row where token a+1 is a training target → (anchors [B, N] long,
+        keep [B, N] bool; padding anchors are 0 with keep False). Uses torch's global RNG (checkpointed)."""
+        b, t = loss_mask.shape
+        valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+        valid[:, :-1] = loss_mask[:, 1:].bool()
+        n = min(int(self.cfg.num_anchors), max(int(valid.sum(1).max()), 1))
+        score = torch.rand(b, t, device=loss_mask.device).masked_fill(~valid, -1.0)
+        top = score.topk(n, dim=1)
+        keep = top.values >= 0
+        anchors = torch.where(keep, top.indices, 0)
+        order = anchors.masked_fill(~keep, t).argsort(dim=1)  # sorted anchors, padding last
+        return anchors.gather(1, order), keep.gather(1, order)
+
+    def block_mask(self, anchors: Tensor, keep: Tensor, ctx_valid: Tensor) -> Tensor:
+        """[B, 1, N·B_blk, T + N·B_blk] bool: a query of block j sees context c iff c < a_j (and c is a real token),
+        and the keys of its own block only (bidirectional). Padding blocks see only themselves (scored 0)."""
+        b, n = anchors.shape
+        t = ctx_valid.shape[1]
+        blk = self.block_size
+        c = torch.arange(t, device=anchors.device)
+        see_ctx = (c[None, None, :] < anchors[:, :, None]) & ctx_valid[:, None, :].bool() & keep[:, :, None]
+        see_ctx = see_ctx.repeat_interleave(blk, dim=1)  # [B, N·blk, T]
+        j = torch.arange(n * blk, device=anchors.device) // blk
+        same = (j[:, None] == j[None, :]).expand(b, -1, -1)
+        return torch.cat([see_ctx, same], dim=2)[:, None]
+
+    def slot_weights(self) -> Tensor:
+        """w_k = exp(−(k−1)/γ) for slots k = 1..B−1 (paper Eq. 4); [B−1]."""
+        gamma = self.cfg.decay_gamma or (7.0 if self.block_size >= 16 else 4.0)
+        return torch.exp(-torch.arange(self.block_size - 1, dtype=torch.float32) / gamma)
+
+    def training_loss(self, input_ids: Tensor, loss_mask: Tensor, hidden: dict[int, Tensor],
+                      target_logits: Tensor) -> tuple[Tensor, dict[str, float]]:
+        b, t = input_ids.shape
+        blk = self.block_size
+        anchors, keep = self.sample_anchors(loss_mask)  # [B, N]
+        n = anchors.shape[1]
+        ctx = self.context(hidden)
+        pos_ctx = torch.arange(t, device=input_ids.device).expand(b, t)
+        kvs = self.context_kv(ctx, pos_ctx)
+        slot = torch.arange(blk, device=input_ids.device)
+        pos_blk = (anchors[:, :, None] + slot).view(b, n * blk)
+        ctx_valid = torch.ones_like(loss_mask, dtype=torch.bool)  # the loop right-pads; padding is never < anchor
+        mask = self.block_mask(anchors, keep, ctx_valid)
+        out = self.blocks(input_ids.gather(1, anchors), kvs, pos_blk, mask).view(b, n, blk, -1)[:, :, 1:]
+        # labels: slot k at position a+k predicts token a+k = the target's choice at a+k-1
+        lab_pos = anchors[:, :, None] + slot[1:]  # [B, N, B-1]
+        valid = keep[:, :, None] & (lab_pos < t)
+        lab_pos = lab_pos.clamp_max(t - 1)
+        valid &= loss_mask.gather(1, lab_pos.view(b, -1)).view_as(lab_pos).bool()
+        teacher = target_logits.gather(1, (lab_pos - 1).view(b, -1, 1).expand(-1, -1, target_logits.shape[-1]))
+        teacher = teacher.view(b, n, blk - 1, -1)
+        return self._scored(out, teacher, valid)
+
+    def _scored(self, out: Tensor, teacher: Tensor, valid: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """out [B, N, S, H], teacher logits over the target vocab [B, N, S, V], valid [B, N, S] → weighted loss."""
+        s = out.shape[2]
+        ids = self.draft_ids.to(out.device)
+        label = teacher.argmax(-1)  # the target's greedy token, target ids
+        in_vocab = self.t2d.to(out.device)[label]
+        valid = valid & in_vocab  # a target token outside the draft vocabulary cannot be drafted: not scored
+        label_d = torch.searchsorted(ids, label.clamp_min(0)).clamp_max(ids.numel() - 1)
+        flat_o, flat_t = out.reshape(-1, out.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+        flat_l, flat_v = label_d.reshape(-1), valid.reshape(-1)
+        sel = flat_v.nonzero().flatten()
+        ce = torch.zeros(flat_v.shape[0], device=out.device)
+        hit = torch.zeros(flat_v.shape[0], dtype=torch.bool, device=out.device)
+        for i in range(0, sel.numel(), int(self.cfg.loss_chunk)):  # chunked: never all slots × V at once
+            rows = sel[i : i + int(self.cfg.loss_chunk)]
+            ce_c, hit_c = checkpoint(self._chunk_loss, flat_o[rows], flat_t[rows][:, ids], flat_l[rows],
+                                     use_reentrant=False)
+            ce = ce.index_put((rows,), ce_c)
+            hit = hit.index_put((rows,), hit_c)
+        ce, hit = ce.view(valid.shape), hit.view(valid.shape)
+        w = self.slot_weights().to(out.device).expand_as(ce)
+        if self.cfg.dpace:
+            w = w * _dpace_weights(ce.detach(), valid, self.cfg.dpace_alpha)
+        wv = w * valid
+        loss = (wv * ce).sum() / wv.sum().clamp_min(1e-9)
+        metrics: dict[str, float] = {}
+        prefix = torch.ones(valid.shape[:2], dtype=torch.bool, device=out.device)
+        accs = []
+        for k in range(s):  # agreement of slot k+1 given slots 1..k agreed (what a greedy verifier accepts)
+            tried = prefix & valid[:, :, k]
+            n_k = int(tried.sum())
+            a_k = float((tried & hit[:, :, k]).sum()) / max(n_k, 1)
+            metrics[f"loss_{k}"] = float((ce[:, :, k] * valid[:, :, k]).sum() / valid[:, :, k].sum().clamp_min(1))
+            metrics[f"acc_{k}"], metrics[f"n_{k}"] = a_k, float(n_k)
+            accs.append(a_k)
+            prefix = tried & hit[:, :, k]
+        metrics["sim_tau"] = simulated_tau(accs)
+        return loss, metrics
+
+    def _chunk_loss(self, o: Tensor, teacher: Tensor, label: Tensor) -> tuple[Tensor, Tensor]:
+        z = self.logits(o).float()
+        if self.cfg.loss == "kl":
+            ce = -(F.softmax(teacher.float(), -1) * F.log_softmax(z, -1)).sum(-1)
+        else:
+            ce = F.cross_entropy(z, label, reduction="none")
+        return ce, z.argmax(-1) == label
+
+
+def _dpace_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
+    """D-PACE (arXiv 2605.18810): q_i = exp(−CE_i), q̃ = (1−α)q + α, C_j = Π_{i≤j} q̃_i (invalid = 1),
+    w_j = Σ_{m≥j} C_m·mask_m; detached."""
+    q = (1 - alpha) * torch.exp(-ce) + alpha
+    q = torch.where(valid, q, torch.ones_like(q))
+    c = torch.cumprod(q, dim=-1) * valid
+    return torch.flip(torch.cumsum(torch.flip(c, [-1]), -1), [-1])
+
+
+# --------------------------------------------------------------------------------------------- proposers
+class DFlashProposer:
+    """One drafter forward per round drafts min(B−1, max_depth) tokens after the newest one (a chain).
+
+    Draft cache: per layer the K/V of the injected context for positions 0..n−1 (n = tokens with target
+    states); each ``accept`` appends the new rows. Greedy at T=0 (point masses); otherwise each slot's token
+    is sampled from its own distribution q_k, verified with the residual rule (the slots are drafted in
+    parallel, so q_k does not depend on the earlier slots' samples — any q is lossless)."""
+
+    def __init__(self, drafter: DFlashDrafter, k: int | None = None, sample_drafts: bool = True):
+        self.drafter = drafter.eval()
+        self.layer_ids = list(drafter.layer_ids)
+        self.k = check_k("k", k if k is not None else drafter.block_size - 1)
+        if self.k > drafter.block_size - 1:
+            raise ValueError(f"k={k}: a block of {drafter.block_size} drafts at most {drafter.block_size - 1} "
+                             "tokens (slots past the block were never trained); lower k or retrain a larger block")
+        self.sample_drafts = sample_drafts
+        self.vocab_ids = drafter.draft_ids
+        self.vocab_size = drafter.vocab_size
+
+    @torch.no_grad()
+    def begin(self, tokens: Tensor, hidden: dict[int, Tensor], sampling: Sampling) -> None:
+        self.sampling = sampling
+        self.kv: list[tuple[Tensor, Tensor]] | None = None
+        self.n = 0
+        self.anchor = tokens[:, -1:].long()
+        self._extend(hidden)
+
+    @torch.no_grad()
+    def accept(self, tokens: Tensor, hidden: dict[int, Tensor]) -> None:
+        self.anchor = tokens[:, -1:].long()
+        self._extend(hidden)
+
+    def _extend(self, hidden: dict[int, Tensor]) -> None:
+        """Project the new context rows (positions n..n+r−1) into every layer's cache."""
+        dr = self.drafter
+        ctx = dr.context(hidden)
+        r = ctx.shape[1]
+        if r == 0:
+            return
+        pos = torch.arange(self.n, self.n + r, device=ctx.device)[None]
+        new = dr.context_kv(ctx, pos)
+        self.kv = new if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                                for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.n += r
+
+    @torch.no_grad()
+    def propose(self, max_depth: int) -> Proposal:
+        dr = self.drafter
+        k = min(self.k, max_depth)
+        pos = torch.arange(self.n, self.n + dr.block_size, device=self.anchor.device)[None]
+        out = dr.blocks(self.anchor, self.kv, pos, None)[0, 1 : k + 1]  # [k, H], no mask: all context < anchor
+        logits = dr.logits(out)
+        toks, qs = [], []
+        for s in range(k):
+            tok, q = pick_token(logits[s], self.sampling, self.sample_drafts, self.vocab_ids, self.vocab_size)
+            toks.append(tok)
+            qs.append(q)
+        return chain_proposal(toks, qs, self.anchor.device)
+
+
+# --------------------------------------------------------------------------------------------- the method
+def build(cfg: DFlashConfig, target: FrozenTarget, train_rows: list[dict]) -> DFlashDrafter:
+    """A new drafter: the mask token and (if reduced) the draft vocabulary chosen from the training data."""
+    V = target.vocab_size
+    if cfg.mask_token_id is None:
+        cfg.mask_token_id = choose_mask_token(target, train_rows)
+    d2t = t2d = None
+    if cfg.draft_vocab_size and cfg.draft_vocab_size < V:
+        d2t, t2d = build_draft_vocab(count_tokens(train_rows, V), cfg.draft_vocab_size)
+    return DFlashDrafter(cfg, target.model.config, target.embed.weight, _lm_head(target), d2t, t2d)
+
+
+def rebuild(cfg: DFlashConfig, target: FrozenTarget) -> DFlashDrafter:
+    return DFlashDrafter(cfg, target.model.config, target.embed.weight, _lm_head(target))
+
+
+def _lm_head(target: FrozenTarget) -> Tensor:
+    return target.model.get_output_embeddings().weight
+
+
+SPEC = MethodSpec(
+    name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
+    export_formats=("dflash_speculators", "dflash_zlab"),
+    proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o), {"k": None},
+                            prepare=lambda d, _p, o: {**o, "k": int(o["k"] or d.block_size - 1)}),),
+)
