@@ -53,7 +53,12 @@ def _eagle3_decoder_fields(d: nn.Module, target: FrozenTarget) -> dict:
 
 
 def _engine_aux_ids(d: nn.Module, target: FrozenTarget) -> tuple[list[int], list[int]]:
-    """(vLLM ids, SGLang ids) for the drafter's layer ids; refuse ids no engine can capture."""
+    """(vLLM ids, SGLang ids) for the drafter's layer ids, in ASCENDING order; refuse ids no engine can capture.
+
+    Both engines fuse the three captured states in ascending layer order whatever order the config lists them in
+    (vLLM sorts the capture layers; SGLang appends them as the layer loop reaches them), so the ids are written
+    sorted and ``fc.weight``'s column blocks are permuted to match (``_engine_order``).
+    """
     L = target.num_layers
     ours = list(d.layer_ids)
     bad = [k for k in ours if not 1 <= k <= L - 1]
@@ -62,16 +67,47 @@ def _engine_aux_ids(d: nn.Module, target: FrozenTarget) -> tuple[list[int], list
         # vLLM's capture at layer 0 adds a residual that is still None there (llama.py LlamaModel.forward).
         raise ExportError(f"EAGLE-3 layer ids {bad} cannot be served: engines capture the input of decoder layers "
                           f"1..{L - 1} of this {L}-layer target (our ids 1..{L - 1}); retrain with other layer_ids")
+    ours = sorted(ours)
     return ours, [k - 1 for k in ours]
 
 
-def _eagle3_tensors(d: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+def _engine_order(d: nn.Module) -> list[int]:
+    """perm such that engine block j (ascending ids) is the drafter's block perm[j] (its layer_ids order)."""
+    ids = list(d.layer_ids)
+    return sorted(range(len(ids)), key=lambda j: ids[j])
+
+
+def _permute_blocks(w: torch.Tensor, perm: list[int], dim: int) -> torch.Tensor:
+    """Reorder the len(perm) equal blocks of ``w`` along ``dim``: block j of the result = block perm[j]."""
+    blocks = w.chunk(len(perm), dim=dim)
+    return torch.cat([blocks[p] for p in perm], dim=dim)
+
+
+def _eagle3_tensors(d: nn.Module, prefix: str, with_embedding: bool = False) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under the export names, in engine (ascending layer id) order."""
     out = {}
     for k, v in d.state_dict().items():
-        if k == "embed_tokens.weight":
+        if k == "embed_tokens.weight" and not with_embedding:
             continue  # frozen copy of the target's; both engines share the target's embedding when absent
         out[prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k] = v.detach().clone()
+    perm = _engine_order(d)
+    if perm != sorted(perm):
+        # fc reads cat(h_{id0}, h_{id1}, h_{id2}) in the drafter's order; engines feed it ascending ids.
+        out["fc.weight"] = _permute_blocks(out["fc.weight"], perm, dim=1)
+        if "input_norm.weight" in out:  # norm_before_fc: one RMSNorm over the same 3H concatenation
+            out["input_norm.weight"] = _permute_blocks(out["input_norm.weight"], perm, dim=0)
+        if "fc_norm.0.weight" in out:  # fc_norm: one RMSNorm per state, so the modules move with their blocks
+            moved = [out[f"fc_norm.{p}.weight"] for p in perm]
+            out.update({f"fc_norm.{j}.weight": w for j, w in enumerate(moved)})
     return out
+
+
+def _engine_sidecar(side: dict, ids: list[int], d: nn.Module) -> dict:
+    """The sidecar describes the exported (engine-order) drafter; the trained order is kept for the record."""
+    side["trained_layer_ids"] = list(d.layer_ids)
+    side["layer_ids"] = list(ids)
+    side["draft"]["layer_ids"] = list(ids)
+    return side
 
 
 def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> _Bundle:
@@ -103,7 +139,7 @@ def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int |
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
     }
     tensors = _eagle3_tensors(d, "midlayer.")
-    side = _sidecar("eagle3_native", d, target, name, k, meta)
+    side = _engine_sidecar(_sidecar("eagle3_native", d, target, name, k, meta), vllm_ids, d)
     return _Bundle("eagle3_native", cfg, tensors, side)
 
 
@@ -139,8 +175,12 @@ def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
         "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
     }
     # vLLM's llama_eagle3.py load_weights maps "midlayer." to "layers.0."; speculators checkpoints use the latter.
-    tensors = _eagle3_tensors(d, "layers.0.")
-    side = _sidecar("eagle3_speculators", d, target, name, k, meta)
+    # embed_tokens.weight is written here (not in the native format): speculators' own save_pretrained always
+    # writes it, and when it is absent speculators 0.9.0 under transformers 5 keeps the embedding it initialised
+    # (its verifier-copy fallback never fires) — the draft then runs on a wrong embedding without a word. vLLM
+    # drops it when it equals the target's (llama_eagle3.py load_weights), SGLang always takes the target's.
+    tensors = _eagle3_tensors(d, "layers.0.", with_embedding=True)
+    side = _engine_sidecar(_sidecar("eagle3_speculators", d, target, name, k, meta), vllm_ids, d)
     return _Bundle("eagle3_speculators", cfg, tensors, side)
 
 
@@ -215,6 +255,8 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
            f"{pre}hidden_norm.weight": (H,), f"{pre}input_layernorm.weight": (H,),
            f"{pre}post_attention_layernorm.weight": (H,), "norm.weight": (H,), "lm_head.weight": (Vd, H),
            "d2t": (Vd,), "t2d": (V,)}
+    if not native:
+        exp["embed_tokens.weight"] = (V, H)  # see _build_eagle3_speculators: speculators needs it in the file
     if bias:
         exp.update({f"{pre}self_attn.q_proj.bias": (nh * hd,), f"{pre}self_attn.k_proj.bias": (nkv * hd,),
                     f"{pre}self_attn.v_proj.bias": (nkv * hd,), f"{pre}self_attn.o_proj.bias": (H,)})
@@ -225,6 +267,11 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
     L = _num_layers(target, side)
     top = _check_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
                          "top-level eagle_aux_hidden_state_layer_ids (vLLM: input of decoder layer i)", L, 0, where)
+    if top != sorted(top):
+        # vLLM sorts the capture layers and SGLang captures in layer order: fc's blocks are fed ascending ids.
+        _fail(where, f"eagle_aux_hidden_state_layer_ids {top} are not ascending: both engines fuse the states in "
+                     "ascending layer order, so fc.weight would read them permuted; re-export with draftsmith "
+                     "(it sorts the ids and permutes fc.weight's column blocks)")
     if native:
         sg = _check_aux_ids((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
                             "eagle_config.eagle_aux_hidden_state_layer_ids (SGLang: output of decoder layer i)",
@@ -255,6 +302,12 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
             _fail(where, f"d2t/t2d rejected: {e}")
     if "lm_head.weight" in t.shapes and t.shapes["lm_head.weight"][0] != Vd:
         _fail(where, f"lm_head.weight has {t.shapes['lm_head.weight'][0]} rows but d2t/draft_vocab_size say {Vd}")
+    if not native and "embed_tokens.weight" in t.shapes and target is not None and target.frozen is not None:
+        emb = t.get("embed_tokens.weight")
+        ref = target.frozen.embed.weight.detach()
+        if tuple(emb.shape) == tuple(ref.shape) and not torch.equal(emb, ref.to(emb.dtype)):
+            _fail(where, "exported for another target: embed_tokens.weight is not this target's embedding "
+                         "(speculators runs the draft on the file's copy)")
     name = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") if not native else None
     return exp, {"hidden_size": Ht, "vocab_size": V, "name": name,
                  "rope_theta": layer.get("rope_theta")}

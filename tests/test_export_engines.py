@@ -1,0 +1,140 @@
+"""Exports computed the engines' way: the embedding speculators needs, ascending aux-layer order, file modes,
+the validator's target identity checks.
+
+Tiny 4-layer Llama target saved to disk; EAGLE-3 drafters built in code with randomised weights (no training
+needed: every check compares two computations of the same drafter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from models import export as ex
+from models.eagle3 import Eagle3Config, Eagle3Drafter
+from models.target import FrozenTarget
+from models.vocab import build_draft_vocab
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tiny_llama, tiny_tokenizer):
+    d = tmp_path_factory.mktemp("llama")
+    tiny_llama.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return FrozenTarget.from_pretrained(str(d))
+
+
+def make_drafter(target: FrozenTarget, layer_ids=(1, 2, 3), seed: int = 0, **flags) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    counts = torch.randint(0, 1000, (target.vocab_size,))
+    d2t, t2d = build_draft_vocab(counts, 120)
+    d = Eagle3Drafter(Eagle3Config(layer_ids=list(layer_ids), draft_vocab_size=120, **flags), target.model.config,
+                      target.embed.weight.detach().clone(), d2t, t2d)
+    with torch.no_grad():  # norms away from 1 and a non-trivial fc, so any permutation or drop shows
+        for p in d.parameters():
+            if p.requires_grad:
+                p.add_(0.2 * torch.randn_like(p))
+    return d.eval()
+
+
+def _keys(path: Path) -> set[str]:
+    with safe_open(str(path / ex.WEIGHTS), framework="pt") as f:
+        return set(f.keys())
+
+
+def _cfg(path: Path) -> dict:
+    return json.loads((path / ex.CONFIG).read_text())
+
+
+def _hidden(target: FrozenTarget, ids, n: int = 10, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(3, target.vocab_size, (1, n + 2), generator=g)
+    out = target(toks[:, : n + 1], layer_ids=sorted(ids))
+    return toks, out.hidden
+
+
+# --------------------------------------------------------------------------------------------- 1. embedding
+def test_speculators_export_writes_the_targets_embedding_native_does_not(target, tmp_path):
+    d = make_drafter(target)
+    spec = ex.export(d, "eagle3_speculators", tmp_path / "spec", target)
+    nat = ex.export(d, "eagle3_native", tmp_path / "nat", target)
+    assert "embed_tokens.weight" in _keys(spec) and "embed_tokens.weight" not in _keys(nat)
+    with safe_open(str(spec / ex.WEIGHTS), framework="pt") as f:
+        assert torch.equal(f.get_tensor("embed_tokens.weight"), target.embed.weight.detach())
+    # a speculators export without it is refused: speculators would run the draft on its init embedding
+    bad = tmp_path / "bad"
+    shutil.copytree(spec, bad)
+    sd = load_file(str(bad / ex.WEIGHTS))
+    sd.pop("embed_tokens.weight")
+    save_file(sd, str(bad / ex.WEIGHTS), metadata={"format": "pt"})
+    with pytest.raises(ex.ExportError, match=r"missing 1 tensor\(s\), e.g. \['embed_tokens.weight'\]"):
+        ex.validate(bad)
+    sd = load_file(str(spec / ex.WEIGHTS))
+    sd["embed_tokens.weight"] = sd["embed_tokens.weight"].flip(0)
+    save_file(sd, str(bad / ex.WEIGHTS), metadata={"format": "pt"})
+    with pytest.raises(ex.ExportError, match="embed_tokens.weight is not this target's embedding"):
+        ex.validate(bad, None, target)
+
+
+# --------------------------------------------------------------------------------------------- 2. id order
+def _engine_fused(path: Path, hidden: dict) -> torch.Tensor:
+    """What vLLM/SGLang compute for g: fc over the captured states concatenated in ASCENDING layer order."""
+    ids = _cfg(path)["eagle_aux_hidden_state_layer_ids"]
+    fc = load_file(str(path / ex.WEIGHTS))["fc.weight"]
+    return torch.cat([hidden[k] for k in sorted(ids)], dim=-1) @ fc.T
+
+
+@pytest.mark.parametrize("fmt", ["eagle3_native", "eagle3_speculators"])
+def test_out_of_order_layer_ids_export_sorted_with_fc_permuted(target, tmp_path, fmt):
+    toks, hidden = _hidden(target, (1, 2, 3))
+    base = make_drafter(target, (1, 2, 3))
+    shuffled = make_drafter(target, (3, 1, 2))
+    with torch.no_grad():  # the same drafter with its fc blocks listed in the order 3, 1, 2
+        w = base.fc.weight.chunk(3, dim=1)
+        shuffled.load_state_dict({**base.state_dict(), "fc.weight": torch.cat([w[2], w[0], w[1]], dim=1)})
+    torch.testing.assert_close(shuffled.fuse(hidden), base.fuse(hidden), rtol=0, atol=1e-6)
+    outs = {}
+    for name, d in (("sorted", base), ("shuffled", shuffled)):
+        out = ex.export(d, fmt, tmp_path / name, target)
+        assert _cfg(out)["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        # engine order: the fused state the engines compute equals the drafter's own
+        torch.testing.assert_close(_engine_fused(out, hidden), d.fuse(hidden), rtol=1e-5, atol=1e-5)
+        back = ex.load_export(out, target)
+        assert back.layer_ids == [1, 2, 3]
+        outs[name] = back.draft_greedy(hidden, toks, k=3, return_logits=True)[1]
+        torch.testing.assert_close(outs[name], d.draft_greedy(hidden, toks, k=3, return_logits=True)[1],
+                                   rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["sorted"], outs["shuffled"], rtol=1e-5, atol=1e-5)
+    side = json.loads((tmp_path / "shuffled" / ex.SIDECAR).read_text())
+    assert side["trained_layer_ids"] == [3, 1, 2] and side["layer_ids"] == [1, 2, 3]
+
+
+def test_validator_refuses_unsorted_layer_ids(target, tmp_path):
+    out = ex.export(make_drafter(target), "eagle3_native", tmp_path / "e3", target)
+    cfg = _cfg(out)
+    cfg["eagle_aux_hidden_state_layer_ids"] = [3, 1, 2]
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 0, 1]
+    (out / ex.CONFIG).write_text(json.dumps(cfg))
+    (out / ex.SIDECAR).unlink()
+    with pytest.raises(ex.ExportError, match=r"\[3, 1, 2\] are not ascending: both engines fuse"):
+        ex.validate(out)
+
+
+# --------------------------------------------------------------------------------------------- 3. file modes
+@pytest.mark.parametrize("fmt", ["eagle3_native", "eagle3_speculators"])
+def test_exported_files_are_world_readable(target, tmp_path, fmt):
+    old = os.umask(0o077)  # even a strict umask: a server running as another user must read the export
+    try:
+        out = ex.export(make_drafter(target), fmt, tmp_path / fmt, target)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes == {n: 0o644 for n in modes} and ex.WEIGHTS in modes
+    assert out.stat().st_mode & 0o755 == 0o755
