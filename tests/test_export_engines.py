@@ -138,3 +138,103 @@ def test_exported_files_are_world_readable(target, tmp_path, fmt):
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
     assert modes == {n: 0o644 for n in modes} and ex.WEIGHTS in modes
     assert out.stat().st_mode & 0o755 == 0o755
+
+
+# --------------------------------------------------------------------------------------------- 4. identity
+def _medusa(target: FrozenTarget):
+    from models.medusa import MedusaConfig, MedusaHeads
+
+    lm = target.model.get_output_embeddings().weight.detach()
+    return MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.model.config, lm).eval()
+
+
+@pytest.fixture(scope="module")
+def twin(target, tiny_tokenizer):
+    """Same shape and name as ``target``, other weights: only the embedding tells them apart."""
+    from tests.conftest import make_tiny_llama
+
+    t = FrozenTarget(make_tiny_llama(target.vocab_size, seed=1), tiny_tokenizer)
+    t.model.config._name_or_path = target.model.config._name_or_path
+    return t
+
+
+@pytest.mark.parametrize("fmt", ["eagle3_native", "medusa_vllm"])
+def test_validator_identifies_the_target_without_the_sidecar(target, twin, tiny_tokenizer, tmp_path, fmt):
+    from tests.conftest import make_tiny_llama
+
+    d = make_drafter(target) if fmt.startswith("eagle3") else _medusa(target)
+    out = ex.export(d, fmt, tmp_path / fmt, target)
+    (out / ex.SIDECAR).unlink()  # copied to a hub/server: only config.json + weights travel
+    stamp = _cfg(out)["draftsmith_target"]
+    assert stamp["num_hidden_layers"] == 4 and stamp["architectures"] == ["LlamaForCausalLM"]
+    assert stamp["embed_fingerprint"] == target.fingerprint() and stamp["vocab_size"] == 300
+    assert ex.validate(out, None, target) == fmt
+    with pytest.raises(ex.ExportError, match="exported for another target: embed_fingerprint .* draftsmith_target"):
+        ex.validate(out, None, twin)
+    deeper = FrozenTarget(make_tiny_llama(target.vocab_size, layers=6), tiny_tokenizer)
+    with pytest.raises(ex.ExportError, match="exported for another target: num_hidden_layers 4 != the target's 6"):
+        ex.validate(out, None, deeper)
+
+
+def _swap_weights(out: Path, **tensors) -> None:
+    sd = load_file(str(out / ex.WEIGHTS))
+    sd.update(tensors)
+    save_file(sd, str(out / ex.WEIGHTS), metadata={"format": "pt"})
+
+
+def test_validator_refuses_a_self_consistent_mapping_for_another_vocabulary(target, tmp_path):
+    out = ex.export(make_drafter(target), "eagle3_native", tmp_path / "e3", target)
+    d2t, t2d = build_draft_vocab(torch.arange(target.vocab_size), 120)  # consistent pair, other token set
+    _swap_weights(out, d2t=d2t, t2d=t2d)
+    with pytest.raises(ex.ExportError, match="d2t/t2d are not the draft vocabulary lm_head.weight was exported"):
+        ex.validate(out)
+
+
+def test_validator_refuses_a_mapping_sized_for_another_vocabulary(target, tmp_path):
+    out = ex.export(make_drafter(target), "eagle3_native", tmp_path / "e3", target)
+    bigger = {"num_hidden_layers": 4, "hidden_size": 32, "vocab_size": 320}
+    with pytest.raises(ex.ExportError, match="built for a vocabulary of 300 tokens, the target has 320"):
+        ex.validate(out, None, bigger)
+
+
+def test_export_refuses_draft_ids_beyond_the_targets_tokenizer(tiny_tokenizer, tmp_path):
+    from tests.conftest import make_tiny_llama
+
+    padded = FrozenTarget(make_tiny_llama(320), tiny_tokenizer)  # embedding padded past the 300 real tokens
+    d2t, t2d = build_draft_vocab(torch.arange(320), 60)  # the 60 most "frequent": ids 260..319
+    d = Eagle3Drafter(Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=60), padded.model.config,
+                      padded.embed.weight.detach().clone(), d2t, t2d)
+    with pytest.raises(ex.ExportError, match="d2t maps to target id 319, beyond the target tokenizer's 300 tokens"):
+        ex.export(d, "eagle3_native", tmp_path / "x", padded)
+    assert not (tmp_path / "x").exists()
+
+
+def _shift_ids(out: Path, by: int, stamp_too: bool = False) -> None:
+    cfg = _cfg(out)
+    cfg["eagle_aux_hidden_state_layer_ids"] = [i + by for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+    sg = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + by for i in sg]
+    if stamp_too:
+        cfg["draftsmith_target"]["layer_ids"] = cfg["eagle_aux_hidden_state_layer_ids"]
+    (out / ex.CONFIG).write_text(json.dumps(cfg))
+    side = json.loads((out / ex.SIDECAR).read_text())
+    side["layer_ids"] = cfg["eagle_aux_hidden_state_layer_ids"]
+    (out / ex.SIDECAR).write_text(json.dumps(side))
+
+
+def test_validator_refuses_ids_below_the_range_in_sglangs_convention(target, tmp_path):
+    out = ex.export(make_drafter(target), "eagle3_native", tmp_path / "e3", target)
+    _shift_ids(out, -1, stamp_too=True)  # vLLM [0, 1, 2] / SGLang [-1, 0, 1], every file agreeing
+    (out / ex.SIDECAR).unlink()
+    with pytest.raises(ex.ExportError, match=r"\[0, 1, 2\]: \[0\] out of range for a 4-layer target"):
+        ex.validate(out)
+
+
+def test_validator_refuses_consistently_shifted_ids(tiny_tokenizer, tmp_path):
+    from tests.conftest import make_tiny_llama
+
+    deep = FrozenTarget(make_tiny_llama(len(tiny_tokenizer), layers=6), tiny_tokenizer)
+    out = ex.export(make_drafter(deep), "eagle3_native", tmp_path / "e3", deep)
+    _shift_ids(out, +1)  # [2, 3, 4] / [1, 2, 3] and draftsmith.json: in range, mutually consistent
+    with pytest.raises(ex.ExportError, match=r"\[2, 3, 4\] differ from the ids fc.weight was exported with"):
+        ex.validate(out, None, deep)

@@ -26,6 +26,7 @@ from .common import (
     _Target,
     _Tensors,
 )
+from .identity import STAMP_KEY, stamp_of, target_stamp, vocab_hash
 
 
 # ============================================================================================ build
@@ -137,6 +138,7 @@ def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int |
         # SGLang: model_runner.py reads eagle_config["eagle_aux_hidden_state_layer_ids"] and llama.py
         # set_eagle3_layers_to_capture adds 1 ("output of layer i" = our id - 1).
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
+        STAMP_KEY: target_stamp(target, layer_ids=vllm_ids, draft_vocab=vocab_hash(d.d2t)),
     }
     tensors = _eagle3_tensors(d, "midlayer.")
     side = _engine_sidecar(_sidecar("eagle3_native", d, target, name, k, meta), vllm_ids, d)
@@ -173,6 +175,7 @@ def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
         # algos.py copies it to the vLLM config unchanged → same convention as the native top-level list.
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
         "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
+        STAMP_KEY: target_stamp(target, layer_ids=vllm_ids, draft_vocab=vocab_hash(d.d2t)),
     }
     # vLLM's llama_eagle3.py load_weights maps "midlayer." to "layers.0."; speculators checkpoints use the latter.
     # embed_tokens.weight is written here (not in the native format): speculators' own save_pretrained always
@@ -264,7 +267,8 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         _fail(where, f"fc.weight has shape {list(t.shapes['fc.weight'])}, expected {list(exp['fc.weight'])} "
                      f"[hidden_size, 3 x target_hidden_size]: it must fuse exactly 3 target states of size {Ht}")
 
-    L = _num_layers(target, side)
+    st = stamp_of(cfg)
+    L = _num_layers(target, side) or st.get("num_hidden_layers")
     top = _check_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
                          "top-level eagle_aux_hidden_state_layer_ids (vLLM: input of decoder layer i)", L, 0, where)
     if top != sorted(top):
@@ -279,6 +283,10 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         if sg != [i - 1 for i in top]:
             _fail(where, f"eagle_config ids {sg} (SGLang, output of layer i) must be the top-level ids {top} "
                          f"(vLLM, input of layer i) minus 1, i.e. {[i - 1 for i in top]}; one of them is off by one")
+    if st.get("layer_ids") is not None and list(st["layer_ids"]) != top:
+        # ids shifted consistently in every field still disagree with the ids recorded with the weights
+        _fail(where, f"eagle_aux_hidden_state_layer_ids {top} differ from the ids fc.weight was exported with "
+                     f"({STAMP_KEY}.layer_ids {st['layer_ids']}): converted to another convention twice?")
     if side is not None and side.get("layer_ids") is not None and list(side["layer_ids"]) != top:
         _fail(where, f"draftsmith.json layer ids {side['layer_ids']} (HF output_hidden_states index) differ from "
                      f"the vLLM ids {top}, which use the same convention")
@@ -296,10 +304,14 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         if t.shapes["d2t"] != (Vd,) or t.shapes["t2d"] != (V,):
             _fail(where, f"d2t {list(t.shapes['d2t'])} / t2d {list(t.shapes['t2d'])} must be [draft_vocab_size="
                          f"{Vd}] / [vocab_size={V}]")
+        if target is not None and target.vocab_size and t.shapes["t2d"][0] != int(target.vocab_size):
+            _fail(where, f"d2t/t2d were built for a vocabulary of {t.shapes['t2d'][0]} tokens, the target has "
+                         f"{target.vocab_size}: rebuild the draft vocabulary for this target and retrain")
         try:
             check_mapping(t.get("d2t"), t.get("t2d"))
         except ValueError as e:
             _fail(where, f"d2t/t2d rejected: {e}")
+        _check_vocab_against_target(t.get("d2t"), st, target, where)
     if "lm_head.weight" in t.shapes and t.shapes["lm_head.weight"][0] != Vd:
         _fail(where, f"lm_head.weight has {t.shapes['lm_head.weight'][0]} rows but d2t/draft_vocab_size say {Vd}")
     if not native and "embed_tokens.weight" in t.shapes and target is not None and target.frozen is not None:
@@ -311,6 +323,21 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
     name = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") if not native else None
     return exp, {"hidden_size": Ht, "vocab_size": V, "name": name,
                  "rope_theta": layer.get("rope_theta")}
+
+
+def _check_vocab_against_target(d2t: torch.Tensor, st: dict, target: _Target | None, where: str) -> None:
+    """The draft vocabulary must be the one exported with lm_head's rows, and consist of ids the target's
+    tokenizer can produce (a self-consistent mapping built for another vocabulary passes check_mapping)."""
+    if st.get("draft_vocab") is not None and vocab_hash(d2t) != st["draft_vocab"]:
+        _fail(where, f"d2t/t2d are not the draft vocabulary lm_head.weight was exported with ({STAMP_KEY}."
+                     "draft_vocab differs): a mapping from another vocabulary or data set; re-export the drafter")
+    tok = getattr(target.frozen, "tokenizer", None) if target is not None and target.frozen is not None else None
+    if tok is not None:
+        n = len(tok)
+        top = int((d2t + torch.arange(d2t.numel())).max())
+        if top >= n:
+            _fail(where, f"d2t maps to target id {top}, beyond the target tokenizer's {n} tokens: the draft "
+                         "vocabulary was built for another vocabulary")
 
 
 # ============================================================================================ load back

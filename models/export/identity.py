@@ -1,0 +1,66 @@
+"""The target's identity written into every exported ``config.json`` (key ``draftsmith_target``) and its checks.
+
+``draftsmith.json`` says which target an export is for, but it is a separate file that gets lost when a
+directory is copied to a model hub or a server (only config.json + weights travel). The stamp lives in the
+config the engines parse anyway; they ignore unknown keys (transformers' PretrainedConfig keeps them as
+attributes; speculators' pydantic config has ``extra="allow"``; vLLM's MedusaConfig renames only top-level keys
+containing "num"). With it the validator identifies the target from the export alone: architecture, layer
+count, hidden/vocab size and the embedding fingerprint — plus, for EAGLE-3, the aux-layer ids and a hash of the
+draft vocabulary the drafter was exported with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .common import _fail, _Target
+
+STAMP_KEY = "draftsmith_target"
+
+
+def vocab_hash(d2t: torch.Tensor) -> str:
+    """Identifies a draft vocabulary (d2t fixes t2d: check_mapping refuses any other)."""
+    return hashlib.sha256(d2t.detach().cpu().to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+
+def target_stamp(target: Any, **extra: Any) -> dict:
+    """The stamp for a FrozenTarget (architectures, model_type, layers, sizes, embedding fingerprint) + extra."""
+    c = target.model.config
+    return {"architectures": list(getattr(c, "architectures", None) or []),
+            "model_type": getattr(c, "model_type", None), "num_hidden_layers": int(c.num_hidden_layers),
+            "hidden_size": int(c.hidden_size),
+            "vocab_size": int(c.vocab_size), "embed_fingerprint": target.fingerprint(), **extra}
+
+
+def stamp_of(cfg: Mapping) -> dict:
+    s = cfg.get(STAMP_KEY)
+    return s if isinstance(s, dict) else {}
+
+
+def check_stamp(cfg: Mapping, dims: Mapping, target: _Target | None, where: str) -> bool:
+    """Refuse an export whose stamp names another target or contradicts its own config/tensors.
+
+    Returns True when the target's embedding itself was compared (the name may then differ in spelling only).
+    """
+    st = stamp_of(cfg)
+    if not st:
+        return False  # exported before the stamp existed: draftsmith.json and the names remain the evidence
+    for key in ("hidden_size", "vocab_size"):
+        if st.get(key) is not None and dims.get(key) is not None and int(st[key]) != int(dims[key]):
+            _fail(where, f"config.json {STAMP_KEY}.{key} is {st[key]} but the tensors/config say {dims[key]}")
+    if target is None:
+        return False
+    tc = target.config
+    get = tc.get if isinstance(tc, Mapping) else (lambda k, d=None: getattr(tc, k, d))
+    have = {"num_hidden_layers": target.num_hidden_layers, "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size, "model_type": get("model_type", None),
+            "architectures": list(get("architectures", None) or []) or None, "embed_fingerprint": target.fingerprint}
+    for key, h in have.items():
+        if st.get(key) not in (None, []) and h is not None and st[key] != h:
+            _fail(where, f"exported for another target: {key} {st[key]} != the target's {h} (config.json "
+                         f"{STAMP_KEY})")
+    return st.get("embed_fingerprint") is not None and target.fingerprint is not None
