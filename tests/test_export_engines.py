@@ -238,3 +238,66 @@ def test_validator_refuses_consistently_shifted_ids(tiny_tokenizer, tmp_path):
     _shift_ids(out, +1)  # [2, 3, 4] / [1, 2, 3] and draftsmith.json: in range, mutually consistent
     with pytest.raises(ex.ExportError, match=r"\[2, 3, 4\] differ from the ids fc.weight was exported with"):
         ex.validate(out, None, deep)
+
+
+# --------------------------------------------------------------------------------------------- 5. engine versions
+def _all_exports(target: FrozenTarget, root: Path) -> dict[str, Path]:
+    from models.mtp import MTPConfig, MTPDrafter
+
+    out = {f: ex.export(make_drafter(target), f, root / f, target) for f in ("eagle3_native", "eagle3_speculators")}
+    for f in ("medusa_fasterdecoding", "medusa_vllm"):
+        out[f] = ex.export(_medusa(target), f, root / f, target)
+    out["mtp_deepseek"] = ex.export(MTPDrafter.from_target(MTPConfig(), target).eval(), "mtp", root / "mtp", target)
+    return out
+
+
+def test_readmes_name_engine_versions_and_offer_no_removed_method(target, tmp_path):
+    for fmt, out in _all_exports(target, tmp_path).items():
+        text = (out / ex.README).read_text()
+        heads = [ln for ln in text.splitlines() if ln.startswith("## ") and ("vLLM" in ln or "SGLang" in ln)]
+        for h in heads:
+            assert "checked against" in h or "0.32 and older" in h, (fmt, h)
+        if '"method": "medusa"' in text:  # only under the vLLM <= 0.32 heading, with the pin
+            assert fmt == "medusa_vllm" and "vLLM 0.33.0 removed Medusa" in text and "vllm<=0.32.0" in text
+            assert text.index("## vLLM 0.32 and older only") < text.index('"method": "medusa"')
+            assert "## vLLM (checked" not in text
+    fd = (tmp_path / "medusa_fasterdecoding" / ex.README).read_text()
+    assert "medusa-vllm` is for vLLM <= 0.32" in fd
+    nat = (tmp_path / "eagle3_native" / ex.README).read_text()
+    assert "SGLang 0.5.23 adds 1 to every SGLang id" in nat and "SGLang (checked against SGLang 0.5.23)" in nat
+
+
+def test_sglang_plus_one_rule_per_family():
+    from models.export.identity import sglang_reads
+
+    assert sglang_reads([0, 1, 2], "llama") == [1, 2, 3]  # llama.py: always +1
+    assert sglang_reads([1, 3, 5], "deepseek_v3") == [2, 4, 6]  # first id 1: +1 (the default layers)
+    assert sglang_reads([0, 1, 2], "deepseek_v3") == [0, 1, 2]  # otherwise taken as they are
+    assert sglang_reads([0, 1, 2], "glm4_moe") == [0, 1, 2]
+
+
+def test_validator_warns_when_sglang_would_read_the_ids_differently(tiny_tokenizer, tmp_path):
+    import warnings
+
+    from models.export.readme import _readme
+    from tests.conftest import make_tiny_llama
+
+    deep = FrozenTarget(make_tiny_llama(len(tiny_tokenizer), layers=6), tiny_tokenizer)
+    for ids, warns in (((1, 2, 3), True), ((2, 3, 4), False)):
+        out = ex.export(make_drafter(deep, ids), "eagle3_native", tmp_path / str(ids[0]), deep)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ex.validate(out)  # a Llama target: SGLang's +1 always applies, nothing to warn about
+        cfg = _cfg(out)
+        cfg["draftsmith_target"]["model_type"] = "deepseek_v3"  # the same ids for a DeepSeek-V3 target
+        (out / ex.CONFIG).write_text(json.dumps(cfg))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            ex.validate(out)
+        msgs = [str(x.message) for x in w if "SGLang 0.5.23" in str(x.message)]
+        assert bool(msgs) == warns
+        if warns:
+            assert "would capture layers [0, 1, 2] instead of [1, 2, 3]" in msgs[0] and "\n" not in msgs[0]
+        side = json.loads((out / ex.SIDECAR).read_text())
+        text = _readme("eagle3_native", cfg, side)
+        assert ("SGLang would capture [0, 1, 2] instead of [1, 2, 3]" in text) == warns

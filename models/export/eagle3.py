@@ -5,6 +5,7 @@ formats. Aux-layer-id conventions: see the package docstring.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from .common import (
     _Target,
     _Tensors,
 )
-from .identity import STAMP_KEY, stamp_of, target_stamp, vocab_hash
+from .identity import SGLANG_PLUS1_IF_FIRST_IS_1, STAMP_KEY, sglang_reads, stamp_of, target_stamp, vocab_hash
 
 
 # ============================================================================================ build
@@ -283,6 +284,7 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         if sg != [i - 1 for i in top]:
             _fail(where, f"eagle_config ids {sg} (SGLang, output of layer i) must be the top-level ids {top} "
                          f"(vLLM, input of layer i) minus 1, i.e. {[i - 1 for i in top]}; one of them is off by one")
+        _warn_sglang_family(sg, top, _model_type(target, st), where)
     if st.get("layer_ids") is not None and list(st["layer_ids"]) != top:
         # ids shifted consistently in every field still disagree with the ids recorded with the weights
         _fail(where, f"eagle_aux_hidden_state_layer_ids {top} differ from the ids fc.weight was exported with "
@@ -323,6 +325,22 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
     name = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") if not native else None
     return exp, {"hidden_size": Ht, "vocab_size": V, "name": name,
                  "rope_theta": layer.get("rope_theta")}
+
+
+def _model_type(target: _Target | None, st: dict) -> str | None:
+    tc = target.config if target is not None else None
+    mt = (tc.get("model_type") if isinstance(tc, dict) else getattr(tc, "model_type", None)) if tc is not None else None
+    return mt or st.get("model_type")
+
+
+def _warn_sglang_family(sg: list[int], top: list[int], model_type: str | None, where: str) -> None:
+    """SGLang 0.5.23 reads eagle_config ids per target family (DESIGN.md §3 corrections): warn when it would
+    capture other layers than vLLM and the drafter (the file is right for vLLM, so this is not a refusal)."""
+    got = sglang_reads(sg, model_type)
+    if model_type in SGLANG_PLUS1_IF_FIRST_IS_1 and got != top:
+        warnings.warn(f"{where}: SGLang 0.5.23 adds 1 to eagle_config ids for {model_type} targets only when the "
+                      f"first id is 1, so it would capture layers {got} instead of {top}; serve with vLLM or retrain "
+                      "with layer ids starting at 2 (the default)", UserWarning, stacklevel=2)
 
 
 def _check_vocab_against_target(d2t: torch.Tensor, st: dict, target: _Target | None, where: str) -> None:

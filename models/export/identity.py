@@ -21,6 +21,17 @@ from .common import _fail, _Target
 
 STAMP_KEY = "draftsmith_target"
 
+# SGLang families whose set_eagle3_layers_to_capture adds 1 only when the first id is 1 (PR #25454,
+# deepseek_v2.py / glm4_moe_lite.py); Llama (llama.py) and the others add 1 always.
+SGLANG_PLUS1_IF_FIRST_IS_1 = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+
+
+def sglang_reads(sg_ids: list[int], model_type: str | None) -> list[int]:
+    """The capture ids (our convention) SGLang 0.5.23 derives from eagle_config ids for a target family."""
+    if model_type in SGLANG_PLUS1_IF_FIRST_IS_1 and sg_ids and sg_ids[0] != 1:
+        return list(sg_ids)
+    return [i + 1 for i in sg_ids]
+
 
 def vocab_hash(d2t: torch.Tensor) -> str:
     """Identifies a draft vocabulary (d2t fixes t2d: check_mapping refuses any other)."""
