@@ -5,7 +5,6 @@ formats. Aux-layer-id conventions: see the package docstring.
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any
 
 import torch
@@ -27,7 +26,17 @@ from .common import (
     _Target,
     _Tensors,
 )
-from .identity import SGLANG_PLUS1_IF_FIRST_IS_1, STAMP_KEY, sglang_reads, stamp_of, target_stamp, vocab_hash
+from .identity import (
+    STAMP_KEY,
+    check_vocab_against_target,
+    model_type_of,
+    stamp_of,
+    target_stamp,
+    vocab_hash,
+    warn_sglang_family,
+)
+
+_EAGLE31 = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1 flags (speculators 0.9.0), defaults False
 
 
 # ============================================================================================ build
@@ -118,6 +127,11 @@ def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int |
         raise ExportError("norm_before_residual=True cannot be expressed in the native EAGLE-3 format (SGLang's "
                           "llama_eagle3.py ignores it and would use residual = g); export --format "
                           "eagle3-speculators for vLLM instead")
+    on = [f for f in _EAGLE31 if getattr(d.cfg, f)]
+    if on:
+        # SGLang's llama_eagle3.py has no input_norm / fc_norm modules and feeds the next step the raw output.
+        raise ExportError(f"{'/'.join(on)}=True (EAGLE-3.1) cannot be expressed in the native EAGLE-3 format "
+                          "(SGLang's llama_eagle3.py ignores it); export --format eagle3-speculators instead")
     if d.attention_bias:
         # SGLang builds qkv_proj with bias=False and skips unknown tensors silently (llama_eagle3.py load_weights).
         raise ExportError("attention_bias=True cannot be loaded by SGLang's native EAGLE-3 layer (qkv bias is "
@@ -131,8 +145,9 @@ def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int |
         **_eagle3_decoder_fields(d, target),
         "draft_vocab_size": d.draft_vocab_size,  # lm_head rows: both engines (llama_eagle3.py)
         "target_hidden_size": d.target_hidden_size,  # fc in = 3 * this (vLLM + SGLang llama_eagle3.py)
-        # vLLM reads getattr(config, "norm_before_residual", False) (vllm llama_eagle3.py); explicit anyway.
-        "norm_before_residual": False,
+        # vLLM reads getattr(config, "norm_before_residual", False) (vllm llama_eagle3.py); explicit anyway, and
+        # the EAGLE-3.1 flags too (all false: refused above when set).
+        "norm_before_residual": False, **{f: False for f in _EAGLE31},
         # vLLM: vllm/v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config reads this top-level list
         # first and uses it unchanged as "capture before layer idx" (= our ids).
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
@@ -172,7 +187,8 @@ def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
         # algos.py update_eagle3: config_dict.get("norm_before_residual", True) — absent means TRUE there, while
         # our default (and EAGLE-3's) is residual = g: always written, matching the trained drafter.
         "norm_before_residual": bool(d.cfg.norm_before_residual),
-        "norm_before_fc": False,  # newer algos.py: default False; we apply no norm before fc
+        # EAGLE-3.1 flags, read by speculators 0.9.0 (models/eagle3/config.py): every one written explicitly.
+        **{f: bool(getattr(d.cfg, f)) for f in _EAGLE31},
         # algos.py copies it to the vLLM config unchanged → same convention as the native top-level list.
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
         "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
@@ -221,6 +237,10 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
                          "(residual = g) while vLLM honours it, so the two engines would compute different drafts")
         if cfg.get("attention_bias"):
             _fail(where, "attention_bias=true in the native format: SGLang's EAGLE-3 qkv_proj has no bias")
+        on = [f for f in _EAGLE31 if cfg.get(f)]
+        if on:
+            _fail(where, f"{'/'.join(on)}=true in the native format: SGLang's llama_eagle3.py ignores the EAGLE-3.1 "
+                         "flags, so it would compute another draft; use the speculators format")
     else:
         if cfg.get("speculators_model_type") != "eagle3":
             _fail(where, f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
@@ -230,6 +250,11 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         if not isinstance(cfg.get("norm_before_residual"), bool):
             _fail(where, "norm_before_residual must be written explicitly (vLLM's speculators reader assumes true "
                          "when absent, EAGLE-3's original is false)")
+        missing = [f for f in _EAGLE31 if not isinstance(cfg.get(f), bool)]
+        if missing:
+            _fail(where, f"EAGLE-3.1 flags {missing} must be written explicitly as true/false")
+        if cfg.get("norm_before_fc") and cfg.get("fc_norm"):
+            _fail(where, "norm_before_fc and fc_norm are both true; speculators refuses the pair (mutually exclusive)")
         sc = cfg.get("speculators_config") or {}
         pm = sc.get("proposal_methods") or [{}]
         if sc.get("algorithm") != "eagle3" or not isinstance(pm[0].get("speculative_tokens"), int):
@@ -261,6 +286,10 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
            "d2t": (Vd,), "t2d": (V,)}
     if not native:
         exp["embed_tokens.weight"] = (V, H)  # see _build_eagle3_speculators: speculators needs it in the file
+        if cfg.get("norm_before_fc"):
+            exp["input_norm.weight"] = (3 * Ht,)  # speculators Eagle3DraftModel.input_norm
+        if cfg.get("fc_norm"):
+            exp.update({f"fc_norm.{i}.weight": (Ht,) for i in range(3)})  # speculators Eagle3DraftModel.fc_norm
     if bias:
         exp.update({f"{pre}self_attn.q_proj.bias": (nh * hd,), f"{pre}self_attn.k_proj.bias": (nkv * hd,),
                     f"{pre}self_attn.v_proj.bias": (nkv * hd,), f"{pre}self_attn.o_proj.bias": (H,)})
@@ -284,7 +313,7 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         if sg != [i - 1 for i in top]:
             _fail(where, f"eagle_config ids {sg} (SGLang, output of layer i) must be the top-level ids {top} "
                          f"(vLLM, input of layer i) minus 1, i.e. {[i - 1 for i in top]}; one of them is off by one")
-        _warn_sglang_family(sg, top, _model_type(target, st), where)
+        warn_sglang_family(sg, top, model_type_of(target, st), where)
     if st.get("layer_ids") is not None and list(st["layer_ids"]) != top:
         # ids shifted consistently in every field still disagree with the ids recorded with the weights
         _fail(where, f"eagle_aux_hidden_state_layer_ids {top} differ from the ids fc.weight was exported with "
@@ -293,10 +322,10 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         _fail(where, f"draftsmith.json layer ids {side['layer_ids']} (HF output_hidden_states index) differ from "
                      f"the vLLM ids {top}, which use the same convention")
     if side is not None:
-        nbr = (side.get("draft") or {}).get("norm_before_residual")
-        if nbr is not None and bool(nbr) != bool(cfg.get("norm_before_residual", False)):
-            _fail(where, f"norm_before_residual={cfg.get('norm_before_residual')} in config.json but the drafter "
-                         f"was trained with {nbr}")
+        for flag in ("norm_before_residual", *_EAGLE31):
+            was = (side.get("draft") or {}).get(flag)
+            if was is not None and bool(was) != bool(cfg.get(flag, False)):
+                _fail(where, f"{flag}={cfg.get(flag)} in config.json but the drafter was trained with {was}")
 
     # the vocabulary mapping (SpecForge #534: misaligned after fine-tuning, no error at load time)
     for name, dt in (("d2t", torch.int64), ("t2d", torch.bool)):
@@ -313,7 +342,7 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
             check_mapping(t.get("d2t"), t.get("t2d"))
         except ValueError as e:
             _fail(where, f"d2t/t2d rejected: {e}")
-        _check_vocab_against_target(t.get("d2t"), st, target, where)
+        check_vocab_against_target(t.get("d2t"), st, target, where)
     if "lm_head.weight" in t.shapes and t.shapes["lm_head.weight"][0] != Vd:
         _fail(where, f"lm_head.weight has {t.shapes['lm_head.weight'][0]} rows but d2t/draft_vocab_size say {Vd}")
     if not native and "embed_tokens.weight" in t.shapes and target is not None and target.frozen is not None:
@@ -327,37 +356,6 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
                  "rope_theta": layer.get("rope_theta")}
 
 
-def _model_type(target: _Target | None, st: dict) -> str | None:
-    tc = target.config if target is not None else None
-    mt = (tc.get("model_type") if isinstance(tc, dict) else getattr(tc, "model_type", None)) if tc is not None else None
-    return mt or st.get("model_type")
-
-
-def _warn_sglang_family(sg: list[int], top: list[int], model_type: str | None, where: str) -> None:
-    """SGLang 0.5.23 reads eagle_config ids per target family (DESIGN.md §3 corrections): warn when it would
-    capture other layers than vLLM and the drafter (the file is right for vLLM, so this is not a refusal)."""
-    got = sglang_reads(sg, model_type)
-    if model_type in SGLANG_PLUS1_IF_FIRST_IS_1 and got != top:
-        warnings.warn(f"{where}: SGLang 0.5.23 adds 1 to eagle_config ids for {model_type} targets only when the "
-                      f"first id is 1, so it would capture layers {got} instead of {top}; serve with vLLM or retrain "
-                      "with layer ids starting at 2 (the default)", UserWarning, stacklevel=2)
-
-
-def _check_vocab_against_target(d2t: torch.Tensor, st: dict, target: _Target | None, where: str) -> None:
-    """The draft vocabulary must be the one exported with lm_head's rows, and consist of ids the target's
-    tokenizer can produce (a self-consistent mapping built for another vocabulary passes check_mapping)."""
-    if st.get("draft_vocab") is not None and vocab_hash(d2t) != st["draft_vocab"]:
-        _fail(where, f"d2t/t2d are not the draft vocabulary lm_head.weight was exported with ({STAMP_KEY}."
-                     "draft_vocab differs): a mapping from another vocabulary or data set; re-export the drafter")
-    tok = getattr(target.frozen, "tokenizer", None) if target is not None and target.frozen is not None else None
-    if tok is not None:
-        n = len(tok)
-        top = int((d2t + torch.arange(d2t.numel())).max())
-        if top >= n:
-            _fail(where, f"d2t maps to target id {top}, beyond the target tokenizer's {n} tokens: the draft "
-                         "vocabulary was built for another vocabulary")
-
-
 # ============================================================================================ load back
 def _load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     from models.eagle3 import Eagle3Config, Eagle3Drafter
@@ -368,7 +366,8 @@ def _load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Modu
     over = {k: (layer[k] if layer.get(k) != getattr(tc, k, None) else None)
             for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")}
     ec = Eagle3Config(layer_ids=list(cfg["eagle_aux_hidden_state_layer_ids"]), draft_vocab_size=cfg["draft_vocab_size"],
-                      norm_before_residual=bool(cfg.get("norm_before_residual", False)), **over)
+                      norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+                      **{f: bool(cfg.get(f, False)) for f in _EAGLE31}, **over)
     d = Eagle3Drafter(ec, tc, target.embed.weight.detach().clone(), sd["d2t"], sd["t2d"])
     if d.head_dim != layer.get("head_dim", d.head_dim):
         raise ExportError(f"export head_dim {layer.get('head_dim')} cannot be rebuilt on this target "

@@ -12,6 +12,7 @@ draft vocabulary the drafter was exported with.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,3 +76,34 @@ def check_stamp(cfg: Mapping, dims: Mapping, target: _Target | None, where: str)
             _fail(where, f"exported for another target: {key} {st[key]} != the target's {h} (config.json "
                          f"{STAMP_KEY})")
     return st.get("embed_fingerprint") is not None and target.fingerprint is not None
+
+
+def model_type_of(target: _Target | None, st: dict) -> str | None:
+    tc = target.config if target is not None else None
+    mt = (tc.get("model_type") if isinstance(tc, dict) else getattr(tc, "model_type", None)) if tc is not None else None
+    return mt or st.get("model_type")
+
+
+def warn_sglang_family(sg: list[int], top: list[int], model_type: str | None, where: str) -> None:
+    """SGLang 0.5.23 reads eagle_config ids per target family (DESIGN.md §3 corrections): warn when it would
+    capture other layers than vLLM and the drafter (the file is right for vLLM, so this is not a refusal)."""
+    got = sglang_reads(sg, model_type)
+    if model_type in SGLANG_PLUS1_IF_FIRST_IS_1 and got != top:
+        warnings.warn(f"{where}: SGLang 0.5.23 adds 1 to eagle_config ids for {model_type} targets only when the "
+                      f"first id is 1, so it would capture layers {got} instead of {top}; serve with vLLM or retrain "
+                      "with layer ids starting at 2 (the default)", UserWarning, stacklevel=2)
+
+
+def check_vocab_against_target(d2t: torch.Tensor, st: dict, target: _Target | None, where: str) -> None:
+    """The draft vocabulary must be the one exported with lm_head's rows, and consist of ids the target's
+    tokenizer can produce (a self-consistent mapping built for another vocabulary passes check_mapping)."""
+    if st.get("draft_vocab") is not None and vocab_hash(d2t) != st["draft_vocab"]:
+        _fail(where, f"d2t/t2d are not the draft vocabulary lm_head.weight was exported with ({STAMP_KEY}."
+                     "draft_vocab differs): a mapping from another vocabulary or data set; re-export the drafter")
+    tok = getattr(target.frozen, "tokenizer", None) if target is not None and target.frozen is not None else None
+    if tok is not None:
+        n = len(tok)
+        top = int((d2t + torch.arange(d2t.numel())).max())
+        if top >= n:
+            _fail(where, f"d2t maps to target id {top}, beyond the target tokenizer's {n} tokens: the draft "
+                         "vocabulary was built for another vocabulary")

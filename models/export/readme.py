@@ -36,6 +36,11 @@ def _readme(fmt: str, cfg: dict, side: dict) -> str:
                   f"- vLLM top-level `eagle_aux_hidden_state_layer_ids` (capture before decoder layer i): {ours}",
                   f"- SGLang `eagle_config.eagle_aux_hidden_state_layer_ids` (output of decoder layer i): "
                   f"{[i - 1 for i in ours]}" + ("" if fmt == "eagle3_native" else " (not written: vLLM only)"), ""]
+        on = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(f)]
+        if on:
+            lines += [f"EAGLE-3.1 flags {on} are set: speculators 0.9.0 reads them (tested); draftsmith has not "
+                      "checked which vLLM release honours them, so compare served acceptance with `python -m eval`.",
+                      ""]
         if fmt == "eagle3_native":
             mt = stamp_of(cfg).get("model_type")
             sg = [i - 1 for i in ours]
