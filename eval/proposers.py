@@ -455,7 +455,8 @@ class MTPProposer:
             conf = max(0, m - j - c)  # positions i <= m-1-j read context tokens only: keep them
             if m - c > conf:
                 st.cache.crop(conf - (m - c))
-            full = torch.cat([st.out, h], dim=1)  # this stream's outputs for st.out_start..m-1
+            # this stream's outputs for st.out_start..m-1, as the next depth reads them (MTPDrafter.hand_on)
+            full = torch.cat([st.out, dr.hand_on(min(j, dr.cfg.num_modules - 1), h)], dim=1)
             st.out = full[:, : c + conf - st.out_start]
             st.n = c + conf
             prev, prev_start = full, st.out_start

@@ -301,3 +301,17 @@ def test_validator_warns_when_sglang_would_read_the_ids_differently(tiny_tokeniz
         side = json.loads((out / ex.SIDECAR).read_text())
         text = _readme("eagle3_native", cfg, side)
         assert ("SGLang would capture [0, 1, 2] instead of [1, 2, 3]" in text) == warns
+
+
+# --------------------------------------------------------------------------------------------- 7. MTP depth input
+@pytest.mark.parametrize("between", ["post_norm", "pre_norm"])
+def test_mtp_export_records_the_hidden_state_depth_two_was_trained_on(target, tmp_path, between):
+    from models.mtp import MTPConfig, MTPDrafter
+
+    d = MTPDrafter.from_target(MTPConfig(num_modules=2, hidden_between_depths=between), target).eval()
+    out = ex.export(d, "mtp", tmp_path / "mtp", target)
+    assert _cfg(out)["draftsmith_target"]["mtp_hidden_between_depths"] == between
+    text = (out / ex.README).read_text()
+    assert f"trained on the `{between}` hidden state" in text
+    assert ("served acceptance at depth >= 2 differs" in text) == (between == "pre_norm")
+    assert MTPConfig().hidden_between_depths == "post_norm"  # the default is what vLLM/SGLang feed

@@ -79,7 +79,9 @@ def load_drafter(path: str | Path, target: FrozenTarget) -> tuple[torch.nn.Modul
     elif method == "mtp":
         from models.mtp import MTPConfig, MTPDrafter
 
-        module = MTPDrafter.from_target(MTPConfig(**_fields(MTPConfig, d)), target)
+        # checkpoints written before hidden_between_depths existed chained the pre-norm state
+        module = MTPDrafter.from_target(MTPConfig(**{"hidden_between_depths": "pre_norm", **_fields(MTPConfig, d)}),
+                                        target)
     else:
         raise ValueError(f"{path}: unknown method {method!r}; expected one of {METHODS}")
     load_trainable_state(module, path / WEIGHTS)

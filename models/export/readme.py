@@ -74,7 +74,13 @@ def _readme(fmt: str, cfg: dict, side: dict) -> str:
                   "(its weight.py reads medusa_lm_head.safetensors; TensorRT-LLM version not checked by "
                   "draftsmith). vLLM 0.33.0 removed Medusa: `--format medusa-vllm` is for vLLM <= 0.32; on "
                   "current vLLM use EAGLE-3 or MTP. SGLang has no Medusa support.", ""]
-    elif fmt == "mtp_deepseek":
+    if fmt.startswith("mtp"):
+        between = stamp_of(cfg).get("mtp_hidden_between_depths")
+        lines += [f"Depth >= 2 (and a module reused past its depth) was trained on the `{between}` hidden state of "
+                  "the previous depth; vLLM and SGLang feed the post-norm one (shared_head.norm)"
+                  + ("." if between == "post_norm" else ", so served acceptance at depth >= 2 differs from eval's."),
+                  ""]
+    if fmt == "mtp_deepseek":
         spec = {"method": "mtp", **spec}  # vllm/config/speculative.py: deepseek_mtp is an alias of mtp
         if cfg.get("model_type") == "deepseek_v3":
             lines += ["For SGLang export --format mtp-nextn (one module, layer renumbered to 0).", ""]
