@@ -321,3 +321,17 @@ def test_hidden_between_depths_cached_proposer_equals_reference(target, between)
     assert (a[1] - b[1]).abs().max() > 1e-2
     with pytest.raises(ValueError, match="hidden_between_depths must be one of"):
         MTPConfig(hidden_between_depths="post")
+
+
+def test_checkpoint_without_the_option_loads_as_pre_norm(target, tmp_path):
+    """Checkpoints written before hidden_between_depths chained the pre-norm state: they keep doing so."""
+    from train.build import load_drafter
+    from train.checkpoint import save_drafter
+
+    d = MTPDrafter.from_target(MTPConfig(num_modules=2), target)
+    meta = {"method": "mtp", "target": target.identity(), "draft": d.config_dict()}
+    save_drafter(tmp_path / "new", d, meta)
+    assert load_drafter(tmp_path / "new", target)[0].cfg.hidden_between_depths == "post_norm"
+    old = {**meta, "draft": {k: v for k, v in meta["draft"].items() if k != "hidden_between_depths"}}
+    save_drafter(tmp_path / "old", d, old)
+    assert load_drafter(tmp_path / "old", target)[0].cfg.hidden_between_depths == "pre_norm"
