@@ -3,6 +3,9 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+# pyproject's `peers` extra, installed --no-deps (their own requirements pull a GPU stack the tests do not import)
+PEERS   := speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 loguru==0.7.3 pydantic-settings==2.16.3 \
+           python-dotenv==1.2.4
 # No nvidia-smi → pin the CPU torch build; GPU users get torch from pyproject's range.
 CONSTRAINTS := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
 RECIPE  ?= eagle3
@@ -17,6 +20,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(CONSTRAINTS) -e '.[train,dev]'
+	$(BIN)/pip install -q --no-deps $(PEERS)
 	touch $(STAMP)
 
 # The main job: train an EAGLE-3 drafter on the embedded tiny-code target, then decode with it

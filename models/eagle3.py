@@ -8,7 +8,9 @@ Architecture (arXiv 2503.01840; DESIGN.md §2), for a target with hidden size H 
     a  = a' + mlp(post_attention_layernorm(a'))          SwiGLU
     q  = softmax(lm_head(norm(a)))                       over the Vd draft ids (models/vocab.py)
 
-``a`` (before ``norm``) is what the next draft step receives in place of ``g``.
+``a`` (before ``norm``) is what the next draft step receives in place of ``g``. EAGLE-3.1 options (speculators'
+names): ``norm_before_fc`` / ``fc_norm`` normalise the three states (jointly / each) before ``fc``; ``norm_output``
+hands the next step norm(a) instead of a.
 
 Parameter and buffer names match the native export (``fc.weight``, ``midlayer.self_attn.q_proj.weight``,
 …, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``) plus ``embed_tokens.weight`` (frozen copy of
@@ -59,6 +61,10 @@ class Eagle3Config:
     num_key_value_heads: int | None = None
     # False: residual = g (EAGLE-3 original, native SGLang/vLLM loader); True: residual = hidden_norm(g).
     norm_before_residual: bool = False
+    # EAGLE-3.1 (speculators 0.9.0 Eagle3SpeculatorConfig; same names, same tensors). Defaults = EAGLE-3.
+    norm_before_fc: bool = False  # one RMSNorm over cat(h_0, h_1, h_2) [3H] before fc (tensor input_norm.weight)
+    fc_norm: bool = False  # one RMSNorm per fused state before the cat (tensors fc_norm.{i}.weight [H])
+    norm_output: bool = False  # the next step reads norm(a) instead of a; logits lm_head(norm(a)) either way
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -245,6 +251,13 @@ class Eagle3Drafter(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed_weight.detach().float())
         self.embed_tokens.weight.requires_grad_(False)
+        if cfg.norm_before_fc and cfg.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are mutually exclusive (one norm over the concatenation, "
+                             "or one per state): set at most one of them")
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(3 * H, eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(H, eps) for _ in range(3))
         self.fc = nn.Linear(3 * H, hidden, bias=False)
         self.midlayer = Eagle3DecoderLayer(hidden, intermediate, heads, kv_heads, head_dim, eps, bias, act,
                                            cfg.norm_before_residual)
@@ -295,15 +308,25 @@ class Eagle3Drafter(nn.Module):
             hidden = torch.cat([hidden[k].to(dtype) for k in self.layer_ids], dim=-1)
         H = self.target_hidden_size
         if hidden.shape[-1] == 3 * H:
-            return self.fc(hidden.to(dtype))
+            hidden = hidden.to(dtype)
+            if self.cfg.norm_before_fc:
+                hidden = self.input_norm(hidden)
+            elif self.cfg.fc_norm:
+                hidden = torch.cat([n(c) for n, c in zip(self.fc_norm, hidden.chunk(3, dim=-1))], dim=-1)
+            return self.fc(hidden)
         if hidden.shape[-1] == self.hidden_size:
             return hidden.to(dtype)
         raise ValueError(f"hidden states have last dim {hidden.shape[-1]}; expected {3 * H} (3 fused target states) "
                          f"or {self.hidden_size} (already fused)")
 
     def logits(self, a: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits [.., Vd] from the pre-norm output ``a``."""
-        return self.lm_head(self.norm(a))
+        """Draft-vocab logits [.., Vd] from the state a step hands on (``carry``): lm_head(norm(a)) either way."""
+        return self.lm_head(a if self.cfg.norm_output else self.norm(a))
+
+    def carry(self, a: torch.Tensor) -> torch.Tensor:
+        """The state the next draft step reads: the layer output ``a``, or norm(a) under norm_output (EAGLE-3.1,
+        speculators ``norm_output``). Every step's output goes through here, so ``logits`` takes it as is."""
+        return self.norm(a) if self.cfg.norm_output else a
 
     # ------------------------------------------------------------------ training-time test
     def ttt_forward(self, input_ids: torch.Tensor, hidden: dict[int, torch.Tensor] | torch.Tensor,
@@ -333,7 +356,7 @@ class Eagle3Drafter(nn.Module):
             q, kk, vv = attn.qkv(x, cos, sin)
             keys.append(kk)
             values.append(vv)
-            h = layer.post(ttt_attention(q, keys, values, scale), residual)
+            h = self.carry(layer.post(ttt_attention(q, keys, values, scale), residual))
             out.append(self.logits(h))
         return out
 
@@ -415,7 +438,7 @@ class Eagle3Drafter(nn.Module):
             cos, sin = self.rope(T, offset=0)
             q, kk, vv = attn.qkv(x, cos, sin)
             o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=1.0 / math.sqrt(self.head_dim))
-            a_last = layer.post(o, residual)[:, -1:]                                 # [B, 1, H]
+            a_last = self.carry(layer.post(o, residual)[:, -1:])                     # [B, 1, H]
             logits = self.logits(a_last)
             tok = self.draft_ids[logits.argmax(-1)]                                  # [B, 1] target ids
             ids.append(tok)
@@ -542,7 +565,7 @@ def cached_step(
     (fused target state g for real entries, the parent entry's output ``a`` for drafted ones);
     ``positions`` [M] RoPE positions; the new entries' K/V (RoPE applied, GQA-expanded) are written to ``kv``
     at [start, start+M); ``mask`` [M, start + M] bool (True = attend), None = every earlier entry plus causal
-    among the new ones. Returns ``a`` [B, M, H] (pre-norm outputs: ``drafter.logits(a)`` scores the next token).
+    among the new ones. Returns ``drafter.carry(a)`` [B, M, H] (``drafter.logits`` of it scores the next token).
     Same maths as the training forward, with q/k/v and gate/up each fused into one matmul.
     """
     layer, attn, mlp = drafter.midlayer, drafter.midlayer.self_attn, drafter.midlayer.mlp
@@ -566,7 +589,7 @@ def cached_step(
     a = residual + attn.out(o)
     gu = F.linear(layer.post_attention_layernorm(a), w["gate_up"])
     inter = gu.shape[-1] // 2
-    return a + mlp.down_proj(mlp.act(gu[..., :inter]) * gu[..., inter:])
+    return drafter.carry(a + mlp.down_proj(mlp.act(gu[..., :inter]) * gu[..., inter:]))
 
 
 # --------------------------------------------------------------------------------------------- proposers

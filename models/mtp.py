@@ -32,6 +32,8 @@ from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_to
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
 
+HIDDEN_BETWEEN_DEPTHS = ("post_norm", "pre_norm")
+
 
 @dataclass
 class MTPConfig:
@@ -42,6 +44,10 @@ class MTPConfig:
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
+    # What depth k >= 2 reads as h^{k-1}: "post_norm" = shared_head.norm(h^{k-1}), what vLLM (deepseek_mtp.py,
+    # v1/spec_decode/llm_base_proposer.py) and SGLang NextN (deepseek_nextn.py) feed the next step; "pre_norm" =
+    # the block output itself (DeepSeek-V3 report eq. 21; draftsmith before this option: older checkpoints).
+    hidden_between_depths: str = "post_norm"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -49,6 +55,9 @@ class MTPConfig:
     def validate(self) -> None:
         if self.num_modules <= 0:
             raise ValueError(f"mtp num_modules must be >= 1, got {self.num_modules}")
+        if self.hidden_between_depths not in HIDDEN_BETWEEN_DEPTHS:
+            raise ValueError(f"mtp hidden_between_depths must be one of {HIDDEN_BETWEEN_DEPTHS}, got "
+                             f"{self.hidden_between_depths!r}")
 
 
 def decoder_config(cfg: MTPConfig, target_config: PreTrainedConfig) -> PreTrainedConfig:
@@ -189,6 +198,10 @@ class MTPDrafter(nn.Module):
     def logits(self, d: int, h: torch.Tensor) -> torch.Tensor:
         return self.mtp[d].logits(h, self.lm_head_weight)
 
+    def hand_on(self, d: int, h: torch.Tensor) -> torch.Tensor:
+        """What the next depth reads from module d's output h^k (see MTPConfig.hidden_between_depths)."""
+        return self.mtp[d].shared_head.norm(h) if self.cfg.hidden_between_depths == "post_norm" else h
+
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced chain. input_ids [B, T], hidden [B, T, H] (id L) → per depth k = 1..D logits
         [B, T-k, V]; entry [b, i] is depth k's prediction of token i+1+k."""
@@ -199,8 +212,9 @@ class MTPDrafter(nn.Module):
             n = T - k  # positions whose embedding input t_{i+k} exists
             if n <= 0:
                 break
-            prev = self.run_module(d, prev[:, :n], input_ids[:, k : k + n])  # h^k [B, n, H]
-            outs.append(self.logits(d, prev))
+            h = self.run_module(d, prev[:, :n], input_ids[:, k : k + n])  # h^k [B, n, H]
+            outs.append(self.logits(d, h))
+            prev = self.hand_on(d, h)
         return outs
 
     def training_loss(
@@ -275,8 +289,9 @@ def propose_chain(drafter: MTPDrafter, input_ids: torch.Tensor, hidden: torch.Te
     drafts = []
     for j in range(k):
         d = min(j, D - 1)
-        prev = drafter.run_module(d, prev, tokens[:, j + 1 : j + 1 + n])  # [B, n, H]
-        nxt = drafter.logits(d, prev[:, -1]).argmax(-1)  # [B]
+        h = drafter.run_module(d, prev, tokens[:, j + 1 : j + 1 + n])  # [B, n, H]
+        nxt = drafter.logits(d, h[:, -1]).argmax(-1)  # [B]
+        prev = drafter.hand_on(d, h)
         drafts.append(nxt)
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
     return torch.stack(drafts, dim=1) if drafts else input_ids.new_zeros(B, 0)
@@ -440,7 +455,8 @@ class MTPProposer:
             conf = max(0, m - j - c)  # positions i <= m-1-j read context tokens only: keep them
             if m - c > conf:
                 st.cache.crop(conf - (m - c))
-            full = torch.cat([st.out, h], dim=1)  # this stream's outputs for st.out_start..m-1
+            # this stream's outputs for st.out_start..m-1, as the next depth reads them (MTPDrafter.hand_on)
+            full = torch.cat([st.out, dr.hand_on(min(j, dr.cfg.num_modules - 1), h)], dim=1)
             st.out = full[:, : c + conf - st.out_start]
             st.n = c + conf
             prev, prev_start = full, st.out_start
@@ -472,5 +488,7 @@ def _default_k(drafter: MTPDrafter, _ckpt_dir: str | None, o: dict) -> dict:
 SPEC = MethodSpec(
     name="mtp", config=MTPConfig, build=lambda cfg, target, rows=None: MTPDrafter.from_target(cfg, target),
     rebuild=MTPDrafter.from_target, export_formats=("mtp_deepseek", "mtp_sglang_nextn"),
+    # checkpoints written before hidden_between_depths existed chained the pre-norm state
+    checkpoint_defaults={"hidden_between_depths": "pre_norm"},
     proposers=(ProposerSpec("mtp", lambda d, _t, **o: MTPProposer(d, **o), {"k": None}, prepare=_default_k),),
 )

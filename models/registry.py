@@ -52,6 +52,7 @@ def proposer(name: str) -> tuple[MethodSpec, ProposerSpec]:
 
 def config_from_dict(spec: MethodSpec, d: dict) -> Any:
     """A method's config dataclass from a checkpoint's stored dict (fields it does not declare are ignored)."""
+    d = {**spec.checkpoint_defaults, **d}
     return spec.config(**{f.name: d[f.name] for f in dataclasses.fields(spec.config) if f.name in d})
 
 

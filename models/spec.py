@@ -73,6 +73,8 @@ class MethodSpec:
     export_formats: tuple[str, ...] = ()
     after_training: Callable[..., Any] | None = None
     load: Callable[..., Any] | None = None
+    # values for config fields a checkpoint written before they existed does not store (what it was trained with)
+    checkpoint_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

@@ -63,6 +63,8 @@ def _train(target_dir: Path, out: Path, method: str) -> str:
         over += ["draft.config.draft_vocab_size=200", "draft.config.ttt_steps=2", "draft.config.layer_ids=[1,2,3]"]
     if method == "mtp":
         over += ["draft.config.num_modules=2"]
+    if method == "dflash":
+        over += ["draft.config.layer_ids=[1,2,3]", "draft.config.block_size=4", "draft.config.num_anchors=4"]
     if method == "medusa":  # rank accuracies saved with the checkpoint: the bench sizes the tree from them
         over += ["draft.config.metric_top_k=3", "draft.config.tree_nodes=8"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -78,7 +80,7 @@ def env(tmp_path_factory, tiny_llama, tiny_tokenizer):
     draft = make_tiny_llama(len(tiny_tokenizer), layers=1, hidden=16, seed=3)
     draft.save_pretrained(d / "draft")
     tiny_tokenizer.save_pretrained(d / "draft")
-    ckpts = {m: _train(d / "target", d / m, m) for m in ("eagle3", "medusa", "mtp")}
+    ckpts = {m: _train(d / "target", d / m, m) for m in registry.trainable_methods()}
     target = FrozenTarget.from_pretrained(str(d / "target"))
     prompts = [Prompt(tiny_tokenizer(t, add_special_tokens=False)["input_ids"], "code", str(i))
                for i, t in enumerate(PROMPT_TEXTS)]
@@ -159,7 +161,7 @@ def test_end_to_end_results_have_every_measurement(full, env):
 def test_batch_sweep_and_recommendation(full):
     b = full["batch"]
     assert b["batch_sizes"] == [1, 2] and set(b["ar_tokens_per_s"]) == {1, 2}
-    assert set(b["methods"]) == {"ngram", "draft_model", "eagle3", "mtp"}  # chains only
+    assert set(b["methods"]) == {"ngram", "draft_model", "eagle3", "mtp", "dflash"}  # chains only
     for name, m in b["methods"].items():
         assert m["lossless"] is True
         rows = m["by_batch"]
@@ -341,7 +343,8 @@ def test_bad_checkpoints_and_methods(env, caplog):
 
 def _cli_overrides(env, out: Path, *extra: str) -> list[str]:
     return [f"target.name_or_path={env.dir / 'target'}", f"checkpoints.eagle3={env.ckpts['eagle3']}",
-            f"checkpoints.medusa={env.ckpts['medusa']}", f"checkpoints.mtp={env.dir / 'none'}", "n_prompts=2",
+            f"checkpoints.medusa={env.ckpts['medusa']}", f"checkpoints.mtp={env.dir / 'none'}",
+            f"checkpoints.dflash={env.dir / 'none'}", "n_prompts=2",
             "prompt_tokens=12", f"max_new_tokens={MAX_NEW}", "repetitions=1", "warmup=0", "cost_reps=1",
             "threads=1", "progress=false", "options.eagle3_tree.total_tokens=8", "options.medusa.num_nodes=8",
             "draft_model=null", f"out_dir={out}", *extra]
@@ -354,7 +357,7 @@ def test_cli_run_writes_report(env, tmp_path):
         cfg = compose(config_name="eval", overrides=_cli_overrides(env, tmp_path, "batch_sizes=[1]",
                                                                    "temperatures=[0]", "peers=false"))
     res = run(cfg)
-    assert set(res["skipped"]) == {"draft_model", "mtp"}
+    assert set(res["skipped"]) == {"draft_model", "mtp", "dflash"}
     assert set(res["methods"]) == {"ar", "ngram", "eagle3", "eagle3_tree", "medusa"} and res["lossless"]
     assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "tau_speedup.png",
                                                      "acceptance.png", "batch_speedup.png"}

@@ -313,12 +313,16 @@ def test_validator_rejects_layer_ids_off_by_one(native, target, tmp_path):
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
 
     _edit_config(bad, shift)
-    (bad / ex.SIDECAR).unlink()  # the target's layer count must then come from the target
-    ex.validate(bad)  # without a target the ids are self-consistent ...
+    (bad / ex.SIDECAR).unlink()  # the target's layer count then comes from config.json's draftsmith_target ...
     with pytest.raises(ex.ExportError, match=r"\[4\] out of range for a 4-layer target .* off by one"):
-        ex.validate(bad, None, target)  # ... against it, the top id is one past the last capturable layer
+        ex.validate(bad)
+    with pytest.raises(ex.ExportError, match=r"\[4\] out of range for a 4-layer target .* off by one"):
+        ex.validate(bad, None, target)  # ... or from the target: the top id is one past the last capturable layer
+    _edit_config(bad, lambda c: c.pop("draftsmith_target"))
+    ex.validate(bad)  # with neither, the ids are merely self-consistent
     bad2 = _broken(native, tmp_path / "b")
     _edit_config(bad2, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]))
+    _edit_config(bad2, lambda c: c.pop("draftsmith_target"))
     (bad2 / ex.SIDECAR).unlink()  # no layer count known: the two fields must still agree with each other
     with pytest.raises(ex.ExportError, match=r"must be the top-level ids \[1, 2, 3\] .* minus 1"):
         ex.validate(bad2)  # SGLang's field written in vLLM's convention

@@ -70,8 +70,12 @@ def test_concat_order_embedding_first(target):
     torch.testing.assert_close(mod.fuse(e, h), 3.0 * _rms(h))
 
 
-def test_training_inputs_are_emb_of_t_i_plus_k_and_previous_hidden(target):
+@pytest.mark.parametrize("between", ["post_norm", "pre_norm"])
+def test_training_inputs_are_emb_of_t_i_plus_k_and_previous_hidden(target, between):
     dr = _drafter(target, D=2)
+    dr.cfg.hidden_between_depths = between
+    with torch.no_grad():  # a non-unit gain, so shared_head.norm(h) and h normalise to different inputs
+        dr.mtp[0].shared_head.norm.weight.copy_(1 + torch.rand(H))
     ids, hidden, logits = _batch(target, T=10)
     seen: dict[str, torch.Tensor] = {}
     hooks = [dr.mtp[d].eh_proj.register_forward_hook(lambda m, i, o, d=d: seen.__setitem__(f"in{d}", i[0]))
@@ -86,9 +90,11 @@ def test_training_inputs_are_emb_of_t_i_plus_k_and_previous_hidden(target):
     # depth 1, position i: [enorm(emb(t_{i+1})), hnorm(h_i)]
     torch.testing.assert_close(seen["in0"][..., :H], m0.enorm(emb[:, 1:]))
     torch.testing.assert_close(seen["in0"][..., H:], m0.hnorm(hidden[2][:, :9]))
-    # depth 2, position i: [enorm(emb(t_{i+2})), hnorm(h^1_i)]
+    # depth 2, position i: [enorm(emb(t_{i+2})), hnorm(h^1_i)], h^1 after shared_head.norm as the engines feed it
     torch.testing.assert_close(seen["in1"][..., :H], m1.enorm(emb[:, 2:]))
-    torch.testing.assert_close(seen["in1"][..., H:], m1.hnorm(seen["out0"][:, :8]))
+    h1 = seen["out0"][:, :8]
+    h1 = m0.shared_head.norm(h1) if between == "post_norm" else h1
+    torch.testing.assert_close(seen["in1"][..., H:], m1.hnorm(h1))
 
 
 def _crafted(jump: int = 1, D: int = 2, distill: bool = True):
@@ -283,3 +289,49 @@ def test_block_follows_the_target_family(family):
     fresh = MTPDrafter.from_target(MTPConfig(num_modules=1), t)
     init_from_native(fresh, sd)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in dr.state_dict().items())
+
+
+@pytest.mark.parametrize("between", ["post_norm", "pre_norm"])
+def test_hidden_between_depths_cached_proposer_equals_reference(target, between):
+    """Depth >= 2 reads shared_head.norm(h) (vLLM/SGLang) or h: the KV-cached proposer follows either exactly, and
+    the option really changes the chain (non-unit norm gains, O(1) weights)."""
+    from eval import decode
+    from models.mtp import MTPProposer
+
+    torch.manual_seed(4)
+    drs = {}
+    for mode in ("post_norm", "pre_norm"):
+        torch.manual_seed(4)
+        d = MTPDrafter.from_target(MTPConfig(num_modules=2, hidden_between_depths=mode), target).eval()
+        with torch.no_grad():
+            for n, p in d.named_parameters():
+                p.copy_(1 + torch.rand_like(p)) if "norm" in n else p.normal_(0, 2 / p.shape[-1] ** 0.5)
+        drs[mode] = d
+    dr, L = drs[between], target.num_layers
+    ctx = torch.randint(3, V, (1, 12), generator=torch.Generator().manual_seed(5))
+    h = target(ctx, layer_ids=[L]).hidden[L]
+    prop = MTPProposer(dr, k=4)
+    prop.begin(ctx[:, :8], {L: h[:, :7]}, decode.Sampling())
+    assert torch.equal(prop.propose(4).tokens, propose_chain(dr, ctx[:, :8], h[:, :7], 4)[0])
+    prop.accept(ctx[:, 8:11], {L: h[:, 7:10]})
+    assert torch.equal(prop.propose(3).tokens, propose_chain(dr, ctx[:, :11], h[:, :10], 3)[0])
+    # teacher-forced depth 2 differs between the two options (depth 1 is the same module on the same input)
+    a, b = drs["post_norm"](ctx, h), drs["pre_norm"](ctx, h)
+    torch.testing.assert_close(a[0], b[0])
+    assert (a[1] - b[1]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="hidden_between_depths must be one of"):
+        MTPConfig(hidden_between_depths="post")
+
+
+def test_checkpoint_without_the_option_loads_as_pre_norm(target, tmp_path):
+    """Checkpoints written before hidden_between_depths chained the pre-norm state: they keep doing so."""
+    from models.registry import load_drafter
+    from train.checkpoint import save_drafter
+
+    d = MTPDrafter.from_target(MTPConfig(num_modules=2), target)
+    meta = {"method": "mtp", "target": target.identity(), "draft": d.config_dict()}
+    save_drafter(tmp_path / "new", d, meta)
+    assert load_drafter(tmp_path / "new", target)[0].cfg.hidden_between_depths == "post_norm"
+    old = {**meta, "draft": {k: v for k, v in meta["draft"].items() if k != "hidden_between_depths"}}
+    save_drafter(tmp_path / "old", d, old)
+    assert load_drafter(tmp_path / "old", target)[0].cfg.hidden_between_depths == "pre_norm"

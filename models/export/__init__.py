@@ -5,9 +5,9 @@ One writer per format (each writes a directory), one validator for all of them (
 
     format                  files                                        served by
     eagle3_native           config.json, model.safetensors               SGLang (EAGLE3), vLLM (eagle3)
-    eagle3_speculators      config.json, model.safetensors               vLLM (speculators format)
+    eagle3_speculators      config.json, model.safetensors               vLLM (speculators format), speculators
     medusa_fasterdecoding   config.json, medusa_lm_head.safetensors      FasterDecoding/Medusa, TensorRT-LLM
-    medusa_vllm             config.json, model.safetensors               vLLM (medusa)
+    medusa_vllm             config.json, model.safetensors               vLLM <= 0.32 (medusa; removed in 0.33.0)
     mtp_deepseek            config.json, model.safetensors               vLLM (mtp) for DeepSeek-V3 targets
     mtp_sglang_nextn        config.json, model.safetensors               SGLang (NEXTN) for DeepSeek-V3 targets
 

@@ -82,10 +82,19 @@ def _write(bundle: _Bundle, out: Path, overwrite: bool) -> Path:
     (tmp / CONFIG).write_text(json.dumps(bundle.config, indent=2, sort_keys=True) + "\n")
     (tmp / SIDECAR).write_text(json.dumps(bundle.sidecar, indent=2, sort_keys=True) + "\n")
     (tmp / README).write_text(_readme(bundle.fmt, bundle.config, bundle.sidecar))
+    _make_readable(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def _make_readable(d: Path) -> None:
+    """0644 files, 0755 directory: safetensors writes a temp file and renames it (mode 0600) and the umask may be
+    strict, yet the export is usually served by another user (as files from save_pretrained are)."""
+    for f in d.iterdir():
+        f.chmod(0o644)
+    d.chmod(0o755)
 
 
 # ============================================================================================ loading back

@@ -26,6 +26,17 @@ from .common import (
     _Target,
     _Tensors,
 )
+from .identity import (
+    STAMP_KEY,
+    check_vocab_against_target,
+    model_type_of,
+    stamp_of,
+    target_stamp,
+    vocab_hash,
+    warn_sglang_family,
+)
+
+_EAGLE31 = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1 flags (speculators 0.9.0), defaults False
 
 
 # ============================================================================================ build
@@ -53,7 +64,12 @@ def _eagle3_decoder_fields(d: nn.Module, target: FrozenTarget) -> dict:
 
 
 def _engine_aux_ids(d: nn.Module, target: FrozenTarget) -> tuple[list[int], list[int]]:
-    """(vLLM ids, SGLang ids) for the drafter's layer ids; refuse ids no engine can capture."""
+    """(vLLM ids, SGLang ids) for the drafter's layer ids, in ASCENDING order; refuse ids no engine can capture.
+
+    Both engines fuse the three captured states in ascending layer order whatever order the config lists them in
+    (vLLM sorts the capture layers; SGLang appends them as the layer loop reaches them), so the ids are written
+    sorted and ``fc.weight``'s column blocks are permuted to match (``_engine_order``).
+    """
     L = target.num_layers
     ours = list(d.layer_ids)
     bad = [k for k in ours if not 1 <= k <= L - 1]
@@ -62,16 +78,47 @@ def _engine_aux_ids(d: nn.Module, target: FrozenTarget) -> tuple[list[int], list
         # vLLM's capture at layer 0 adds a residual that is still None there (llama.py LlamaModel.forward).
         raise ExportError(f"EAGLE-3 layer ids {bad} cannot be served: engines capture the input of decoder layers "
                           f"1..{L - 1} of this {L}-layer target (our ids 1..{L - 1}); retrain with other layer_ids")
+    ours = sorted(ours)
     return ours, [k - 1 for k in ours]
 
 
-def _eagle3_tensors(d: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+def _engine_order(d: nn.Module) -> list[int]:
+    """perm such that engine block j (ascending ids) is the drafter's block perm[j] (its layer_ids order)."""
+    ids = list(d.layer_ids)
+    return sorted(range(len(ids)), key=lambda j: ids[j])
+
+
+def _permute_blocks(w: torch.Tensor, perm: list[int], dim: int) -> torch.Tensor:
+    """Reorder the len(perm) equal blocks of ``w`` along ``dim``: block j of the result = block perm[j]."""
+    blocks = w.chunk(len(perm), dim=dim)
+    return torch.cat([blocks[p] for p in perm], dim=dim)
+
+
+def _eagle3_tensors(d: nn.Module, prefix: str, with_embedding: bool = False) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under the export names, in engine (ascending layer id) order."""
     out = {}
     for k, v in d.state_dict().items():
-        if k == "embed_tokens.weight":
+        if k == "embed_tokens.weight" and not with_embedding:
             continue  # frozen copy of the target's; both engines share the target's embedding when absent
         out[prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k] = v.detach().clone()
+    perm = _engine_order(d)
+    if perm != sorted(perm):
+        # fc reads cat(h_{id0}, h_{id1}, h_{id2}) in the drafter's order; engines feed it ascending ids.
+        out["fc.weight"] = _permute_blocks(out["fc.weight"], perm, dim=1)
+        if "input_norm.weight" in out:  # norm_before_fc: one RMSNorm over the same 3H concatenation
+            out["input_norm.weight"] = _permute_blocks(out["input_norm.weight"], perm, dim=0)
+        if "fc_norm.0.weight" in out:  # fc_norm: one RMSNorm per state, so the modules move with their blocks
+            moved = [out[f"fc_norm.{p}.weight"] for p in perm]
+            out.update({f"fc_norm.{j}.weight": w for j, w in enumerate(moved)})
     return out
+
+
+def _engine_sidecar(side: dict, ids: list[int], d: nn.Module) -> dict:
+    """The sidecar describes the exported (engine-order) drafter; the trained order is kept for the record."""
+    side["trained_layer_ids"] = list(d.layer_ids)
+    side["layer_ids"] = list(ids)
+    side["draft"]["layer_ids"] = list(ids)
+    return side
 
 
 def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> _Bundle:
@@ -80,6 +127,11 @@ def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int |
         raise ExportError("norm_before_residual=True cannot be expressed in the native EAGLE-3 format (SGLang's "
                           "llama_eagle3.py ignores it and would use residual = g); export --format "
                           "eagle3-speculators for vLLM instead")
+    on = [f for f in _EAGLE31 if getattr(d.cfg, f)]
+    if on:
+        # SGLang's llama_eagle3.py has no input_norm / fc_norm modules and feeds the next step the raw output.
+        raise ExportError(f"{'/'.join(on)}=True (EAGLE-3.1) cannot be expressed in the native EAGLE-3 format "
+                          "(SGLang's llama_eagle3.py ignores it); export --format eagle3-speculators instead")
     if d.attention_bias:
         # SGLang builds qkv_proj with bias=False and skips unknown tensors silently (llama_eagle3.py load_weights).
         raise ExportError("attention_bias=True cannot be loaded by SGLang's native EAGLE-3 layer (qkv bias is "
@@ -93,17 +145,19 @@ def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int |
         **_eagle3_decoder_fields(d, target),
         "draft_vocab_size": d.draft_vocab_size,  # lm_head rows: both engines (llama_eagle3.py)
         "target_hidden_size": d.target_hidden_size,  # fc in = 3 * this (vLLM + SGLang llama_eagle3.py)
-        # vLLM reads getattr(config, "norm_before_residual", False) (vllm llama_eagle3.py); explicit anyway.
-        "norm_before_residual": False,
+        # vLLM reads getattr(config, "norm_before_residual", False) (vllm llama_eagle3.py); explicit anyway, and
+        # the EAGLE-3.1 flags too (all false: refused above when set).
+        "norm_before_residual": False, **{f: False for f in _EAGLE31},
         # vLLM: vllm/v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config reads this top-level list
         # first and uses it unchanged as "capture before layer idx" (= our ids).
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
         # SGLang: model_runner.py reads eagle_config["eagle_aux_hidden_state_layer_ids"] and llama.py
         # set_eagle3_layers_to_capture adds 1 ("output of layer i" = our id - 1).
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
+        STAMP_KEY: target_stamp(target, layer_ids=vllm_ids, draft_vocab=vocab_hash(d.d2t)),
     }
     tensors = _eagle3_tensors(d, "midlayer.")
-    side = _sidecar("eagle3_native", d, target, name, k, meta)
+    side = _engine_sidecar(_sidecar("eagle3_native", d, target, name, k, meta), vllm_ids, d)
     return _Bundle("eagle3_native", cfg, tensors, side)
 
 
@@ -133,14 +187,20 @@ def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
         # algos.py update_eagle3: config_dict.get("norm_before_residual", True) — absent means TRUE there, while
         # our default (and EAGLE-3's) is residual = g: always written, matching the trained drafter.
         "norm_before_residual": bool(d.cfg.norm_before_residual),
-        "norm_before_fc": False,  # newer algos.py: default False; we apply no norm before fc
+        # EAGLE-3.1 flags, read by speculators 0.9.0 (models/eagle3/config.py): every one written explicitly.
+        **{f: bool(getattr(d.cfg, f)) for f in _EAGLE31},
         # algos.py copies it to the vLLM config unchanged → same convention as the native top-level list.
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
         "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
+        STAMP_KEY: target_stamp(target, layer_ids=vllm_ids, draft_vocab=vocab_hash(d.d2t)),
     }
     # vLLM's llama_eagle3.py load_weights maps "midlayer." to "layers.0."; speculators checkpoints use the latter.
-    tensors = _eagle3_tensors(d, "layers.0.")
-    side = _sidecar("eagle3_speculators", d, target, name, k, meta)
+    # embed_tokens.weight is written here (not in the native format): speculators' own save_pretrained always
+    # writes it, and when it is absent speculators 0.9.0 under transformers 5 keeps the embedding it initialised
+    # (its verifier-copy fallback never fires) — the draft then runs on a wrong embedding without a word. vLLM
+    # drops it when it equals the target's (llama_eagle3.py load_weights), SGLang always takes the target's.
+    tensors = _eagle3_tensors(d, "layers.0.", with_embedding=True)
+    side = _engine_sidecar(_sidecar("eagle3_speculators", d, target, name, k, meta), vllm_ids, d)
     return _Bundle("eagle3_speculators", cfg, tensors, side)
 
 
@@ -177,6 +237,10 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
                          "(residual = g) while vLLM honours it, so the two engines would compute different drafts")
         if cfg.get("attention_bias"):
             _fail(where, "attention_bias=true in the native format: SGLang's EAGLE-3 qkv_proj has no bias")
+        on = [f for f in _EAGLE31 if cfg.get(f)]
+        if on:
+            _fail(where, f"{'/'.join(on)}=true in the native format: SGLang's llama_eagle3.py ignores the EAGLE-3.1 "
+                         "flags, so it would compute another draft; use the speculators format")
     else:
         if cfg.get("speculators_model_type") != "eagle3":
             _fail(where, f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
@@ -186,6 +250,11 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         if not isinstance(cfg.get("norm_before_residual"), bool):
             _fail(where, "norm_before_residual must be written explicitly (vLLM's speculators reader assumes true "
                          "when absent, EAGLE-3's original is false)")
+        missing = [f for f in _EAGLE31 if not isinstance(cfg.get(f), bool)]
+        if missing:
+            _fail(where, f"EAGLE-3.1 flags {missing} must be written explicitly as true/false")
+        if cfg.get("norm_before_fc") and cfg.get("fc_norm"):
+            _fail(where, "norm_before_fc and fc_norm are both true; speculators refuses the pair (mutually exclusive)")
         sc = cfg.get("speculators_config") or {}
         pm = sc.get("proposal_methods") or [{}]
         if sc.get("algorithm") != "eagle3" or not isinstance(pm[0].get("speculative_tokens"), int):
@@ -215,6 +284,12 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
            f"{pre}hidden_norm.weight": (H,), f"{pre}input_layernorm.weight": (H,),
            f"{pre}post_attention_layernorm.weight": (H,), "norm.weight": (H,), "lm_head.weight": (Vd, H),
            "d2t": (Vd,), "t2d": (V,)}
+    if not native:
+        exp["embed_tokens.weight"] = (V, H)  # see _build_eagle3_speculators: speculators needs it in the file
+        if cfg.get("norm_before_fc"):
+            exp["input_norm.weight"] = (3 * Ht,)  # speculators Eagle3DraftModel.input_norm
+        if cfg.get("fc_norm"):
+            exp.update({f"fc_norm.{i}.weight": (Ht,) for i in range(3)})  # speculators Eagle3DraftModel.fc_norm
     if bias:
         exp.update({f"{pre}self_attn.q_proj.bias": (nh * hd,), f"{pre}self_attn.k_proj.bias": (nkv * hd,),
                     f"{pre}self_attn.v_proj.bias": (nkv * hd,), f"{pre}self_attn.o_proj.bias": (H,)})
@@ -222,9 +297,15 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         _fail(where, f"fc.weight has shape {list(t.shapes['fc.weight'])}, expected {list(exp['fc.weight'])} "
                      f"[hidden_size, 3 x target_hidden_size]: it must fuse exactly 3 target states of size {Ht}")
 
-    L = _num_layers(target, side)
+    st = stamp_of(cfg)
+    L = _num_layers(target, side) or st.get("num_hidden_layers")
     top = _check_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
                          "top-level eagle_aux_hidden_state_layer_ids (vLLM: input of decoder layer i)", L, 0, where)
+    if top != sorted(top):
+        # vLLM sorts the capture layers and SGLang captures in layer order: fc's blocks are fed ascending ids.
+        _fail(where, f"eagle_aux_hidden_state_layer_ids {top} are not ascending: both engines fuse the states in "
+                     "ascending layer order, so fc.weight would read them permuted; re-export with draftsmith "
+                     "(it sorts the ids and permutes fc.weight's column blocks)")
     if native:
         sg = _check_aux_ids((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
                             "eagle_config.eagle_aux_hidden_state_layer_ids (SGLang: output of decoder layer i)",
@@ -232,14 +313,19 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         if sg != [i - 1 for i in top]:
             _fail(where, f"eagle_config ids {sg} (SGLang, output of layer i) must be the top-level ids {top} "
                          f"(vLLM, input of layer i) minus 1, i.e. {[i - 1 for i in top]}; one of them is off by one")
+        warn_sglang_family(sg, top, model_type_of(target, st), where)
+    if st.get("layer_ids") is not None and list(st["layer_ids"]) != top:
+        # ids shifted consistently in every field still disagree with the ids recorded with the weights
+        _fail(where, f"eagle_aux_hidden_state_layer_ids {top} differ from the ids fc.weight was exported with "
+                     f"({STAMP_KEY}.layer_ids {st['layer_ids']}): converted to another convention twice?")
     if side is not None and side.get("layer_ids") is not None and list(side["layer_ids"]) != top:
         _fail(where, f"draftsmith.json layer ids {side['layer_ids']} (HF output_hidden_states index) differ from "
                      f"the vLLM ids {top}, which use the same convention")
     if side is not None:
-        nbr = (side.get("draft") or {}).get("norm_before_residual")
-        if nbr is not None and bool(nbr) != bool(cfg.get("norm_before_residual", False)):
-            _fail(where, f"norm_before_residual={cfg.get('norm_before_residual')} in config.json but the drafter "
-                         f"was trained with {nbr}")
+        for flag in ("norm_before_residual", *_EAGLE31):
+            was = (side.get("draft") or {}).get(flag)
+            if was is not None and bool(was) != bool(cfg.get(flag, False)):
+                _fail(where, f"{flag}={cfg.get(flag)} in config.json but the drafter was trained with {was}")
 
     # the vocabulary mapping (SpecForge #534: misaligned after fine-tuning, no error at load time)
     for name, dt in (("d2t", torch.int64), ("t2d", torch.bool)):
@@ -249,12 +335,22 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         if t.shapes["d2t"] != (Vd,) or t.shapes["t2d"] != (V,):
             _fail(where, f"d2t {list(t.shapes['d2t'])} / t2d {list(t.shapes['t2d'])} must be [draft_vocab_size="
                          f"{Vd}] / [vocab_size={V}]")
+        if target is not None and target.vocab_size and t.shapes["t2d"][0] != int(target.vocab_size):
+            _fail(where, f"d2t/t2d were built for a vocabulary of {t.shapes['t2d'][0]} tokens, the target has "
+                         f"{target.vocab_size}: rebuild the draft vocabulary for this target and retrain")
         try:
             check_mapping(t.get("d2t"), t.get("t2d"))
         except ValueError as e:
             _fail(where, f"d2t/t2d rejected: {e}")
+        check_vocab_against_target(t.get("d2t"), st, target, where)
     if "lm_head.weight" in t.shapes and t.shapes["lm_head.weight"][0] != Vd:
         _fail(where, f"lm_head.weight has {t.shapes['lm_head.weight'][0]} rows but d2t/draft_vocab_size say {Vd}")
+    if not native and "embed_tokens.weight" in t.shapes and target is not None and target.frozen is not None:
+        emb = t.get("embed_tokens.weight")
+        ref = target.frozen.embed.weight.detach()
+        if tuple(emb.shape) == tuple(ref.shape) and not torch.equal(emb, ref.to(emb.dtype)):
+            _fail(where, "exported for another target: embed_tokens.weight is not this target's embedding "
+                         "(speculators runs the draft on the file's copy)")
     name = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") if not native else None
     return exp, {"hidden_size": Ht, "vocab_size": V, "name": name,
                  "rope_theta": layer.get("rope_theta")}
@@ -270,7 +366,8 @@ def _load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Modu
     over = {k: (layer[k] if layer.get(k) != getattr(tc, k, None) else None)
             for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")}
     ec = Eagle3Config(layer_ids=list(cfg["eagle_aux_hidden_state_layer_ids"]), draft_vocab_size=cfg["draft_vocab_size"],
-                      norm_before_residual=bool(cfg.get("norm_before_residual", False)), **over)
+                      norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+                      **{f: bool(cfg.get(f, False)) for f in _EAGLE31}, **over)
     d = Eagle3Drafter(ec, tc, target.embed.weight.detach().clone(), sd["d2t"], sd["t2d"])
     if d.head_dim != layer.get("head_dim", d.head_dim):
         raise ExportError(f"export head_dim {layer.get('head_dim')} cannot be rebuilt on this target "

@@ -21,6 +21,7 @@ from .common import (
     _Target,
     _Tensors,
 )
+from .identity import STAMP_KEY, target_stamp
 
 
 # ============================================================================================ build
@@ -42,6 +43,7 @@ def _build_medusa_fasterdecoding(d: nn.Module, target: FrozenTarget, name: str, 
         # not read by FasterDecoding; lets the validator check shapes without the target
         "hidden_size": d.hidden_size, "vocab_size": d.vocab_size,
         "torch_dtype": _DTYPE_NAMES.get(d._dtype(), "float32"),
+        STAMP_KEY: target_stamp(target),  # identity.py: which target, from the export alone
     }
     # {h}.{l}.linear.{weight,bias} and {h}.{n}.weight: MedusaModel.medusa_head state dict (nn.Sequential of
     # ResBlocks + Linear) and TensorRT-LLM's load_medusa_hf (tensorrt_llm/models/medusa/weight.py).
@@ -68,6 +70,7 @@ def _build_medusa_vllm(d: nn.Module, target: FrozenTarget, name: str, k: int | N
         # medusa.py: original_lm_head → one lm_head for every head, loaded from "lm_heads.0.weight".
         "original_lm_head": shared,
         "torch_dtype": _DTYPE_NAMES.get(d._dtype(), "float32"),
+        STAMP_KEY: target_stamp(target),  # nested: the "num"+"heads" renaming only touches top-level keys
     }
     fd = d.to_fasterdecoding_state_dict()
     tensors = {}

@@ -15,6 +15,7 @@ from torch import nn
 from models.target import FrozenTarget, resolve_name
 
 from .common import _DTYPE_NAMES, CONFIG, ExportError, _Bundle, _fail, _req, _sidecar, _Target, _Tensors
+from .identity import STAMP_KEY, target_stamp
 
 # The only model family whose HF-5 fused expert tensors we split back into the per-expert checkpoint layout:
 # transformers' conversion_mapping.py maps deepseek_v3 to the qwen2_moe rule (experts.*.gate_proj/up_proj →
@@ -74,6 +75,11 @@ def _fuse_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # ============================================================================================ build
+def _stamp(d: nn.Module, target: FrozenTarget) -> dict:
+    # which hidden state depth >= 2 was trained on: vLLM/SGLang feed shared_head.norm(h) ("post_norm")
+    return target_stamp(target, mtp_hidden_between_depths=d.cfg.hidden_between_depths)
+
+
 def _target_config_dict(target: FrozenTarget) -> dict:
     """The target's own config.json when it is local (exactly what engines already parse), else to_dict()."""
     c = target.model.config
@@ -104,7 +110,7 @@ def _build_mtp_deepseek(d: nn.Module, target: FrozenTarget, name: str, k: int | 
     # vllm/model_executor/models/deepseek_mtp.py: layers num_hidden_layers..+num_nextn_predict_layers-1, each with
     # enorm/hnorm/eh_proj/shared_head.{norm,head} and its own embed_tokens copy (only the first is loaded).
     cfg = {**_target_config_dict(target), "num_nextn_predict_layers": D,
-           "torch_dtype": _DTYPE_NAMES.get(d._dtype(), "float32")}
+           "torch_dtype": _DTYPE_NAMES.get(d._dtype(), "float32"), STAMP_KEY: _stamp(d, target)}
     side = _sidecar("mtp_deepseek", d, target, name, k, meta)
     return _Bundle("mtp_deepseek", cfg, sd, side)
 
@@ -137,7 +143,8 @@ def _build_mtp_sglang_nextn(d: nn.Module, target: FrozenTarget, name: str, k: in
     k = k or 1
     # export_deepseek_nextn.py update_and_save_config: num_hidden_layers 1, DeepseekV3ForCausalLMNextN.
     cfg = {**_target_config_dict(target), "num_hidden_layers": 1, "architectures": ["DeepseekV3ForCausalLMNextN"],
-           "num_nextn_predict_layers": 1, "torch_dtype": _DTYPE_NAMES.get(d._dtype(), "float32")}
+           "num_nextn_predict_layers": 1, "torch_dtype": _DTYPE_NAMES.get(d._dtype(), "float32"),
+           STAMP_KEY: _stamp(d, target)}
     side = _sidecar("mtp_sglang_nextn", d, target, name, k, meta)
     return _Bundle("mtp_sglang_nextn", cfg, tensors, side)
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 
 from .common import _engine_target_name
+from .identity import SGLANG_PLUS1_IF_FIRST_IS_1, sglang_reads, stamp_of
+
+# The engine releases whose loaders (read from their wheels) each snippet was checked against.
+VLLM_CHECKED = "vLLM 0.33.0 and 0.32.0"
+SGLANG_CHECKED = "SGLang 0.5.23"
 
 
 def _readme(fmt: str, cfg: dict, side: dict) -> str:
@@ -31,11 +36,33 @@ def _readme(fmt: str, cfg: dict, side: dict) -> str:
                   f"- vLLM top-level `eagle_aux_hidden_state_layer_ids` (capture before decoder layer i): {ours}",
                   f"- SGLang `eagle_config.eagle_aux_hidden_state_layer_ids` (output of decoder layer i): "
                   f"{[i - 1 for i in ours]}" + ("" if fmt == "eagle3_native" else " (not written: vLLM only)"), ""]
-        if fmt == "eagle3_native" and ours[0] != 2:
-            lines += ["Note: SGLang versions carrying PR #25454 add 1 to these ids only when the first one is 1 "
-                      "(the default layers); with other layer ids check the server log for the captured layers.", ""]
+        on = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(f)]
+        if on:
+            lines += [f"EAGLE-3.1 flags {on} are set: speculators 0.9.0 reads them (tested); draftsmith has not "
+                      "checked which vLLM release honours them, so compare served acceptance with `python -m eval`.",
+                      ""]
+        if fmt == "eagle3_native":
+            mt = stamp_of(cfg).get("model_type")
+            sg = [i - 1 for i in ours]
+            if mt in SGLANG_PLUS1_IF_FIRST_IS_1:
+                rule = (f"For this `{mt}` target {SGLANG_CHECKED} adds 1 to the SGLang ids only when the first one "
+                        "is 1 (PR #25454)")
+                got = sglang_reads(sg, mt)
+                rule += (": here it does, so it captures the right layers." if got == ours else
+                         f": here it does not, so SGLang would capture {got} instead of {ours}. Serve with vLLM, "
+                         "or retrain with layer ids starting at 2 (the default).")
+            else:
+                rule = (f"For this `{mt or 'llama'}` target {SGLANG_CHECKED} adds 1 to every SGLang id "
+                        "(llama.py `set_eagle3_layers_to_capture`), giving back the draftsmith ids above.")
+            lines += [rule, ""]
     elif fmt == "medusa_vllm":
-        spec = {"method": "medusa", **spec}
+        spec, medusa = None, {"method": "medusa", **spec}
+        lines += ["## vLLM 0.32 and older only", "",
+                  "vLLM 0.33.0 removed Medusa (no method, model or config); this `MedusaModel` layout maps onto "
+                  "vLLM 0.32.0's loader (checked). On current vLLM serve an EAGLE-3 or MTP drafter instead; "
+                  "TensorRT-LLM reads the FasterDecoding layout (`--format medusa`).", "",
+                  "```bash", "pip install 'vllm<=0.32.0'", f"vllm serve {tname} \\",
+                  f"  --speculative-config '{json.dumps(medusa)}'", "```", ""]
     elif fmt == "medusa_fasterdecoding":
         spec = None
         lines += ["## FasterDecoding/Medusa", "", "```python",
@@ -44,9 +71,16 @@ def _readme(fmt: str, cfg: dict, side: dict) -> str:
                   "TensorRT-LLM (engine-build route): `python examples/medusa/convert_checkpoint.py --model_dir "
                   f"{tname} --medusa_model_dir {path} --num_medusa_heads {cfg['medusa_num_heads']} "
                   f"--num_medusa_layers {cfg['medusa_num_layers']} --output_dir ckpt --dtype float16` "
-                  "(its weight.py reads medusa_lm_head.safetensors). For vLLM export --format medusa-vllm; "
-                  "SGLang has no Medusa support.", ""]
-    elif fmt == "mtp_deepseek":
+                  "(its weight.py reads medusa_lm_head.safetensors; TensorRT-LLM version not checked by "
+                  "draftsmith). vLLM 0.33.0 removed Medusa: `--format medusa-vllm` is for vLLM <= 0.32; on "
+                  "current vLLM use EAGLE-3 or MTP. SGLang has no Medusa support.", ""]
+    if fmt.startswith("mtp"):
+        between = stamp_of(cfg).get("mtp_hidden_between_depths")
+        lines += [f"Depth >= 2 (and a module reused past its depth) was trained on the `{between}` hidden state of "
+                  "the previous depth; vLLM and SGLang feed the post-norm one (shared_head.norm)"
+                  + ("." if between == "post_norm" else ", so served acceptance at depth >= 2 differs from eval's."),
+                  ""]
+    if fmt == "mtp_deepseek":
         spec = {"method": "mtp", **spec}  # vllm/config/speculative.py: deepseek_mtp is an alias of mtp
         if cfg.get("model_type") == "deepseek_v3":
             lines += ["For SGLang export --format mtp-nextn (one module, layer renumbered to 0).", ""]
@@ -80,10 +114,11 @@ def _readme(fmt: str, cfg: dict, side: dict) -> str:
                       f"  --speculative-algorithm DFLASH --speculative-draft-model-path {path} \\",
                       f"  --speculative-num-draft-tokens {blk}", "```", ""]
     if spec is not None:
-        lines += ["## vLLM", "", "```bash", f"vllm serve {tname} \\",
+        lines += [f"## vLLM (checked against {VLLM_CHECKED})", "", "```bash", f"vllm serve {tname} \\",
                   f"  --speculative-config '{json.dumps(spec)}'", "```", ""]
     if sglang is not None:
-        lines += ["## SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {tname} \\",
+        lines += [f"## SGLang (checked against {SGLANG_CHECKED})", "", "```bash",
+                  f"python -m sglang.launch_server --model-path {tname} \\",
                   f"  --speculative-algorithm {sglang} --speculative-draft-model-path {path} \\",
                   f"  --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
                   "```", "",

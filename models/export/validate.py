@@ -26,6 +26,7 @@ from .common import (
 )
 from .formats import detect_format as _detect
 from .formats import export_format
+from .identity import check_stamp
 
 
 def detect_format(path: str | Path) -> str:
@@ -93,6 +94,7 @@ def _check_same_target(fmt: str, cfg: dict, t: _Tensors, side: dict | None, targ
                 _fail(where, f"draftsmith.json says the target's {key} is {st[key]} but the tensors/config say "
                              f"{dims[key]}")
     if target is None:
+        check_stamp(cfg, dims, None, where)  # the stamp must still agree with the export's own config
         return
     for key in ("hidden_size", "vocab_size"):
         want, have = dims.get(key), getattr(target, key)
@@ -106,7 +108,8 @@ def _check_same_target(fmt: str, cfg: dict, t: _Tensors, side: dict | None, targ
     trt = _rope_theta_of(target.config)
     if rt is not None and trt is not None and not math.isclose(float(rt), float(trt)):
         _fail(where, f"exported for another target: rope_theta {rt} != the target's {trt}")
-    verified = False  # the target's weights themselves were compared: a differing name is then just a spelling
+    # the target's weights themselves were compared: a differing name is then just a spelling
+    verified = check_stamp(cfg, dims, target, where)
     if side is not None and target.fingerprint is not None:
         st = side.get("target") or {}
         for key in ("num_hidden_layers", "embed_fingerprint"):
@@ -114,7 +117,7 @@ def _check_same_target(fmt: str, cfg: dict, t: _Tensors, side: dict | None, targ
             if st.get(key) is not None and st.get(key) != have:
                 _fail(where, f"exported for another target: {key} {st.get(key)} != the target's {have} "
                              f"(trained on {side.get('target_name')!r})")
-        verified = st.get("embed_fingerprint") is not None
+        verified = verified or st.get("embed_fingerprint") is not None
     if fmt == "mtp_deepseek" and target.fingerprint is not None:
         for k in t.shapes:
             if k.endswith("embed_tokens.weight"):

@@ -1,0 +1,78 @@
+"""The speculators package's own code runs our eagle3-speculators export and drafts what draftsmith drafts.
+
+speculators 0.9.0 (vllm-project/speculators; pinned in the Makefile's install, --no-deps) is the reference
+implementation of the speculators format that vLLM serves. Its Eagle3DraftModel is loaded from the export with its
+own ``from_pretrained`` (which also reads the verifier's config and lm_head from the target directory) and run with
+its own training-time-test forward; every TTT step's draft logits must equal draftsmith's ``ttt_forward`` at every
+position whose inputs exist in both (speculators pads the shifted tokens with id 0, we with a zero embedding).
+Layer ids are deliberately out of order ([3, 1, 2]): speculators, like the engines, fuses the states in ascending
+order, so this also checks the fc column-block permutation of the export.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import export as ex
+from models.target import FrozenTarget
+from tests.test_export_engines import make_drafter
+
+speculators = pytest.importorskip(
+    "speculators", reason="speculators==0.9.0 not installed (make install adds it with --no-deps; see Makefile)")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tiny_llama, tiny_tokenizer):
+    d = tmp_path_factory.mktemp("verifier")
+    tiny_llama.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return FrozenTarget.from_pretrained(str(d))
+
+
+def _speculators_model(path, attn: str):
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    cfg = Eagle3SpeculatorConfig.from_pretrained(str(path))
+    # speculators defaults to flex attention (a compiled kernel); eager and sdpa are its CPU paths
+    cfg.transformer_layer_config._attn_implementation = attn
+    return Eagle3DraftModel.from_pretrained(str(path), config=cfg).eval()
+
+
+def _speculators_logits(model, hidden_cat: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach()))
+    try:
+        with torch.no_grad():
+            model(hidden_states=hidden_cat, input_ids=input_ids,
+                  document_ids=torch.zeros_like(input_ids), ttt_steps=steps)
+    finally:
+        hook.remove()
+    return seen
+
+
+CASES = [({"norm_before_residual": False}, "eager"), ({"norm_before_residual": True}, "eager"),
+         ({"norm_before_residual": False}, "sdpa"), ({"norm_before_residual": True}, "sdpa"),
+         ({"norm_before_fc": True}, "eager"), ({"fc_norm": True, "norm_output": True}, "eager")]
+
+
+@pytest.mark.parametrize("flags,attn", CASES, ids=lambda x: x if isinstance(x, str) else "+".join(
+    f"{k}={v}" for k, v in x.items()))
+def test_speculators_drafts_the_same_logits(target, tmp_path, flags, attn):
+    d = make_drafter(target, (3, 1, 2), **flags)
+    out = ex.export(d, "eagle3_speculators", tmp_path / "spec", target)
+    model = _speculators_model(out, attn)
+    for f in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert getattr(model.config, f) is bool(flags.get(f, False)), f  # read from our config.json, not defaulted
+    assert torch.equal(model.embed_tokens.weight, target.embed.weight)  # from the file (else NaN-initialised)
+    T, K = 12, 3
+    toks = torch.randint(3, target.vocab_size, (1, T + 1), generator=torch.Generator().manual_seed(0))
+    hidden = target(toks[:, :T], layer_ids=[1, 2, 3]).hidden
+    engine_cat = torch.cat([hidden[k] for k in (1, 2, 3)], dim=-1)  # ascending ids, as vLLM/speculators fuse
+    # speculators' step 0 at position i reads (token input_ids[i], state i): our t_{i+1}
+    theirs = _speculators_logits(model, engine_cat, toks[:, 1:], K)
+    ours = d.ttt_forward(toks[:, :T], hidden, steps=K)
+    assert len(theirs) == K
+    for k in range(K):
+        n = T - 1 - k  # positions whose step-k token t_{i+1+k} exists
+        torch.testing.assert_close(theirs[k][0, :n], ours[k][0, :n].detach(), rtol=0, atol=2e-5)
