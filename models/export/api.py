@@ -89,6 +89,8 @@ def _write(bundle: _Bundle, out: Path, overwrite: bool) -> Path:
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty; pass overwrite=True (CLI: --force) or another --out")
+    if out.exists():
+        _check_replaceable(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -101,6 +103,22 @@ def _write(bundle: _Bundle, out: Path, overwrite: bool) -> Path:
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def _check_replaceable(out: Path) -> None:
+    """Overwriting replaces only a previous export: its marker (draftsmith.json) and nothing but export files.
+    Anything else (a run directory, a checkpoint, a home directory) is refused, never deleted."""
+    if not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a directory; choose another --out")
+    entries = list(out.iterdir())
+    if not entries:
+        return
+    ours = {CONFIG, SIDECAR, README, WEIGHTS, MEDUSA_WEIGHTS}
+    foreign = sorted(p.name for p in entries if p.name not in ours or not p.is_file())
+    if not (out / SIDECAR).is_file() or foreign:
+        what = f"it holds {foreign[:4]}" if foreign else f"it has no {SIDECAR} marker"
+        raise ExportError(f"refusing to replace {out}: it is not a previous export ({what}); choose an empty or "
+                          "new --out")
 
 
 # ============================================================================================ loading back
