@@ -93,7 +93,10 @@ def build_rows(cfg: DataConfig, tok, model=None) -> tuple[list[dict], list[dict]
 
         if not cfg.source:
             raise ValueError("data.kind=chat needs data.source=PATH_OR_HUB_ID (ShareGPT or OpenAI messages)")
-        convs, _stats = load_conversations(cfg.source, cfg.split, cfg.skip_malformed, cfg.max_rows)
+        convs, stats = load_conversations(cfg.source, cfg.split, cfg.skip_malformed, cfg.max_rows)
+        if stats["skipped"]:  # never silently: say how many and the first reason
+            print(f"data: skipped {stats['skipped']} of {stats['rows']} malformed rows in {cfg.source} "
+                  f"(data.skip_malformed=true; first: {stats['first_error']})", flush=True)
         if cfg.regenerate:
             from data.regenerate import regenerate_conversations
 
@@ -102,6 +105,9 @@ def build_rows(cfg: DataConfig, tok, model=None) -> tuple[list[dict], list[dict]
                                              max_new_tokens=cfg.regen_new_tokens,
                                              temperature=cfg.regen_temperature, seed=cfg.seed)
         rows = [r for r in (tokenize_conversation(tok, c, cfg.max_len) for c in convs) if r is not None]
+        if not rows:
+            raise ValueError(f"all {len(convs)} conversations in {cfg.source} have no assistant token within "
+                             f"data.max_len={cfg.max_len}; raise data.max_len")
         n_val = min(cfg.val_rows, len(rows) // 10)
         train, val = rows[: len(rows) - n_val], rows[len(rows) - n_val :]
     else:

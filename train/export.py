@@ -73,8 +73,6 @@ def _export(args: argparse.Namespace) -> str:
     except ValueError as e:
         raise ExportError(str(e)) from None
     name = args.target or _default_target(meta)
-    if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
-        raise ExportError(f"target {name!r} does not exist; pass --target NAME_OR_PATH")
     target = FrozenTarget.from_pretrained(name)
     try:
         drafter, meta = load_drafter(ckpt, target)  # refuses a checkpoint trained for another target
