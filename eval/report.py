@@ -58,9 +58,9 @@ def markdown(results: Mapping[str, Any]) -> str:
                  "`methods.*.mismatches`).")
     lines += ["", "## Results", "",
               "Speedup: end-to-end tokens/s (prefill included) over AR's in the same repetition, median ± half the "
-              "min–max range; best-of: per prompt the fastest repetition of each (stalls only add time), NOISY when "
-              "the spread exceeds the effect. Bound: τ / (K̄·c + v̄) from the measured cost model; efficiency = decode-phase "
-              "speedup (prefill excluded, like the bound) / bound.", "",
+              "min–max range; best-of: per prompt the fastest repetition of each (stalls only add time), "
+              "NOISY when the spread exceeds the effect. Bound: τ / (K̄·c + v̄) from the measured cost model; "
+              "efficiency = decode-phase speedup (prefill excluded, like the bound) / bound.", "",
               "| method | T | τ | speedup | tokens/s | bound | efficiency | draft share | ÷ HF lookup | lossless |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for e in r["runs"]:
@@ -166,7 +166,8 @@ def console_summary(results: Mapping[str, Any]) -> str:
             continue
         loss = "" if e["lossless"] is None else ("  lossless" if e["lossless"] else "  NOT LOSSLESS")
         out.append(f"{e['method']:>12} T={_temp(e['temperature']):<4} tau={_f(e['tau'])}  speedup="
-                   f"{_f(e['speedup']['median'])}±{_f(e['speedup']['spread'])}{_robust(e)}  eff={_f(e['efficiency'])}{loss}")
+                   f"{_f(e['speedup']['median'])}±{_f(e['speedup']['spread'])}{_robust(e)}  "
+                   f"eff={_f(e['efficiency'])}{loss}")
     for name, p in (r.get("peers") or {}).items():
         out.append(f"{name:>16}  speedup vs our AR={_f(p['speedup_vs_ar']['median'])}  same tokens: "
                    f"{_f(p['matches_ar'])}")

@@ -36,7 +36,8 @@ def _int_at_least(cfg: DictConfig, key: str, lo: int, fix: str = "", optional: b
 
 def _positive_finite(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
     v = _get(cfg, key)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 or allow_zero and v == 0)
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    ok = number and math.isfinite(v) and (v > 0 or allow_zero and v == 0)
     if not ok:
         raise ConfigError(f"{key}={v!r}: must be a finite number {'>=' if allow_zero else '>'} 0")
 
