@@ -160,8 +160,10 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def _prune(root: Path, keep: int, protect: Path | None) -> None:
-    done = [p for p in complete_checkpoints(root) if p != protect]
-    for old in done[: max(0, len(done) - keep)]:
+    """Remove the oldest checkpoints until at most ``keep`` remain, never ``protect``."""
+    done = complete_checkpoints(root)
+    excess = len(done) - max(keep, 1 if protect in done else 0)
+    for old in [p for p in done if p != protect][: max(0, excess)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
