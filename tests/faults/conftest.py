@@ -1,4 +1,4 @@
-"""Fault-injection fixtures: a tiny target on disk and a config factory (the same shapes tests/test_train_loop.py uses)."""
+"""Fault-injection fixtures: a tiny target on disk and a config factory (shapes as in tests/test_train_loop.py)."""
 
 from __future__ import annotations
 
