@@ -189,7 +189,8 @@ def test_speedup_estimate_resists_a_stalled_repetition():
 def test_eval_named_method_that_cannot_run_is_an_error(target_dir, tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from eval.__main__ import explicit_methods, run as eval_run
+    from eval.__main__ import explicit_methods
+    from eval.__main__ import run as eval_run
     from tests.faults.conftest import CONF
 
     over = ["methods=[ar,eagle3]", f"checkpoints.eagle3={tmp_path}/typo/final"]
