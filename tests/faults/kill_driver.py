@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-from tests.faults.conftest import cfg_for  # noqa: E402
+from tests.faults.fault_helpers import cfg_for  # noqa: E402
 from train import checkpoint as ckpt  # noqa: E402
 from train.loop import run  # noqa: E402
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.faults.conftest import assert_same_weights, cfg_for, metrics_steps
+from tests.faults.fault_helpers import assert_same_weights, cfg_for, metrics_steps
 from train import checkpoint as ckpt
 from train.checks import ConfigError
 from train.loop import run

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.faults.conftest import ROOT, cfg_for
+from tests.faults.fault_helpers import ROOT, cfg_for
 from train import runlock
 from train.checks import ConfigError
 from train.loop import run
@@ -42,7 +42,7 @@ def test_invalid_value_is_one_line_naming_the_key(target_dir, tmp_path, override
 def test_medusa_and_mtp_depth_checked(target_dir, tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from tests.faults.conftest import CONF
+    from tests.faults.fault_helpers import CONF
 
     for method, key in (("medusa", "draft.config.num_heads"), ("mtp", "draft.config.num_modules")):
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.target import FrozenTarget
-from tests.faults.conftest import cfg_for, metrics_steps, weights
+from tests.faults.fault_helpers import cfg_for, metrics_steps, weights
 from train import checkpoint as ckpt
 from train.build import load_drafter
 from train.checks import ConfigError, NonFiniteError

@@ -13,7 +13,7 @@ import torch
 from data.chat import load_conversations, tokenize_conversation
 from data.sources import DataConfig, build_rows
 from tests.conftest import make_tiny_llama
-from tests.faults.conftest import cfg_for
+from tests.faults.fault_helpers import cfg_for
 from train.loop import run
 
 GOOD = {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "hello, how are you"}]}
@@ -93,7 +93,7 @@ def test_regeneration_cache_is_keyed_by_target_and_sampling(tmp_path, tiny_llama
 def test_default_regeneration_cache_lives_in_the_run(target_dir, tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from tests.faults.conftest import CONF
+    from tests.faults.fault_helpers import CONF
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", [f"output_dir={tmp_path}/run"])
@@ -191,7 +191,7 @@ def test_eval_named_method_that_cannot_run_is_an_error(target_dir, tmp_path):
 
     from eval.__main__ import explicit_methods
     from eval.__main__ import run as eval_run
-    from tests.faults.conftest import CONF
+    from tests.faults.fault_helpers import CONF
 
     over = ["methods=[ar,eagle3]", f"checkpoints.eagle3={tmp_path}/typo/final"]
     assert explicit_methods(over, ["ar", "eagle3"]) == ["eagle3"]

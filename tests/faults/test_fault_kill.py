@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.faults.conftest import ROOT, assert_same_weights, cfg_for, metrics_steps
+from tests.faults.fault_helpers import ROOT, assert_same_weights, cfg_for, metrics_steps
 from train.checks import ConfigError
 from train.loop import run
 

@@ -1,25 +1,18 @@
-"""Fault-injection fixtures: a tiny target on disk and a config factory (shapes as in tests/test_train_loop.py)."""
+"""Fault-injection helpers: a config factory (shapes as in tests/test_train_loop.py) and weight/metrics checks.
+The tiny target on disk is the ``target_dir`` fixture of tests/conftest.py. (Not a conftest.py: a second module
+named ``conftest`` would shadow tests/conftest.py for the tests that ``from conftest import ...``.)"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
-
-
-@pytest.fixture(scope="session")
-def target_dir(tmp_path_factory, tiny_llama, tiny_tokenizer):
-    d = tmp_path_factory.mktemp("fault_target")
-    tiny_llama.save_pretrained(d)
-    tiny_tokenizer.save_pretrained(d)
-    return d
 
 
 def cfg_for(target_dir, out, *overrides, config="config"):
