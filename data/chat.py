@@ -59,14 +59,25 @@ class MalformedRowError(ValueError):
 # --------------------------------------------------------------------------------------------- loading
 
 
-def _read_json(path: Path) -> list[Any]:
-    text = path.read_text(encoding="utf-8")
+class BadLine:
+    """A source line that could not be decoded; becomes a malformed row (skipped and counted, or the error)."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+
+def _read_json(path: Path, keep_bad: bool = False) -> list[Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                         "re-encode the file as UTF-8") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         # Many datasets ship JSON-lines under a `.json` name; accept that rather than fail.
         if e.msg == "Extra data":
-            return _read_jsonl(path)
+            return _read_jsonl(path, keep_bad)
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if isinstance(obj, dict) and isinstance(obj.get("data"), list):
         return obj["data"]
@@ -76,16 +87,26 @@ def _read_json(path: Path) -> list[Any]:
                      f"got {type(obj).__name__}" + (f" with keys {sorted(obj)[:8]}" if isinstance(obj, dict) else ""))
 
 
-def _read_jsonl(path: Path) -> list[Any]:
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
+def _read_jsonl(path: Path, keep_bad: bool = False) -> list[Any]:
+    """One row per line. An undecodable or invalid-JSON line raises, naming file and line; with ``keep_bad`` it
+    becomes a BadLine instead, which ``skip_malformed`` skips and counts like any other malformed row."""
+    rows: list[Any] = []
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append(json.loads(raw.decode("utf-8")))
+            except UnicodeDecodeError as e:
+                bad = BadLine(f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                              "re-encode the file as UTF-8")
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                bad = BadLine(f"{path}:{lineno}: not valid JSON ({e})")
+            else:
+                continue
+            if not keep_bad:
+                raise ValueError(bad.where)
+            rows.append(bad)
     return rows
 
 
@@ -95,15 +116,16 @@ def _read_parquet(path: Path) -> list[Any]:
     return pq.read_table(path).to_pylist()
 
 
-def load_rows(source: str | Path, split: str = "train") -> list[dict]:
-    """Raw rows from a local .json/.jsonl/.parquet file, or from a dataset `datasets.load_dataset` can load."""
+def load_rows(source: str | Path, split: str = "train", keep_bad: bool = False) -> list[dict]:
+    """Raw rows from a local .json/.jsonl/.parquet file, or from a dataset `datasets.load_dataset` can load.
+    ``keep_bad``: undecodable/invalid lines come back as BadLine rows instead of raising."""
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
     if path.is_file():
         if suffix == ".jsonl":
-            return _read_jsonl(path)
+            return _read_jsonl(path, keep_bad)
         if suffix == ".json":
-            return _read_json(path)
+            return _read_json(path, keep_bad)
         if suffix == ".parquet":
             return _read_parquet(path)
         raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}")
@@ -175,13 +197,16 @@ def load_conversations(
 
     Without ``skip_malformed`` the first malformed row raises; with it, bad rows are counted and skipped.
     """
-    rows = load_rows(source, split)
+    rows = load_rows(source, split, keep_bad=skip_malformed)
     if max_rows is not None:
         rows = rows[:max_rows]
     convs, stats = _normalize_all(rows, skip_malformed)
     if not convs:
         raise ValueError(f"no usable conversations in {source} ({stats['rows']} rows, {stats['skipped']} skipped"
                          + (f": first error {stats['first_error']}" if stats["first_error"] else "") + ")")
+    if stats["skipped"] > stats["kept"]:  # skip_malformed is for a few bad rows, not for the wrong file
+        raise ValueError(f"{source}: {stats['skipped']} of {stats['rows']} rows are malformed (first: "
+                         f"{stats['first_error']}); fix the file or check data.source")
     return convs, stats
 
 
@@ -192,6 +217,8 @@ def _normalize_all(rows: Sequence[Any], skip_malformed: bool) -> tuple[list[list
         if isinstance(row, list):  # an already-split message list
             row = {"messages": row}
         try:
+            if isinstance(row, BadLine):
+                raise MalformedRowError(i, "", row.where)
             convs.append(normalize_conversation(row, i))
         except MalformedRowError as e:
             if not skip_malformed:
@@ -252,6 +279,39 @@ def tokenize_conversation(tok: PreTrainedTokenizerBase, messages: Sequence[dict]
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     if not getattr(tok, "is_fast", False):
         raise TypeError(f"{type(tok).__name__} is not a fast tokenizer; the assistant mask needs offset mappings")
+    # A giant row (MBs of text) must not be rendered and tokenized in full when max_len keeps its first tokens:
+    # clip the contents to a character budget, and widen it only if the clipped render is too short to be exact.
+    budget = 64 * max_len + 4096
+    while True:
+        clipped, was_clipped = _clip_contents(messages, budget)
+        ids, mask = _tokenize_masked(tok, clipped)
+        # a cut changes at most the tokens around it: exact as long as the clipped render reaches past max_len
+        if not was_clipped or len(ids) >= max_len + 16:
+            break
+        budget *= 4
+    ids, mask = ids[:max_len], mask[:max_len]
+    if not any(mask):
+        return None
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def _clip_contents(messages: Sequence[dict], budget: int) -> tuple[list[dict], bool]:
+    """Messages whose contents total at most ``budget`` characters (later turns dropped, the last one cut)."""
+    out, used = [], 0
+    for m in messages:
+        if used >= budget:
+            return out, True
+        c = m["content"]
+        if used + len(c) > budget:
+            out.append({**m, "content": c[: budget - used]})
+            return out, True
+        out.append(dict(m))
+        used += len(c)
+    return out, False
+
+
+def _tokenize_masked(tok: PreTrainedTokenizerBase, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+    """Render + tokenize + assistant mask, untruncated."""
     full, spans = assistant_char_spans(tok, messages)
     # The template writes bos itself; letting the tokenizer add another would double it.
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -265,10 +325,7 @@ def tokenize_conversation(tok: PreTrainedTokenizerBase, messages: Sequence[dict]
             k += 1
         if k < len(spans) and a < spans[k][1] and b > spans[k][0]:
             mask[t] = 1
-    ids, mask = ids[:max_len], mask[:max_len]
-    if not any(mask):
-        return None
-    return {"input_ids": ids, "loss_mask": mask}
+    return ids, mask
 
 
 def check_token_ids(rows: Iterable[dict], vocab_size: int) -> None:

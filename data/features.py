@@ -89,7 +89,11 @@ class FeatureCache:
     def get(self, row: int) -> dict[int, torch.Tensor]:
         s = row // self.shard_rows
         if self._shard is None or self._shard[0] != s:
-            self._shard = (s, load_file(str(self.shard_path(s))))
+            try:
+                self._shard = (s, load_file(str(self.shard_path(s))))
+            except Exception as e:  # noqa: BLE001 - truncated/corrupt shard: name it and the fix
+                raise ValueError(f"{self.shard_path(s)}: unreadable feature shard ({type(e).__name__}: {e}); delete "
+                                 "it and rerun to rebuild it") from None
         return {k: self._shard[1][f"{row}.{k}"].float() for k in self.layer_ids}
 
     @torch.no_grad()

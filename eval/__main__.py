@@ -2,7 +2,8 @@
 
 Writes ``out_dir``/results.json, results.md and the PNG plots, prints a summary. Exit status: 0; 1 when a
 method failed the lossless check (its T=0 tokens differ from AR's); 2 with a one-line ``error:`` for bad input
-(settings out of range, a checkpoint trained for another target, a missing prompt file).
+(settings out of range, a checkpoint trained for another target, a missing prompt file, a method named on the
+command line whose checkpoint is missing).
 """
 
 from __future__ import annotations
@@ -31,13 +32,35 @@ def settings_from(cfg: DictConfig) -> BenchSettings:
                             else cfg[f.name] for f in dataclasses.fields(BenchSettings)})
 
 
-def run(cfg: DictConfig) -> dict:
-    """Load the target, build the methods (skipping missing checkpoints), benchmark, write the report."""
+def explicit_methods(overrides: list[str], cfg_methods: list[str]) -> list[str]:
+    """Methods the user asked for on the command line (``methods=[...]``, ``checkpoints.K=...``,
+    ``draft_model=...``): those must run; the defaults' missing checkpoints are only skipped."""
+    from models import registry
+
+    named: list[str] = []
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key == "methods":
+            named += [m for m in cfg_methods if m != "ar"]
+        elif key.startswith("checkpoints."):
+            named += [m for m, (spec, _) in registry.proposers().items()
+                      if spec.name == key.split(".", 1)[1] and m in cfg_methods]
+        elif key == "draft_model" and "draft_model" in cfg_methods:
+            named.append("draft_model")
+    return list(dict.fromkeys(named))
+
+
+def run(cfg: DictConfig, require: list[str] | tuple[str, ...] = ()) -> dict:
+    """Load the target, build the methods (skipping missing checkpoints), benchmark, write the report.
+    ``require``: methods that must run (named explicitly); one that cannot is an error, before any benchmark."""
     settings = settings_from(cfg)
     target = instantiate(cfg.target)
     prompts = load_prompts(target.tokenizer, cfg.n_prompts, cfg.prompt_tokens, cfg.prompts)
     methods, skipped = build_methods(target, list(cfg.methods), OmegaConf.to_container(cfg.checkpoints),
                                      cfg.draft_model, OmegaConf.to_container(cfg.options))
+    missing = [m for m in require if m in skipped]
+    if missing:
+        raise ValueError(f"{missing[0]} was asked for but cannot run: {skipped[missing[0]]}")
     log.info("methods: %s; %d prompts", ", ".join(m.name for m in methods), len(prompts))
     results = run_benchmark(target, methods, prompts, settings, skipped, prompt_source=cfg.prompts)
     out = Path(cfg.out_dir)
@@ -49,8 +72,10 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path=CONF_DIR, config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     try:
-        results = run(cfg)
+        results = run(cfg, explicit_methods(list(HydraConfig.get().overrides.task), list(cfg.methods)))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
         sys.exit(2)

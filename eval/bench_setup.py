@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,8 @@ class BenchSettings:
         if not temps:
             raise ValueError("temperatures is empty; give at least one (0 = greedy)")
         for t in temps:  # models/verify.py's own checks: the same one-line errors the engine would give
+            if not math.isfinite(t):
+                raise ValueError(f"temperatures: {t} is not finite; use values >= 0 (0 = greedy)")
             verify.sampling_probs(torch.zeros(2), t, self.top_p, self.top_k)
         if 0.0 not in temps:
             # T = 0 is the lossless check; it always runs

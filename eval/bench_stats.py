@@ -6,6 +6,7 @@ Split out of eval/benchmark.py for readability (no behaviour change); eval/bench
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from typing import Any
 from eval.bench_setup import BenchSettings, Method, Prompt
 from eval.cost_model import interp
 from eval.decode import DecodeResult
+
+log = logging.getLogger("eval")
 
 
 # --------------------------------------------------------------------------------------------- aggregation
@@ -90,6 +93,23 @@ def _tps(single: dict, key: tuple[str, float], rep: int, idx: Sequence[int] | No
     return sum(n[i] for i in idx) / sum(t[i] for i in idx)
 
 
+def paired_speedup(single: dict, key: tuple[str, float], ark: tuple[str, float], reps: range) -> dict:
+    """Stall-resistant speedup: per prompt, the method's and AR's *fastest* repetition (a stall only ever adds
+    time), and the median of per-(repetition, prompt) paired ratios. ``noisy`` when the repetitions' spread
+    exceeds the effect being measured (|speedup - 1|): the number is then not to be trusted."""
+    n_m, t_m = single["ntoks"][key], single["times"][key]
+    n_a, t_a = single["ntoks"][ark], single["times"][ark]
+    prompts = range(len(t_m[0]))
+    best_m = [min(t_m[r][i] for r in reps) for i in prompts]
+    best_a = [min(t_a[r][i] for r in reps) for i in prompts]
+    min_time = (sum(n_m[0]) / sum(best_m)) / (sum(n_a[0]) / sum(best_a))
+    ratios = [(n_m[r][i] / t_m[r][i]) / (n_a[r][i] / t_a[r][i]) for r in reps for i in prompts]
+    per_rep = [_tps(single, key, r) / _tps(single, ark, r) for r in reps]
+    spread = (max(per_rep) - min(per_rep)) / 2
+    return {"min_time": min_time, "paired_median": statistics.median(ratios),
+            "noisy": len(per_rep) > 1 and key != ark and spread > abs(min_time - 1)}
+
+
 def _decode_tps(single: dict, key: tuple[str, float], rep: int) -> float:
     """Decode-phase tokens/s: the tokens after the prefill's first one over the time after the prefill."""
     n, t = single["ntoks"][key][rep], single["dtimes"][key][rep]
@@ -117,6 +137,7 @@ def _summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSet
                 "tokens": sum(map(sum, single["ntoks"][key])) // s.repetitions,
                 "time_s": _stats([sum(t) for t in single["times"][key]]), "tokens_per_s": tok_s,
                 "speedup": _stats([_tps(single, key, r) / _tps(single, ark, r) for r in reps]),
+                "speedup_robust": paired_speedup(single, key, ark, reps),
                 # what the cost-model bound describes: rounds only (the prefill is the same forward for everyone)
                 "decode_speedup": _stats([_decode_tps(single, key, r) / _decode_tps(single, ark, r) for r in reps]),
                 # seconds per repetition (all prompts); draft = propose + accept, verify = forward + accept + KV
@@ -132,6 +153,10 @@ def _summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSet
                 c = pool.draft_s / costs["t_ar_step_s"][temp] / pool.drafted if pool.drafted else 0.0
                 v = pool.v_units / pool.rounds if pool.rounds else float("nan")
                 e.update(k_mean=k_mean, c=c, v=v, bound=pool.tau / (k_mean * c + v) if pool.rounds else float("nan"))
+            if e["speedup_robust"]["noisy"]:
+                log.warning("%s T=%g: speedup %.2f ± %.2f over repetitions is noisier than the effect; the "
+                            "fastest-repetition estimate is %.2f (a loaded machine? raise repetitions)", m.name, temp,
+                            e["speedup"]["median"], e["speedup"]["spread"], e["speedup_robust"]["min_time"])
             e["efficiency"] = e["decode_speedup"]["median"] / e["bound"]
             e["lossless"] = (not mismatches[m.name]) if temp == 0 else None
             e["vs_hf_prompt_lookup"] = tok_s["median"] / hf_pl["median"] if (temp == 0 and hf_pl) else None

@@ -142,9 +142,10 @@ def speculative_decode_batch(
     verify_s = 0.0
 
     active = [b for b in range(b_all) if not done[b]]
-    if len(active) < b_all:
-        cache.batch_select_indices(torch.tensor(active, device=device))
-    lens, roots = lens[active], roots[active]
+    keep_rows = torch.tensor(active, dtype=torch.long, device=device)  # long even when empty (every row done)
+    if active and len(active) < b_all:
+        cache.batch_select_indices(keep_rows)
+    lens, roots = lens[keep_rows], roots[keep_rows]
     vocab = target.vocab_size
     while active:
         t = device_time(device)

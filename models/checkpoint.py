@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -18,6 +19,20 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
 
+def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of floating-point tensors holding NaN or inf (integer and bool tensors cannot)."""
+    return [k for k, v in tensors.items()
+            if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all())]
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str | Path) -> None:
+    """Refuse NaN/inf weights: a diverged drafter must never be saved, exported, validated or evaluated."""
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise ValueError(f"{where}: {len(bad)} of {len(tensors)} tensors hold NaN/inf (e.g. {bad[:3]}): the drafter "
+                         "diverged; retrain it (lower optim.optimizer.lr)")
+
+
 def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Trainable parameters and all buffers; frozen parameters (copied from the target) are skipped."""
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
@@ -26,7 +41,12 @@ def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_trainable_state(module: nn.Module, path: Path) -> None:
     """Load ``model.safetensors``; every trainable weight and buffer must be present, nothing extra."""
-    state = load_file(str(path))
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - a truncated/corrupt file: name it, not only the reader's complaint
+        raise ValueError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e}); it is truncated or "
+                         "corrupt — retrain or restore it") from None
+    check_finite(state, path)
     expected = set(trainable_state(module))
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or extra:
@@ -39,4 +59,7 @@ def load_trainable_state(module: nn.Module, path: Path) -> None:
 
 
 def read_meta(path: Path) -> dict:
-    return json.loads((path / CONFIG).read_text())
+    try:
+        return json.loads((path / CONFIG).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / CONFIG}: not valid JSON ({e}); the checkpoint is corrupt") from None

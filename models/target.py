@@ -58,6 +58,9 @@ def load_causal_lm(
     if name_or_path == EMBEDDED_NAME and not (Path(path) / "model.safetensors").exists():
         raise FileNotFoundError(f"embedded target weights missing under {path}; "
                                 "build them with `python -m train.build_tiny_code`")
+    if str(name_or_path).startswith((".", "/", "~")) and not Path(path).expanduser().exists():
+        # clearly a path: the hub's "Repo id must be in the form ..." would only confuse
+        raise FileNotFoundError(f"target {name_or_path!r} does not exist (target.name_or_path / --target)")
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=True

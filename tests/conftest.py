@@ -43,3 +43,12 @@ def make_tiny_llama(vocab_size: int, layers: int = 4, hidden: int = 32, seed: in
 def tiny_llama(tiny_tokenizer):
     """A random 4-layer Llama over the tiny tokenizer's vocabulary."""
     return make_tiny_llama(len(tiny_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory, tiny_llama, tiny_tokenizer):
+    """The tiny Llama + tokenizer saved as a model directory (what `target.name_or_path` loads)."""
+    d = tmp_path_factory.mktemp("target")
+    tiny_llama.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d

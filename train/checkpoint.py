@@ -12,15 +12,19 @@ Layout of ``OUTPUT_DIR/checkpoints/``::
     latest                 name of the newest complete checkpoint (replaced atomically)
 
 A kill at any moment leaves either the previous ``latest`` or the new one, never a half
-checkpoint: a stale ``*.tmp`` directory is ignored and removed by the next save.
+checkpoint: a stale ``*.tmp`` directory is ignored and removed by the next save. Weights holding
+NaN/inf are never written (``check_finite``, also called by every loader and the export validator).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +33,45 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from models.checkpoint import CONFIG, WEIGHTS, load_trainable_state, read_meta, trainable_state
+from models.checkpoint import (
+    CONFIG,
+    WEIGHTS,
+    check_finite,
+    load_trainable_state,
+    nonfinite_tensors,
+    read_meta,
+    trainable_state,
+)
 
 TRAINER = "trainer.pt"
 __all__ = ["CONFIG", "WEIGHTS", "TRAINER", "trainable_state", "load_trainable_state", "read_meta", "rng_state",
            "set_rng_state", "save_drafter", "save_checkpoint", "latest_checkpoint", "check_compatible",
-           "load_trainer_state"]
+           "load_trainer_state", "check_finite", "nonfinite_tensors", "finite_or_none",
+           "NoSpaceError", "is_out_of_space"]
+
+
+class NoSpaceError(OSError):
+    """The disk filled up while writing; one line naming where (torch reports it as 'unexpected pos')."""
+
+    def __init__(self, path: Path):
+        super().__init__(errno.ENOSPC, f"no space left on device at {path} (free space, or lower train.keep_ckpts)")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def is_out_of_space(e: BaseException) -> bool:
+    """ENOSPC, or torch's zip writer failing on a full disk ('[enforce fail at inline_container.cc] unexpected pos')."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    return isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or "No space left" in str(e))
+
+
+def finite_or_none(x: Any) -> Any:
+    """A metric for JSON: non-finite floats become null (bare NaN is not JSON)."""
+    return x if not isinstance(x, float) or math.isfinite(x) else None
+
+
 
 
 def rng_state() -> dict[str, Any]:
@@ -57,56 +94,166 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def save_drafter(out: Path, module: nn.Module, meta: dict) -> None:
-    """The self-describing drafter directory (config.json + model.safetensors)."""
+    """The self-describing drafter directory (config.json + model.safetensors); refuses NaN/inf weights."""
+    state = trainable_state(module)
+    check_finite(state, f"refusing to write {out}")
     out.mkdir(parents=True, exist_ok=True)
-    save_file(trainable_state(module), str(out / WEIGHTS), metadata={"format": "pt"})
-    _write_json(out / CONFIG, meta)
+    with out_of_space_as_error(out):
+        save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+        _write_json(out / CONFIG, meta)
+
+
+def save_final(out: Path, module: nn.Module, meta: dict) -> None:
+    """``final/`` written as final.tmp and swapped in: a kill leaves the old final/ or the new one, never half."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(tmp, module, meta)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+class out_of_space_as_error:
+    """Context manager: a full disk while writing under ``path`` becomes NoSpaceError (one line)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, e, tb):
+        if e is not None and not isinstance(e, NoSpaceError) and is_out_of_space(e):
+            raise NoSpaceError(self.path) from None
+        return False
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoints, oldest first (zero-padded step names: name order is step order)."""
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                  and all((p / f).exists() for f in (CONFIG, WEIGHTS, TRAINER)))
+
+
+def _prune(root: Path, keep: int, protect: Path | None) -> None:
+    """Remove the oldest checkpoints until at most ``keep`` remain, never ``protect``."""
+    done = complete_checkpoints(root)
+    excess = len(done) - max(keep, 1 if protect in done else 0)
+    for old in [p for p in done if p != protect][: max(0, excess)]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(root: Path, step: int, module: nn.Module, meta: dict, trainer_state: dict,
                     engine: Any = None, rank: int = 0, barrier=lambda: None, keep: int = 2) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:07d}"
     tmp, final = root / (name + ".tmp"), root / name
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        check_finite(trainable_state(module), f"refusing to checkpoint step {step}")
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step_*.tmp"):  # a kill mid-write leaves these; they are never read
+            shutil.rmtree(stale, ignore_errors=True)
+        # Make room first (a full disk must not block the save that lowering keep_ckpts should allow), but never
+        # remove the checkpoint `latest` names before the new one is committed.
+        _prune(root, keep - 1, protect=latest_checkpoint(root))
         tmp.mkdir()
     barrier()
-    if engine is not None:  # every rank writes its optimizer shard
-        engine.save_checkpoint(str(tmp / "ds"), tag="ds", exclude_frozen_parameters=True)
-    barrier()
+    try:
+        with out_of_space_as_error(tmp):
+            if engine is not None:  # every rank writes its optimizer shard
+                engine.save_checkpoint(str(tmp / "ds"), tag="ds", exclude_frozen_parameters=True)
+            barrier()
+            if rank == 0:
+                save_drafter(tmp, module, {**meta, "step": step})
+                torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / TRAINER)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # do not leave a half checkpoint filling the disk
+        raise
     if rank == 0:
-        save_drafter(tmp, module, {**meta, "step": step})
-        torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / TRAINER)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the commit point
-        latest = root / "latest"
         latest_tmp = root / "latest.tmp"
         latest_tmp.write_text(name)
-        os.replace(latest_tmp, latest)
-        done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        os.replace(latest_tmp, root / "latest")
+        _prune(root, keep, protect=final)
     barrier()
     return final
 
 
 def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint ``latest`` names, if complete; else the newest complete one (a kill between the commit
+    rename and the pointer update leaves the pointer one behind)."""
     ptr = root / "latest"
-    if not ptr.exists():
+    done = complete_checkpoints(root) if root.is_dir() else []
+    if ptr.exists():
+        path = root / ptr.read_text().strip()
+        if path in done and path == done[-1]:
+            return path
+    return done[-1] if done else None
+
+
+def set_aside_previous_run(out_dir: Path, ck_root: Path) -> Path | None:
+    """A fresh run (train.resume=false) moves an earlier run's checkpoints and metrics into
+    ``previous_<time>/`` instead of mixing its step numbers with them (or pruning them by name)."""
+    old = [p for p in ck_root.glob("*")] if ck_root.is_dir() else []
+    metrics = out_dir / "metrics.jsonl"
+    if not old and not metrics.exists():
         return None
-    path = root / ptr.read_text().strip()
-    return path if (path / CONFIG).exists() and (path / WEIGHTS).exists() else None
+    aside = out_dir / f"previous_{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 0
+    while aside.exists():
+        n += 1
+        aside = out_dir / f"previous_{time.strftime('%Y%m%d-%H%M%S')}_{n}"
+    aside.mkdir(parents=True)
+    if old:
+        os.replace(ck_root, aside / ck_root.name)
+    if metrics.exists():
+        os.replace(metrics, aside / metrics.name)
+    return aside
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep the records up to ``step`` (the resumed checkpoint): what a killed run logged after it is redone
+    and would otherwise appear twice. Torn lines are dropped. Returns the number of records removed."""
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_bytes().splitlines():
+        try:
+            rec = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            dropped += 1
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+            dropped += 1
+            continue
+        keep.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(x + b"\n" for x in keep))
+        os.replace(tmp, path)
+    return dropped
+
+
+def _diff(a: Any, b: Any, where: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str) for d in _diff(a.get(k), b.get(k), f"{where}.{k}")]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
 def check_compatible(meta: dict, expected: dict, path: Path) -> None:
-    """Refuse a checkpoint made for another target or another draft config (one line, with the fix)."""
-    for key in ("method", "target", "draft"):
-        if meta.get(key) != expected.get(key):
-            raise ValueError(f"{path} was made for a different {key} ({meta.get(key)} != {expected.get(key)}); "
-                             "use another train.output_dir or train.resume=false")
+    """Refuse a checkpoint made for another target or another draft config: one line naming what differs."""
+    keys = ("method", "target", "draft")
+    diffs = [d for key in keys for d in _diff(meta.get(key), expected.get(key), key)]
+    if diffs:
+        which = "/".join(k for k in keys if meta.get(k) != expected.get(k))
+        more = f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else ""
+        raise ValueError(f"{path} was made for a different {which} ({'; '.join(diffs[:4])}{more}); resume with the "
+                         "same settings, use another output_dir, or train.resume=false (moves it aside)")
 
 
 def load_trainer_state(path: Path) -> dict:
     # Our own file, but still no arbitrary unpickling: tensors and plain containers only.
-    return torch.load(path / TRAINER, weights_only=True)
+    try:
+        return torch.load(path / TRAINER, weights_only=True)
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"{path / TRAINER}: unreadable ({type(e).__name__}: {str(e)[:200]}); move {path} aside "
+                         "to resume from the previous checkpoint") from None

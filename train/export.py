@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target name or path (default: the checkpoint's / the export's)")
     p.add_argument("--results", help="eval results JSON with recommended_num_speculative_tokens")
     p.add_argument("--dtype", help="cast float weights (float32, bfloat16, float16); default: as trained")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--force", action="store_true", help="replace a previous export in --out (nothing else)")
     p.add_argument("--check", metavar="DIR", help="validate an export directory instead of exporting")
     return p
 
@@ -51,6 +51,13 @@ def _check(args: argparse.Namespace) -> str:
     return f"{args.check}: valid {fmt} export{against}"
 
 
+def _check_out_not_source(out: Path, ckpt: Path) -> None:
+    """--out must not be the checkpoint being exported or a directory above it (--force would delete it)."""
+    o, c = out.resolve(), ckpt.resolve()
+    if o == c or o in c.parents:
+        raise ExportError(f"--out {out} contains the checkpoint being exported ({ckpt}); choose another --out")
+
+
 def _export(args: argparse.Namespace) -> str:
     from models.registry import load_drafter
     from train.checkpoint import read_meta
@@ -60,7 +67,11 @@ def _export(args: argparse.Namespace) -> str:
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").exists():
         raise ExportError(f"{ckpt} is not a drafter checkpoint (no config.json); pass OUTPUT_DIR/final")
-    meta = read_meta(ckpt)
+    _check_out_not_source(Path(args.out), ckpt)
+    try:
+        meta = read_meta(ckpt)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     name = args.target or _default_target(meta)
     target = FrozenTarget.from_pretrained(name)
     try:

@@ -25,7 +25,9 @@ from models import registry
 from models.drafter import simulated_tau
 from models.target import FrozenTarget
 from train import checkpoint as ckpt
+from train.checks import check_resume_step, check_step_finite, check_weights_finite, validate_train_config
 from train.distributed import Dist, deepspeed_engine, init_distributed
+from train.runlock import hold_output_dir
 
 
 class TrainStep(torch.nn.Module):
@@ -112,6 +114,13 @@ def evaluate(drafter, target: FrozenTarget, rows: list[dict], batch_size: int, p
 
 
 def run(cfg: DictConfig) -> dict:
+    """Validate the config, hold the output directory's lock, train."""
+    validate_train_config(cfg)
+    with hold_output_dir(Path(cfg.output_dir)):
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> dict:
     d = init_distributed(cfg.target.device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -159,6 +168,11 @@ def run(cfg: DictConfig) -> dict:
 
     # 4. Resume from the newest complete checkpoint.
     start = 0
+    if not cfg.train.resume and d.is_main:
+        aside = ckpt.set_aside_previous_run(out_dir, ck_root)
+        if aside:
+            log(f"train.resume=false: moved the previous run's checkpoints and metrics to {aside}")
+    d.barrier()
     last = ckpt.latest_checkpoint(ck_root) if cfg.train.resume else None
     if last is not None:
         ckpt.check_compatible(ckpt.read_meta(last), meta, last)
@@ -172,6 +186,7 @@ def run(cfg: DictConfig) -> dict:
             sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         start = state["step"]
+        check_resume_step(start, cfg.train.steps, last)
         log(f"resumed from {last} at step {start}")
 
     # 5. Offline mode: the target's features once, to disk (resumable), then train from them.
@@ -191,6 +206,8 @@ def run(cfg: DictConfig) -> dict:
     tracker.start(OmegaConf.to_container(cfg, resolve=True), d.rank)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     out_dir.mkdir(parents=True, exist_ok=True)
+    if d.is_main:
+        ckpt.truncate_metrics(out_dir / "metrics.jsonl", start)  # a killed run's records past `start` are redone
     metrics_file = open(out_dir / "metrics.jsonl", "a") if d.is_main else None
     stop = cfg.train.stop_after
     bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps, desc=cfg.draft.method,
@@ -213,12 +230,15 @@ def run(cfg: DictConfig) -> dict:
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + float(v) / cfg.train.grad_accum
         if engine is not None:
+            check_step_finite(step + 1, agg["loss"], None)
             engine.step()  # clips, steps optimizer and scheduler
         else:
             if d.world_size > 1 and not isinstance(forward, torch.nn.parallel.DistributedDataParallel):
                 raise RuntimeError("multi-process training needs DDP or DeepSpeed")
-            torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.grad_clip)
+            check_step_finite(step + 1, agg["loss"], grad_norm)
             optimizer.step()
+            check_weights_finite(step + 1, trainable)
             sched.step()
             optimizer.zero_grad(set_to_none=True)
         done = step + 1
@@ -227,7 +247,8 @@ def run(cfg: DictConfig) -> dict:
                    **{f"train/{k}": v for k, v in agg.items() if not k.startswith("n_")}}
             tracker.log(rec, done)
             if metrics_file:
-                metrics_file.write(json.dumps(rec) + "\n")
+                metrics_file.write(json.dumps({k: ckpt.finite_or_none(v) for k, v in rec.items()}, allow_nan=False)
+                                   + "\n")
                 metrics_file.flush()
             bar.set_postfix(loss=f"{agg['loss']:.3f}", acc0=f"{agg.get('acc_0', 0):.2f}")
         if d.is_main and val_rows and done % cfg.train.eval_every == 0 and done != cfg.train.steps:
@@ -246,7 +267,7 @@ def run(cfg: DictConfig) -> dict:
     # 7. The final, self-describing drafter directory and its held-out numbers.
     summary: dict = {"output_dir": str(out_dir), "steps": cfg.train.steps, "method": cfg.draft.method}
     if d.is_main:
-        ckpt.save_drafter(out_dir / "final", drafter, {**meta, "step": cfg.train.steps})
+        ckpt.save_final(out_dir / "final", drafter, {**meta, "step": cfg.train.steps})
         if val_rows:
             ev = evaluate(drafter, target, val_rows, cfg.train.batch_size, pad_id)
             summary["val"] = ev

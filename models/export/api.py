@@ -24,7 +24,7 @@ from .common import (
     _target_info,
     _Tensors,
 )
-from .formats import export_format
+from .formats import EXPORT_FORMATS, export_format
 from .readme import _readme
 from .validate import _check, validate
 
@@ -74,6 +74,8 @@ def _write(bundle: _Bundle, out: Path, overwrite: bool) -> Path:
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty; pass overwrite=True (CLI: --force) or another --out")
+    if out.exists():
+        _check_replaceable(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -95,6 +97,22 @@ def _make_readable(d: Path) -> None:
     for f in d.iterdir():
         f.chmod(0o644)
     d.chmod(0o755)
+
+
+def _check_replaceable(out: Path) -> None:
+    """Overwriting replaces only a previous export: its marker (draftsmith.json) and nothing but export files.
+    Anything else (a run directory, a checkpoint, a home directory) is refused, never deleted."""
+    if not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a directory; choose another --out")
+    entries = list(out.iterdir())
+    if not entries:
+        return
+    ours = {CONFIG, SIDECAR, README, *(f.weights_file for f in EXPORT_FORMATS.values())}
+    foreign = sorted(p.name for p in entries if p.name not in ours or not p.is_file())
+    if not (out / SIDECAR).is_file() or foreign:
+        what = f"it holds {foreign[:4]}" if foreign else f"it has no {SIDECAR} marker"
+        raise ExportError(f"refusing to replace {out}: it is not a previous export ({what}); choose an empty or "
+                          "new --out")
 
 
 # ============================================================================================ loading back

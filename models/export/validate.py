@@ -52,8 +52,19 @@ def validate(path: str | Path, fmt: str | None = None, target_config: Any = None
         tensors = _Tensors.read(wfile)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one reason to refuse
         raise ExportError(f"{wfile}: unreadable safetensors ({type(e).__name__}: {e})") from None
+    _check_finite(tensors, wfile)
     _check(fmt, cfg, tensors, side, _target_info(target_config), str(path))
     return fmt
+
+
+def _check_finite(t: _Tensors, wfile: Path) -> None:
+    """A diverged drafter (NaN/inf weights) is not a valid export, whatever its shapes say."""
+    from models.checkpoint import check_finite
+
+    try:
+        check_finite({k: t.get(k) for k in t.shapes if t.dtypes[k].is_floating_point}, wfile)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
 
 
 def _check(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None, where: str) -> None:

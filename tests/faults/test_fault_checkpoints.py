@@ -1,0 +1,134 @@
+"""Checkpoints cannot eat each other: rotation by this run's steps, a valid `latest`, room made before writing,
+a full disk named as such, resume-step and metrics consistency, a compat error naming only what differs."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from tests.faults.fault_helpers import assert_same_weights, cfg_for, metrics_steps
+from train import checkpoint as ckpt
+from train.checks import ConfigError
+from train.loop import run
+
+
+def test_fresh_run_sets_old_checkpoints_aside_and_keeps_its_own(target_dir, tmp_path):
+    out = tmp_path / "run"
+    run(cfg_for(target_dir, out, "train.steps=6"))  # old run: step_4, step_6 kept
+    run(cfg_for(target_dir, out, "train.resume=false", "train.steps=2", "train.ckpt_every=1"))
+    root = out / "checkpoints"
+    names = sorted(p.name for p in ckpt.complete_checkpoints(root))
+    assert names == ["step_0000001", "step_0000002"]  # before: the old step_4/6 outranked and pruned these
+    assert (root / (root / "latest").read_text()).is_dir()
+    aside = list(out.glob("previous_*"))
+    assert len(aside) == 1 and (aside[0] / "checkpoints" / "step_0000006").is_dir()
+    assert metrics_steps(out) == [1, 2]
+    assert_same_weights(out / "final", root / "step_0000002")
+    # the next default (resume=true) run resumes from the new run's step 2, not the old step 6
+    res = run(cfg_for(target_dir, out, "train.steps=2"))
+    assert res["steps"] == 2
+
+
+def test_latest_falls_back_to_newest_complete_checkpoint(target_dir, tmp_path):
+    run(cfg_for(target_dir, tmp_path, "train.steps=4", "train.ckpt_every=1", "train.keep_ckpts=3"))
+    root = tmp_path / "checkpoints"
+    (root / "latest").write_text("step_0000099")  # points nowhere
+    assert ckpt.latest_checkpoint(root) == root / "step_0000004"
+    (root / "latest").unlink()
+    assert ckpt.latest_checkpoint(root) == root / "step_0000004"
+    (root / "step_0000004" / ckpt.TRAINER).unlink()  # incomplete: skipped
+    assert ckpt.latest_checkpoint(root) == root / "step_0000003"
+
+
+def test_resume_with_fewer_steps_than_checkpoint_is_an_error(target_dir, tmp_path):
+    run(cfg_for(target_dir, tmp_path, "train.steps=4"))
+    with pytest.raises(ConfigError, match=r"train.steps=2 is below the step of the checkpoint being resumed \(4"):
+        run(cfg_for(target_dir, tmp_path, "train.steps=2"))
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["step"] == 4
+
+
+def test_metrics_not_duplicated_after_resume(target_dir, tmp_path):
+    run(cfg_for(target_dir, tmp_path, "train.stop_after=3"))  # checkpoint at 2, logged 1..3
+    assert metrics_steps(tmp_path) == [1, 2, 3]
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 4, "lo')  # torn by a kill
+    run(cfg_for(target_dir, tmp_path))
+    assert metrics_steps(tmp_path) == [1, 2, 3, 4]
+
+
+def test_incompatible_checkpoint_error_names_only_the_differing_field(target_dir, tmp_path):
+    run(cfg_for(target_dir, tmp_path, "train.stop_after=2"))
+    with pytest.raises(ValueError) as e:
+        run(cfg_for(target_dir, tmp_path, "draft.config.ttt_steps=2"))
+    msg = str(e.value)
+    assert "draft.ttt_steps: 3 != 2" in msg and len(msg) < 400 and "\n" not in msg
+
+
+def _fill_disk_on(monkeypatch, name, exc, after=0):
+    """Make train.checkpoint.<name> raise ``exc`` (a full disk) from its (after+1)-th call on."""
+    real = getattr(ckpt, name)
+    calls = {"n": 0}
+
+    def fake(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > after:
+            raise exc
+        return real(*a, **k)
+
+    monkeypatch.setattr(ckpt, name, fake)
+
+
+@pytest.mark.parametrize("name,exc", [
+    ("save_file", OSError(errno.ENOSPC, "No space left on device")),
+    ("save_file", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 64")),
+])
+def test_full_disk_is_reported_and_loses_nothing(target_dir, tmp_path, monkeypatch, name, exc):
+    run(cfg_for(target_dir, tmp_path, "train.stop_after=2"))
+    root = tmp_path / "checkpoints"
+    _fill_disk_on(monkeypatch, name, exc)
+    with pytest.raises(ckpt.NoSpaceError, match=r"no space left on device at .*step_0000004"):
+        run(cfg_for(target_dir, tmp_path))
+    assert ckpt.latest_checkpoint(root) == root / "step_0000002"  # the last good checkpoint survives
+    assert not list(root.glob("*.tmp"))  # the half-written one does not fill the disk further
+
+
+def test_torch_save_full_disk_is_reported(target_dir, tmp_path, monkeypatch):
+    run(cfg_for(target_dir, tmp_path, "train.stop_after=2"))
+    monkeypatch.setattr(ckpt.torch, "save", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9 vs 7")))
+    with pytest.raises(ckpt.NoSpaceError, match="no space left on device at"):
+        run(cfg_for(target_dir, tmp_path))
+
+
+def test_old_checkpoints_pruned_before_writing(target_dir, tmp_path, monkeypatch):
+    run(cfg_for(target_dir, tmp_path, "train.stop_after=4", "train.steps=8"))  # step_2, step_4
+    root = tmp_path / "checkpoints"
+    seen = []
+    real = ckpt.save_file
+
+    def spy(tensors, path, **k):
+        seen.append(sorted(p.name for p in ckpt.complete_checkpoints(root)))
+        return real(tensors, path, **k)
+
+    monkeypatch.setattr(ckpt, "save_file", spy)
+    run(cfg_for(target_dir, tmp_path, "train.stop_after=6", "train.steps=8"))
+    assert seen[0] == ["step_0000004"]  # step_2 went before step_6 was written; latest (4) kept until 6 committed
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_0000004", "step_0000006"]
+
+
+def test_truncated_checkpoint_weights_name_the_path(target_dir, tmp_path):
+    run(cfg_for(target_dir, tmp_path, "train.stop_after=2"))
+    w = tmp_path / "checkpoints" / "step_0000002" / ckpt.WEIGHTS
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"step_0000002/model.safetensors: unreadable safetensors"):
+        run(cfg_for(target_dir, tmp_path))
+
+
+def test_corrupt_trainer_state_names_the_path(target_dir, tmp_path):
+    run(cfg_for(target_dir, tmp_path, "train.stop_after=2"))
+    t = tmp_path / "checkpoints" / "step_0000002" / ckpt.TRAINER
+    t.write_bytes(t.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"trainer.pt: unreadable"):
+        run(cfg_for(target_dir, tmp_path))

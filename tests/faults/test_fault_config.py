@@ -1,0 +1,106 @@
+"""Every invalid value is one line naming the key, before anything is loaded or written; one run per directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.faults.fault_helpers import ROOT, cfg_for
+from train import runlock
+from train.checks import ConfigError
+from train.loop import run
+
+BAD = [
+    ("train.steps=0", "train.steps"), ("train.steps=-5", "train.steps"), ("train.batch_size=0", "train.batch_size"),
+    ("train.grad_accum=0", "train.grad_accum"), ("train.ckpt_every=0", "train.ckpt_every"),
+    ("train.log_every=0", "train.log_every"), ("train.eval_every=0", "train.eval_every"),
+    ("train.keep_ckpts=0", "train.keep_ckpts"), ("train.stop_after=0", "train.stop_after"),
+    ("train.mode=sideways", "train.mode"), ("optim.optimizer.lr=0", "optim.optimizer.lr"),
+    ("optim.optimizer.lr=-1e-4", "optim.optimizer.lr"), ("optim.optimizer.lr=nan", "optim.optimizer.lr"),
+    ("optim.grad_clip=inf", "optim.grad_clip"), ("optim.min_lr_ratio=2", "optim.min_lr_ratio"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps"), ("draft.config.ttt_steps=0", "draft.config.ttt_steps"),
+    ("data.max_len=0", "data.max_len"), ("data.regen_temperature=inf", "data.regen_temperature"),
+    ("data.regen_batch_size=0", "data.regen_batch_size"), ("train.batch_size=1.5", "train.batch_size"),
+]
+
+
+@pytest.mark.parametrize("override,key", BAD, ids=[b[0] for b in BAD])
+def test_invalid_value_is_one_line_naming_the_key(target_dir, tmp_path, override, key):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as e:
+        run(cfg_for(target_dir, out, override))
+    msg = str(e.value)
+    assert msg.startswith(key + "=") and "\n" not in msg
+    assert not out.exists()  # refused before anything was written
+
+
+def test_medusa_and_mtp_depth_checked(target_dir, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from tests.faults.fault_helpers import CONF
+
+    for method, key in (("medusa", "draft.config.num_heads"), ("mtp", "draft.config.num_modules")):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("config", [f"draft={method}", f"{key}=0", f"output_dir={tmp_path}", "tracking=none"])
+        with pytest.raises(ConfigError, match=key):
+            run(cfg)
+
+
+def _lock_held_by(out, pid, host=None):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / runlock.LOCK).write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(),
+                                                "started": "earlier"}))
+
+
+def test_second_run_on_a_directory_is_refused(target_dir, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _lock_held_by(tmp_path, holder.pid)
+        with pytest.raises(ConfigError, match=rf"in use by another run \(pid {holder.pid}"):
+            run(cfg_for(target_dir, tmp_path))
+        assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "final").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_lock_from_another_host_is_not_guessed_about(tmp_path):
+    _lock_held_by(tmp_path, 1, host="some-other-host")
+    with pytest.raises(ConfigError, match="some-other-host"):
+        runlock.acquire(tmp_path)
+
+
+def test_stale_lock_is_taken_over_with_a_warning(target_dir, tmp_path, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _lock_held_by(tmp_path, dead.pid)
+    run(cfg_for(target_dir, tmp_path, "train.steps=2"))
+    assert "taking over stale lock" in capsys.readouterr().err
+    assert not (tmp_path / runlock.LOCK).exists()  # released at the end
+
+
+def test_lock_exclusive_and_released_on_error(target_dir, tmp_path):
+    lock = runlock.acquire(tmp_path)
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    with pytest.raises(ConfigError, match="in use"):
+        runlock.acquire(tmp_path)
+    lock.unlink()
+    with pytest.raises(ValueError, match="out of range"):  # fails inside the run: the lock must still go
+        run(cfg_for(target_dir, tmp_path, "draft.config.layer_ids=[1,2,9]"))
+    assert not (tmp_path / runlock.LOCK).exists()
+
+
+@pytest.mark.slow
+def test_train_cli_prints_one_error_line_and_exits_2(target_dir, tmp_path):
+    cmd = [sys.executable, "-m", "train", f"target.name_or_path={target_dir}", f"output_dir={tmp_path}",
+           "tracking=none", "train.steps=0"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 2, p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert lines == ["error: train.steps=0: must be an integer >= 1"], p.stderr

@@ -1,0 +1,212 @@
+"""Bad files and bad inputs: named file and line, skip-and-count, bounded giant rows, keyed regeneration, exports
+that never delete what they did not write, batched decoding finishing at prefill, stall-resistant speedups,
+eval refusing a named method that cannot run."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from data.chat import load_conversations, tokenize_conversation
+from data.sources import DataConfig, build_rows
+from tests.conftest import make_tiny_llama
+from tests.faults.fault_helpers import cfg_for
+from train.loop import run
+
+GOOD = {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "hello, how are you"}]}
+
+
+def _jsonl(path, n_good, bad_lines):
+    lines = [json.dumps(GOOD).encode()] * n_good + bad_lines
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_non_utf8_line_names_file_and_line(tmp_path):
+    p = _jsonl(tmp_path / "sg.jsonl", 3, [b'{"conversations": "\xff\xfe"}'])
+    with pytest.raises(ValueError, match=r"sg.jsonl:4: not valid UTF-8"):
+        load_conversations(str(p))
+
+
+def test_skip_malformed_skips_undecodable_and_invalid_json_and_counts(tmp_path, tiny_tokenizer, capsys):
+    p = _jsonl(tmp_path / "sg.jsonl", 8, [b'{"conversations": "\xff"}', b"{not json"])
+    convs, stats = load_conversations(str(p), skip_malformed=True)
+    assert len(convs) == 8 and stats["skipped"] == 2 and "sg.jsonl:9" in stats["first_error"]
+    cfg = DataConfig(kind="chat", source=str(p), skip_malformed=True, max_len=64, val_rows=0)
+    build_rows(cfg, tiny_tokenizer)
+    assert "skipped 2 of 10 malformed rows" in capsys.readouterr().out
+
+
+def test_mostly_bad_file_is_an_error_even_with_skip(tmp_path):
+    p = _jsonl(tmp_path / "sg.jsonl", 1, [b"{bad"] * 9)
+    with pytest.raises(ValueError, match=r"9 of 10 rows are malformed"):
+        load_conversations(str(p), skip_malformed=True)
+
+
+def test_non_utf8_json_file_names_the_file(tmp_path):
+    p = tmp_path / "sg.json"
+    p.write_bytes(b'[{"conversations": "\xff"}]')
+    with pytest.raises(ValueError, match=r"sg.json: not valid UTF-8"):
+        load_conversations(str(p))
+
+
+def test_all_rows_beyond_max_len_names_the_setting(tmp_path, tiny_tokenizer):
+    row = {"conversations": [{"from": "human", "value": "x " * 400}, {"from": "gpt", "value": "ok"}]}
+    p = tmp_path / "long.jsonl"
+    p.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"no assistant token within data.max_len=16"):
+        build_rows(DataConfig(kind="chat", source=str(p), max_len=16, val_rows=0), tiny_tokenizer)
+
+
+def test_giant_row_is_clipped_before_rendering_and_exact(tiny_tokenizer):
+    long = [{"role": "user", "content": "def f(x):\n    return x + 1\n" * 400},
+            {"role": "assistant", "content": "print(i * i)\n" * 300}]
+    clipped = tokenize_conversation(tiny_tokenizer, long, max_len=64)
+    from data.chat import _tokenize_masked
+
+    ids, mask = _tokenize_masked(tiny_tokenizer, long)  # the unclipped reference
+    assert clipped == {"input_ids": ids[:64], "loss_mask": mask[:64]} or (clipped is None and not any(mask[:64]))
+    giant = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a = 1\n" * 2_000_000}]  # 12 MB
+    t = time.time()
+    row = tokenize_conversation(tiny_tokenizer, giant, max_len=64)
+    assert time.time() - t < 5 and len(row["input_ids"]) == 64 and any(row["loss_mask"])
+
+
+def test_regeneration_cache_is_keyed_by_target_and_sampling(tmp_path, tiny_llama, tiny_tokenizer):
+    base = dict(max_rows=6, max_len=32, val_rows=1, regenerate=2, regen_prompt_len=8, regen_new_tokens=3,
+                regen_batch_size=2, cache_dir=str(tmp_path))
+    build_rows(DataConfig(**base), tiny_tokenizer, tiny_llama)
+    files = set(tmp_path.glob("regen_code_*.jsonl"))
+    assert len(files) == 1
+    build_rows(DataConfig(**base), tiny_tokenizer, tiny_llama)  # same settings: reused
+    assert set(tmp_path.glob("regen_code_*.jsonl")) == files
+    build_rows(DataConfig(**base, regen_temperature=1.0), tiny_tokenizer, tiny_llama)
+    build_rows(DataConfig(**base, seed=1), tiny_tokenizer, tiny_llama)
+    other = make_tiny_llama(len(tiny_tokenizer), seed=7)  # same shape, other weights: another target
+    build_rows(DataConfig(**base), tiny_tokenizer, other)
+    assert len(set(tmp_path.glob("regen_code_*.jsonl"))) == 4
+
+
+def test_default_regeneration_cache_lives_in_the_run(target_dir, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from tests.faults.fault_helpers import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", [f"output_dir={tmp_path}/run"])
+    assert cfg.data.cache_dir == f"{tmp_path}/run/data_cache"
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exp_run")
+    run(cfg_for(target_dir, out, "train.steps=2"))
+    return out
+
+
+def _export(args):
+    from train.export import main
+
+    return main(args)
+
+
+def test_export_force_never_deletes_the_run_directory(target_dir, trained, capsys):
+    before = sorted(p.name for p in trained.iterdir())
+    rc = _export([str(trained / "final"), "--format", "eagle3", "--out", str(trained), "--force"])
+    assert rc == 2 and "contains the checkpoint being exported" in capsys.readouterr().err
+    assert sorted(p.name for p in trained.iterdir()) == before
+    rc = _export([str(trained / "final"), "--format", "eagle3", "--out", str(trained / "final"), "--force"])
+    assert rc == 2 and (trained / "final" / "model.safetensors").exists()
+
+
+def test_export_force_refuses_foreign_files_and_replaces_previous_export(target_dir, trained, tmp_path, capsys):
+    out = tmp_path / "exp"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    rc = _export([str(trained / "final"), "--format", "eagle3", "--out", str(out), "--force"])
+    assert rc == 2 and "not a previous export" in capsys.readouterr().err and (out / "notes.txt").exists()
+    out2 = tmp_path / "exp2"
+    assert _export([str(trained / "final"), "--format", "eagle3", "--out", str(out2)]) == 0
+    assert _export([str(trained / "final"), "--format", "eagle3", "--out", str(out2), "--force"]) == 0
+
+
+def test_export_missing_target_path_is_one_line(trained, capsys):
+    rc = _export([str(trained / "final"), "--format", "eagle3", "--out", str(trained / "x"),
+                  "--target", "/nonexistent/model"])
+    assert rc == 2 and "'/nonexistent/model' does not exist" in capsys.readouterr().err
+
+
+def test_truncated_feature_shard_names_the_path(target_dir, tmp_path):
+    from data.features import FeatureCache
+    from models.target import FrozenTarget
+
+    target = FrozenTarget.from_pretrained(str(target_dir))
+    rows, _ = build_rows(DataConfig(max_rows=4, max_len=32, val_rows=1), target.tokenizer)
+    cache = FeatureCache(tmp_path / "feat", target, rows, [1, 2], dtype="float32", shard_rows=2)
+    cache.build(show_progress=False)
+    p = cache.shard_path(0)
+    p.write_bytes(p.read_bytes()[:50])
+    with pytest.raises(ValueError, match=r"shard_?0*\.safetensors: unreadable feature shard|unreadable feature shard"):
+        cache.get(0)
+
+
+@pytest.mark.parametrize("n,eos_first", [(1, False), (4, True)])
+def test_batched_decode_rows_all_finished_at_prefill(tiny_llama, n, eos_first):
+    from models.ngram import NGramProposer
+
+    from eval.decode import decode_ar, speculative_decode
+    from eval.decode_batch import decode_ar_batch, speculative_decode_batch
+    from models.target import FrozenTarget
+
+    target = FrozenTarget(tiny_llama)
+    prompts = [torch.tensor([3, 4, 5, 6]), torch.tensor([7, 8])]
+    first = [decode_ar(target, p, 1).tokens[0] for p in prompts]
+    eos = first[0] if eos_first else None
+    if eos_first:
+        prompts = [prompts[0], prompts[0].clone()]  # both rows' first token is eos
+    got = decode_ar_batch(target, prompts, n, eos_id=eos)
+    spec = speculative_decode_batch(target, [NGramProposer(k=2) for _ in prompts], prompts, n, eos_id=eos)
+    for p, a, s in zip(prompts, got, spec):
+        ref = speculative_decode(target, NGramProposer(k=2), p, n, eos_id=eos).tokens
+        assert a.tokens == ref == s.tokens and len(ref) == 1
+
+
+def test_speedup_estimate_resists_a_stalled_repetition():
+    from eval.bench_stats import paired_speedup
+
+    # method 2x faster than AR; AR's second repetition stalled 50x on one prompt
+    t_ar = [[1.0, 1.0], [50.0, 1.0]]
+    single = {"ntoks": {("m", 0.0): [[10, 10]] * 2, ("ar", 0.0): [[10, 10]] * 2},
+              "times": {("m", 0.0): [[0.5, 0.5], [0.5, 0.5]], ("ar", 0.0): t_ar}}
+    r = paired_speedup(single, ("m", 0.0), ("ar", 0.0), range(2))
+    assert r["min_time"] == pytest.approx(2.0) and r["paired_median"] == pytest.approx(2.0) and r["noisy"]
+    calm = {"ntoks": single["ntoks"], "times": {**single["times"], ("ar", 0.0): [[1.0, 1.0], [1.02, 1.0]]}}
+    assert not paired_speedup(calm, ("m", 0.0), ("ar", 0.0), range(2))["noisy"]
+
+
+def test_eval_named_method_that_cannot_run_is_an_error(target_dir, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from eval.__main__ import explicit_methods
+    from eval.__main__ import run as eval_run
+    from tests.faults.fault_helpers import CONF
+
+    over = ["methods=[ar,eagle3]", f"checkpoints.eagle3={tmp_path}/typo/final"]
+    assert explicit_methods(over, ["ar", "eagle3"]) == ["eagle3"]
+    assert explicit_methods(["n_prompts=2"], ["ar", "eagle3"]) == []
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("eval", [*over, f"target.name_or_path={target_dir}", f"out_dir={tmp_path}/e", "n_prompts=1",
+                               "max_new_tokens=2", "batch_sizes=[]", "peers=false", "repetitions=1"])
+    with pytest.raises(ValueError, match=r"eagle3 was asked for but cannot run: no checkpoint at"):
+        eval_run(cfg, explicit_methods(over, list(cfg.methods)))
+    assert not (tmp_path / "e" / "results.json").exists()
+
+
+def test_eval_infinite_temperature_refused_up_front():
+    from eval.bench_setup import BenchSettings
+
+    with pytest.raises(ValueError, match="temperatures: inf is not finite"):
+        BenchSettings(temperatures=[0, float("inf")])

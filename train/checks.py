@@ -1,0 +1,97 @@
+"""Up-front validation of a training config: every bad value is one line naming the key, before any model loads.
+
+Also the per-step finiteness guard: a NaN/inf loss, gradient norm or weight stops training at that step, before
+the bad update (or a checkpoint of it) can be written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message names the key and the fix."""
+
+
+class NonFiniteError(ValueError):
+    """Training diverged (NaN/inf); nothing from the bad step was applied or saved."""
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.select(cfg, key, default=None)
+
+
+def _int_at_least(cfg: DictConfig, key: str, lo: int, fix: str = "", optional: bool = False) -> None:
+    v = _get(cfg, key)
+    if v is None and optional:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ConfigError(f"{key}={v!r}: must be an integer >= {lo}" + (f"; {fix}" if fix else ""))
+
+
+def _positive_finite(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
+    v = _get(cfg, key)
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    ok = number and math.isfinite(v) and (v > 0 or allow_zero and v == 0)
+    if not ok:
+        raise ConfigError(f"{key}={v!r}: must be a finite number {'>=' if allow_zero else '>'} 0")
+
+
+def validate_train_config(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first bad value (the checks are cheap and need no model)."""
+    for key in ("train.steps", "train.batch_size", "train.grad_accum", "train.log_every", "train.eval_every",
+                "train.ckpt_every", "train.keep_ckpts"):
+        _int_at_least(cfg, key, 1)
+    _int_at_least(cfg, "train.eval_rows", 0)
+    _int_at_least(cfg, "train.threads", 0)
+    _int_at_least(cfg, "train.stop_after", 1, optional=True)
+    if _get(cfg, "train.mode") not in ("online", "offline"):
+        raise ConfigError(f"train.mode={_get(cfg, 'train.mode')!r}: use 'online' or 'offline'")
+    _positive_finite(cfg, "optim.optimizer.lr")
+    _positive_finite(cfg, "optim.grad_clip")
+    _int_at_least(cfg, "optim.warmup_steps", 0)
+    r = _get(cfg, "optim.min_lr_ratio")
+    if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={r!r}: must be a number in [0, 1]")
+    for key in ("data.max_len", "data.val_rows", "data.regen_prompt_len", "data.regen_new_tokens",
+                "data.regen_batch_size"):
+        if _get(cfg, key) is not None:
+            _int_at_least(cfg, key, 0 if key == "data.val_rows" else 1)
+    _int_at_least(cfg, "data.max_rows", 1, optional=True)
+    _int_at_least(cfg, "data.regenerate", 0, optional=True)
+    if _get(cfg, "data.regen_temperature") is not None:
+        _positive_finite(cfg, "data.regen_temperature", allow_zero=True)
+    method = _get(cfg, "draft.method")
+    depth = {"eagle3": "draft.config.ttt_steps", "medusa": "draft.config.num_heads",
+             "mtp": "draft.config.num_modules"}.get(method)
+    if depth is not None and _get(cfg, depth) is not None:
+        _int_at_least(cfg, depth, 1)
+    if _get(cfg, "draft.config.step_weight") is not None:
+        _positive_finite(cfg, "draft.config.step_weight")
+
+
+def check_resume_step(start: int, steps: int, path: Any) -> None:
+    if start > steps:
+        raise ConfigError(f"train.steps={steps} is below the step of the checkpoint being resumed ({start}, {path}); "
+                          f"set train.steps >= {start}, or train.resume=false to start over (moves it aside)")
+
+
+def check_step_finite(step: int, loss: float, grad_norm: float | torch.Tensor | None) -> None:
+    """Before optimizer.step: a non-finite loss or gradient would poison every weight."""
+    g = None if grad_norm is None else float(grad_norm)
+    if not math.isfinite(loss) or (g is not None and not math.isfinite(g)):
+        what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {g}"
+        raise NonFiniteError(f"training diverged at step {step}: {what} (nothing from this step was applied or "
+                             "saved); lower optim.optimizer.lr or raise optim.warmup_steps, and resume")
+
+
+def check_weights_finite(step: int, params: Iterable[torch.Tensor]) -> None:
+    """After optimizer.step: an infinite lr turns finite gradients into inf/NaN weights in one update."""
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        raise NonFiniteError(f"training diverged at step {step}: the optimizer step produced NaN/inf weights "
+                             "(not saved); lower optim.optimizer.lr and resume from the last checkpoint")
