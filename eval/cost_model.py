@@ -17,6 +17,7 @@ import torch
 
 from eval.decode import new_cache
 from eval.decode_batch import _batch_mask
+from eval.window import apply_window, batch_key_positions
 from models.target import FrozenTarget
 
 
@@ -62,6 +63,9 @@ def measure_costs(
             # the batched engine always passes its 4D mask (eval/decode.py); B=1 chains use plain causal attention
             mask = None if b == 1 else _batch_mask(torch.full((b,), prefix_len, device=device), prefix_len, w,
                                                    target.model.dtype)
+            if mask is not None:  # the batched engine's windowed masks (eval/window.py), so the timing is its
+                mask = apply_window(target.model.config, mask, pos,
+                                    batch_key_positions(torch.full((b,), prefix_len, device=device), prefix_len, w))
             samples = []
             for r in range(reps + 1):
                 t = _now(device)

@@ -30,6 +30,7 @@ from eval.decode import (
     new_cache,
     sample_token,
 )
+from eval.window import apply_window, batch_key_positions
 from models.target import FrozenTarget
 
 __all__ = ["commit_kv_rows", "speculative_decode_batch", "decode_ar_batch"]
@@ -173,6 +174,7 @@ def speculative_decode_batch(
         start = cache.get_seq_length()
         pos = lens[:, None] + torch.arange(width, device=device)
         mask = _batch_mask(lens, start, width, target.model.dtype)
+        mask = apply_window(target.model.config, mask, pos, batch_key_positions(lens, start, width))
         ver = target(torch.cat([roots[:, None], drafts], dim=1), layer_ids=layer_ids, attention_mask=mask,
                      position_ids=pos, cache=cache, use_cache=True)
         if sampling.greedy:
