@@ -149,3 +149,76 @@ def test_medusa_and_mtp_logits_are_soft_capped_like_the_target(family):
     x = dr["mtp"].mtp[0].shared_head.norm(h)
     raw_mtp = torch.nn.functional.linear(x, dr["mtp"].lm_head_weight)
     torch.testing.assert_close(dr["mtp"].logits(0, h), torch.tanh(raw_mtp / cap) * cap)
+
+
+def _masked_runs(tok, row) -> list[str]:
+    runs, cur = [], []
+    for t, m in zip(row["input_ids"], row["loss_mask"]):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r, skip_special_tokens=False).strip() for r in runs]
+
+
+@FAM
+def test_chat_masks_are_reply_plus_turn_end_on_multi_turn_with_system_prompt(family):
+    """Every family's template (Qwen3 think blocks, Mistral's folded system prompt, Gemma-2's refused system role,
+    Phi-3's trailing eos, gpt-oss <|end|>/<|return|>) masks exactly each reply and the token that closes it."""
+    from data.chat import tokenize_conversation
+    from tests.families import CONVERSATION
+
+    tok = target_of(family).tokenizer
+    replies = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    last_end = SPECS[family].turn_end
+    earlier_end = "<|end|>" if family == "gpt_oss" else last_end
+    want = [r + earlier_end for r in replies[:-1]] + [replies[-1] + last_end]
+    for thinking in (None, False, True):
+        row = tokenize_conversation(tok, CONVERSATION, max_len=4096, enable_thinking=thinking)
+        assert _masked_runs(tok, row) == want, (family, thinking)
+
+
+@FAM
+def test_regeneration_stops_at_the_templates_turn_end(family):
+    from data.regenerate import stop_token_ids, turn_end_token_id
+
+    model, tok = target_of(family).model, target_of(family).tokenizer
+    end = turn_end_token_id(tok)
+    assert tok.convert_ids_to_tokens(end) == SPECS[family].turn_end  # gpt-oss: <|return|>, not <|end|>
+    stops = stop_token_ids(tok, model)
+    assert end in stops and tok.eos_token_id in stops
+    assert set(model.generation_config.eos_token_id) <= set(stops)
+
+
+def test_qwen3_enable_thinking_and_a_template_override_are_data_config_keys(tmp_path):
+    from data.chat import render_chat
+    from data.sources import DataConfig, build_rows
+
+    tok = target_of("qwen3").tokenizer
+    user = [{"role": "user", "content": "hi"}]
+    thinking_off = render_chat(tok, user, True, enable_thinking=False)
+    assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert render_chat(tok, user, True).endswith("<|im_start|>assistant\n")
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    assert render_chat(tok, user, chat_template=str(tmp_path / "t.jinja")) == "<|im_start|>hi<|im_end|>"
+    import json
+
+    from tests.families import CONVERSATION
+
+    src = tmp_path / "c.jsonl"
+    bad = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "never rendered"}]
+    src.write_text("\n".join(json.dumps({"messages": c}) for c in [CONVERSATION] * 3 + [bad]) + "\n")
+    drop = tmp_path / "drop.jinja"  # leaves out replies containing "never": that row's mask is not derivable
+    drop.write_text("{% for m in messages %}{% if 'never' not in m['content'] %}<|im_start|>{{ m['content'] }}"
+                    "<|im_end|>{% endif %}{% endfor %}")
+    cfg = DataConfig(kind="chat", source=str(src), max_len=256, val_rows=0, enable_thinking=False)
+    train, _ = build_rows(cfg, tok)
+    assert len(train) == 4
+    with pytest.raises(ValueError, match="conversation 3: turn 1 .*data.skip_malformed"):
+        build_rows(DataConfig(kind="chat", source=str(src), max_len=256, val_rows=0, chat_template=str(drop)), tok)
+    train, _ = build_rows(DataConfig(kind="chat", source=str(src), max_len=256, val_rows=0, chat_template=str(drop),
+                                     skip_malformed=True), tok)
+    assert len(train) == 3  # the unmaskable row skipped (and counted in the log), the others kept
