@@ -222,3 +222,29 @@ def test_qwen3_enable_thinking_and_a_template_override_are_data_config_keys(tmp_
     train, _ = build_rows(DataConfig(kind="chat", source=str(src), max_len=256, val_rows=0, chat_template=str(drop),
                                      skip_malformed=True), tok)
     assert len(train) == 3  # the unmaskable row skipped (and counted in the log), the others kept
+
+
+def test_gpu_recipe_is_a_file_with_the_gpu_settings():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        c = compose(config_name="config", overrides=["+recipe=eagle3_gpu", "data.source=x.jsonl"])
+    assert (c.data.max_len, c.data.kind, c.draft.config.ttt_steps, c.draft.config.draft_vocab_size) == \
+        (2048, "chat", 7, 32000)
+    assert c.optim.optimizer.lr == 1e-4 and c.target.dtype == "bfloat16" and c.output_dir == "runs/eagle3_gpu"
+    readme = (conf.parent / "README.md").read_text()
+    assert "+recipe=eagle3_gpu" in readme[readme.index("**A real model**"):][:400]
+
+
+def test_exporter_refuses_k_zero_from_results(tmp_path):
+    import json
+
+    from models.export import ExportError, recommended_k_from_results
+
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps({"recommended_num_speculative_tokens": 0, "best_positive_num_speculative_tokens": 2}))
+    with pytest.raises(ExportError, match="slower than plain decoding"):
+        recommended_k_from_results(p)

@@ -133,6 +133,10 @@ def recommended_k_from_results(path: str | Path) -> int:
     """``recommended_num_speculative_tokens`` from an eval results JSON (eval/ writes it)."""
     data = _load_json(Path(path))
     k = data.get("recommended_num_speculative_tokens")
+    if k == 0 and not isinstance(k, bool):
+        raise ExportError(f"{path}: recommended_num_speculative_tokens is 0 — speculation measured slower than plain "
+                          "decoding at batch 1 for this target; serve without a drafter, or export without --results "
+                          f"(best K >= 1 was {data.get('best_positive_num_speculative_tokens')})")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ExportError(f"{path}: needs a positive integer 'recommended_num_speculative_tokens', got {k!r}")
     return k
