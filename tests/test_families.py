@@ -248,3 +248,27 @@ def test_exporter_refuses_k_zero_from_results(tmp_path):
     p.write_text(json.dumps({"recommended_num_speculative_tokens": 0, "best_positive_num_speculative_tokens": 2}))
     with pytest.raises(ExportError, match="slower than plain decoding"):
         recommended_k_from_results(p)
+
+
+def test_fingerprint_does_not_depend_on_the_load_dtype(tmp_path):
+    """A drafter trained on a bf16-loaded target is accepted by the same target loaded in fp32 or fp16."""
+    from tests.families import save_family
+    from train.build import load_drafter
+    from train.checkpoint import save_drafter
+
+    save_family("qwen3", tmp_path / "t")  # stored in fp32
+    loads = {dt: FrozenTarget.from_pretrained(str(tmp_path / "t"), dtype=dt) for dt in ("bfloat16", "float32")}
+    assert loads["bfloat16"].fingerprint() == loads["float32"].fingerprint()
+    assert loads["bfloat16"].legacy_fingerprint() != loads["float32"].legacy_fingerprint()  # what used to break
+    FrozenTarget.from_pretrained(str(tmp_path / "t"), dtype="float16").model.save_pretrained(tmp_path / "h")
+    loads["float32"].tokenizer.save_pretrained(tmp_path / "h")  # an fp16-stored target: every load agrees
+    assert len({FrozenTarget.from_pretrained(str(tmp_path / "h"), dtype=dt).fingerprint()
+                for dt in ("bfloat16", "float32", "float16")}) == 1
+    t16 = loads["bfloat16"]
+    torch.manual_seed(0)
+    d2t, t2d = build_draft_vocab(torch.arange(t16.vocab_size).flip(0).float(), 64)
+    d = Eagle3Drafter(Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=64), t16.model.config,
+                      t16.embed.weight.detach().clone(), d2t, t2d)
+    save_drafter(tmp_path / "d", d, {"method": "eagle3", "draft": d.config_dict(), "target": t16.identity()})
+    back, _ = load_drafter(tmp_path / "d", loads["float32"])
+    assert back.head_dim == d.head_dim

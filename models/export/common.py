@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from models.target import EMBEDDED_NAME, FrozenTarget, resolve_name
+from models.target import EMBEDDED_NAME, FrozenTarget, embedding_fingerprint, resolve_name
 
 FORMATS = ("eagle3_native", "eagle3_speculators", "medusa_fasterdecoding", "medusa_vllm", "mtp_deepseek",
            "mtp_sglang_nextn")
@@ -109,10 +108,8 @@ def _norm_name(name: str) -> str:
 
 
 def embed_fingerprint(weight: torch.Tensor) -> str:
-    """Same sampling as FrozenTarget.fingerprint, for an embedding matrix found in an export."""
-    w = weight.detach()
-    sample = w.reshape(-1)[:: max(1, w.numel() // 65536)][:65536].float().cpu()
-    return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+    """FrozenTarget.fingerprint of an embedding matrix found in an export (dtype-independent)."""
+    return embedding_fingerprint(weight)
 
 
 def _engine_target_name(name: str) -> str:
