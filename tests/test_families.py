@@ -272,3 +272,56 @@ def test_fingerprint_does_not_depend_on_the_load_dtype(tmp_path):
     save_drafter(tmp_path / "d", d, {"method": "eagle3", "draft": d.config_dict(), "target": t16.identity()})
     back, _ = load_drafter(tmp_path / "d", loads["float32"])
     assert back.head_dim == d.head_dim
+
+
+REFUSED = {  # formats that cannot hold the family, with the reason the exporter must give
+    **{("mtp-nextn", f): "DeepSeek-V3 block" for f in FAMILIES if f != "deepseek_v3"},
+    ("mtp-nextn", "deepseek_v3"): "exactly 1 MTP module",  # trained with 2 here
+    ("mtp", "qwen3_moe"): "per-expert checkpoint layout is only verified for",
+    ("mtp", "gpt_oss"): "per-expert checkpoint layout is only verified for",
+    ("eagle3", "gpt_oss"): "attention_bias=True cannot be loaded by SGLang",  # its qkv bias; speculators format works
+}
+
+
+@pytest.mark.slow
+@FAM
+def test_train_every_recipe_two_steps_then_export_and_check(family, tmp_path):
+    """2 steps of eagle3/medusa/mtp through train/loop.py on code data, then every export format + --check."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from models.export import ExportError
+    from tests.families import save_family
+    from train.build import load_drafter
+    from train.export import main as export_main
+    from train.loop import run
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    tdir = save_family(family, tmp_path / "target")
+    formats = {"eagle3": ["eagle3", "eagle3-speculators"], "medusa": ["medusa", "medusa-vllm"],
+               "mtp": ["mtp", "mtp-nextn"]}
+    for method, extra in (("eagle3", ["draft.config.draft_vocab_size=64", "draft.config.ttt_steps=2",
+                                      "draft.config.layer_ids=[1,2,3]"]),
+                          ("medusa", ["draft.config.num_heads=2"]), ("mtp", ["draft.config.num_modules=2"])):
+        out = tmp_path / method
+        over = [f"target.name_or_path={tdir}", f"output_dir={out}", "tracking=none", "data.max_rows=6",
+                "data.val_rows=2", "data.max_len=32", f"data.cache_dir={out}/data", "train.steps=2",
+                "train.batch_size=2", "train.ckpt_every=100", "train.eval_every=100", "optim.warmup_steps=1",
+                f"draft={method}", *extra]
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            res = run(compose(config_name="config", overrides=over))
+        assert res["method"] == method and "acc_0" in res["val"]
+        load_drafter(out / "final", target_of(family))  # reload with the same shapes (another load of the target)
+        for fmt in formats[method]:
+            e = tmp_path / f"x_{fmt}"
+            argv = [str(out / "final"), "--format", fmt, "--out", str(e), "--target", str(tdir)]
+            if (fmt, family) in REFUSED:
+                with pytest.raises(ExportError, match=REFUSED[(fmt, family)]):
+                    from models.export import export
+
+                    d, meta = load_drafter(out / "final", target_of(family))
+                    export(d, fmt, e, target_of(family), meta=meta)
+                continue
+            assert export_main(argv) == 0, (family, fmt)
+            assert export_main(["--check", str(e), "--target", str(tdir)]) == 0, (family, fmt)
