@@ -9,13 +9,9 @@ Accepted row shapes (one conversation per row):
 Sources: a local ``.json`` (a list of rows, or ``{"data": [...]}``), ``.jsonl`` or ``.parquet`` file, or
 anything else ``datasets.load_dataset`` understands (a hub id; needs a network).
 
-The assistant-only loss mask is computed by rendering *prefixes* of the conversation with the
-tokenizer's own chat template, so it works with any model's template without ``{% generation %}``
-markers: for the assistant turn ``i`` the assistant text is the part of ``render(messages[:i+1])``
-that follows ``render(messages[:i], add_generation_prompt=True)``. That span contains the reply and
-the turn-closing token (``<|end|>``, ``<|eot_id|>``, ``<|im_end|>``...), which the drafter must learn
-to predict; whitespace the template writes *after* the closing token is not something the model
-generates (generation stops at the closing token), so it is left out of the mask.
+The assistant-only loss mask (reply + the turn-closing token the model generates) comes from
+data/chat_spans.py: transformers' ``{% generation %}`` masks where the template has them, otherwise each turn
+located in one render of the whole conversation, which tolerates templates that rewrite earlier turns.
 """
 
 from __future__ import annotations
@@ -28,6 +24,8 @@ from typing import Any
 
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
+
+from data.chat_spans import ChatMaskError, char_spans, fold_system, has_generation_markers, template_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -231,49 +229,60 @@ def _normalize_all(rows: Sequence[Any], skip_malformed: bool) -> tuple[list[list
 # -------------------------------------------------------------------------------------- tokenizing
 
 
-def render_chat(tok: PreTrainedTokenizerBase, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-    """The chat template rendered to text (the caller tokenizes with ``add_special_tokens=False``)."""
-    if not getattr(tok, "chat_template", None):
+def render_chat(tok: PreTrainedTokenizerBase, messages: Sequence[dict], add_generation_prompt: bool = False,
+                chat_template: str | None = None, enable_thinking: bool | None = None) -> str:
+    """The chat template rendered to text (the caller tokenizes with ``add_special_tokens=False``).
+
+    ``chat_template`` (a template or a path to one) overrides the tokenizer's; ``enable_thinking`` is passed to
+    templates that read it (Qwen3). A template that refuses the system role (Gemma-2) gets the system prompt
+    folded into the first user turn.
+    """
+    kw = template_kwargs(chat_template, enable_thinking)
+    if not (kw.get("chat_template") or getattr(tok, "chat_template", None)):
         raise ValueError(f"tokenizer {type(tok).__name__} ({getattr(tok, 'name_or_path', '')!r}) has no chat "
-                         "template; chat data needs one")
-    text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+                         "template; chat data needs one (or set data.chat_template)")
+    try:
+        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       **kw)
+    except Exception as e:
+        if "system" not in str(e).lower() or not any(m["role"] == "system" for m in messages):
+            raise
+        text = tok.apply_chat_template(fold_system(messages), tokenize=False,
+                                       add_generation_prompt=add_generation_prompt, **kw)
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
     return text
 
 
-def assistant_char_spans(tok: PreTrainedTokenizerBase, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The full render and the [start, end) character span of every assistant turn in it."""
-    full = render_chat(tok, messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = render_chat(tok, messages[:i], add_generation_prompt=True)
-        upto = render_chat(tok, messages[: i + 1])
-        if not (upto.startswith(before) and full.startswith(upto)):
-            raise ValueError(
-                f"the chat template of {getattr(tok, 'name_or_path', '') or type(tok).__name__!r} does not render "
-                f"conversation prefixes as string prefixes of the whole conversation (at assistant turn {i}); "
-                "assistant loss masks cannot be derived from it — the template probably rewrites earlier turns "
-                "(e.g. strips reasoning). Use a template without that behaviour."
-            )
-        start, end = len(before), len(upto)
-        # Drop template whitespace after the turn-closing token; keep whitespace that is part of the reply.
-        seg = full[start:end]
-        at = seg.find(m["content"]) if m["content"] else -1  # normally 0: the reply opens the span
-        keep_from = at + len(m["content"]) if at >= 0 else 0
-        end = start + keep_from + len(seg[keep_from:].rstrip())
-        if end > start:
-            spans.append((start, end))
-    return full, spans
+def assistant_char_spans(tok: PreTrainedTokenizerBase, messages: Sequence[dict], chat_template: str | None = None,
+                         enable_thinking: bool | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The full render and the [start, end) character span of every assistant turn in it (data/chat_spans.py)."""
+    def render(msgs: Sequence[dict], gen: bool) -> str:
+        return render_chat(tok, msgs, gen, chat_template, enable_thinking)
+
+    return char_spans(render, tok, messages)
 
 
-def tokenize_conversation(tok: PreTrainedTokenizerBase, messages: Sequence[dict], max_len: int) -> dict | None:
+def _generation_mask(tok: PreTrainedTokenizerBase, messages: Sequence[dict], kw: dict) -> tuple[list[int], list[int]]:
+    """transformers' assistant mask for templates with ``{% generation %}`` markers."""
+    try:
+        out = tok.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True, **kw)
+    except Exception as e:
+        if "system" not in str(e).lower():
+            raise
+        out = tok.apply_chat_template(fold_system(messages), tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True, **kw)
+    return list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
+
+
+def tokenize_conversation(tok: PreTrainedTokenizerBase, messages: Sequence[dict], max_len: int,
+                          chat_template: str | None = None, enable_thinking: bool | None = None) -> dict | None:
     """``{"input_ids", "loss_mask"}`` with 1 exactly on assistant tokens (reply + turn-closing token).
 
     Truncated to ``max_len`` tokens. Returns **None** when nothing trainable is left after truncation
-    (the assistant turns all start beyond ``max_len``); callers count and drop those.
+    (the assistant turns all start beyond ``max_len``); callers count and drop those. Raises ``ChatMaskError``
+    when the turns cannot be located in the template's render.
     """
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
@@ -284,7 +293,7 @@ def tokenize_conversation(tok: PreTrainedTokenizerBase, messages: Sequence[dict]
     budget = 64 * max_len + 4096
     while True:
         clipped, was_clipped = _clip_contents(messages, budget)
-        ids, mask = _tokenize_masked(tok, clipped)
+        ids, mask = _tokenize_masked(tok, clipped, chat_template, enable_thinking)
         # a cut changes at most the tokens around it: exact as long as the clipped render reaches past max_len
         if not was_clipped or len(ids) >= max_len + 16:
             break
@@ -310,21 +319,26 @@ def _clip_contents(messages: Sequence[dict], budget: int) -> tuple[list[dict], b
     return out, False
 
 
-def _tokenize_masked(tok: PreTrainedTokenizerBase, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+def _tokenize_masked(tok: PreTrainedTokenizerBase, messages: Sequence[dict], chat_template: str | None = None,
+                     enable_thinking: bool | None = None) -> tuple[list[int], list[int]]:
     """Render + tokenize + assistant mask, untruncated."""
-    full, spans = assistant_char_spans(tok, messages)
-    # The template writes bos itself; letting the tokenizer add another would double it.
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-    mask = [0] * len(ids)
-    # Spans and offsets are both sorted: one linear sweep. A token belongs to a span if their
-    # character ranges overlap (a BPE merge across the boundary still carries assistant text).
-    k = 0
-    for t, (a, b) in enumerate(offsets):
-        while k < len(spans) and spans[k][1] <= a:
-            k += 1
-        if k < len(spans) and a < spans[k][1] and b > spans[k][0]:
-            mask[t] = 1
+    kw = template_kwargs(chat_template, enable_thinking)
+    if has_generation_markers(kw.get("chat_template") or getattr(tok, "chat_template", None)):
+        ids, mask = _generation_mask(tok, messages, kw)
+    else:
+        full, spans = assistant_char_spans(tok, messages, chat_template, enable_thinking)
+        # The template writes bos itself; letting the tokenizer add another would double it.
+        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        mask = [0] * len(ids)
+        # Spans and offsets are both sorted: one linear sweep. A token belongs to a span if their
+        # character ranges overlap (a BPE merge across the boundary still carries assistant text).
+        k = 0
+        for t, (a, b) in enumerate(offsets):
+            while k < len(spans) and spans[k][1] <= a:
+                k += 1
+            if k < len(spans) and a < spans[k][1] and b > spans[k][0]:
+                mask[t] = 1
     return ids, mask
 
 
@@ -339,6 +353,36 @@ def check_token_ids(rows: Iterable[dict], vocab_size: int) -> None:
             bad = hi if hi >= vocab_size else lo
             raise ValueError(f"row {i}: token id {bad} is outside the target vocabulary [0, {vocab_size}); the data "
                              "was probably tokenized with a different tokenizer — re-tokenize it with the target's")
+
+
+def tokenize_conversations(tok: PreTrainedTokenizerBase, convs: Sequence[Sequence[dict]], max_len: int,
+                           skip_malformed: bool = False, chat_template: str | None = None,
+                           enable_thinking: bool | None = None) -> tuple[list[dict], dict]:
+    """Rows of every conversation plus ``{"unmaskable", "truncated", "first_error"}`` counts.
+
+    A conversation whose assistant turns cannot be located in the template's render raises (naming its index)
+    unless ``skip_malformed``, which skips and counts it; conversations with nothing trainable within
+    ``max_len`` are dropped and counted.
+    """
+    rows, unmaskable, truncated, first_error = [], 0, 0, None
+    for i, messages in enumerate(convs):
+        try:
+            row = tokenize_conversation(tok, messages, max_len, chat_template, enable_thinking)
+        except ChatMaskError as e:
+            if not skip_malformed:
+                raise ChatMaskError(f"conversation {i}: {e} (or set data.skip_malformed=true to skip such rows)") \
+                    from None
+            unmaskable += 1
+            first_error = first_error or f"conversation {i}: {e}"
+            continue
+        if row is None:
+            truncated += 1
+        else:
+            rows.append(row)
+    if unmaskable:
+        log.warning("%d of %d conversations skipped: assistant mask not derivable (first: %s)", unmaskable,
+                    len(convs), first_error)
+    return rows, {"unmaskable": unmaskable, "truncated": truncated, "first_error": first_error}
 
 
 def build_chat_dataset(
@@ -358,18 +402,15 @@ def build_chat_dataset(
     else:
         convs, stats = _normalize_all(list(source_or_conversations), skip_malformed)
         name = "the given conversations"
-    ids, masks = [], []
-    for messages in convs:
-        row = tokenize_conversation(tok, messages, max_len)
-        if row is not None:
-            ids.append(row["input_ids"])
-            masks.append(row["loss_mask"])
-    dropped = len(convs) - len(ids)
+    rows, tstats = tokenize_conversations(tok, convs, max_len, skip_malformed)
+    ids, masks = [r["input_ids"] for r in rows], [r["loss_mask"] for r in rows]
+    dropped = tstats["truncated"]
     if dropped:
         log.warning("%d of %d conversations from %s have no assistant token within max_len=%d; dropped",
                     dropped, len(convs), name, max_len)
     if not ids:
-        raise ValueError(f"no usable conversations in {name} ({stats['rows']} rows, {stats['skipped']} skipped, "
+        raise ValueError(f"no usable conversations in {name} ({stats['rows']} rows, "
+                         f"{stats['skipped'] + tstats['unmaskable']} skipped, "
                          f"{dropped} with no assistant token within max_len={max_len}"
                          + (f"; first error {stats['first_error']}" if stats["first_error"] else "") + ")")
     return Dataset.from_dict({"input_ids": ids, "loss_mask": masks})

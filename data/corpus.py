@@ -123,14 +123,18 @@ def manifest(train: list[SourceFile], held: list[SourceFile]) -> dict:
 
 
 def file_windows(tokenizer, files: list[SourceFile], max_len: int, max_rows: int | None = None) -> list[dict]:
-    """Training rows from whole files: ``<bos> text <eos>`` cut into windows of ``max_len`` tokens.
+    """Training rows from whole files: ``<bos> text <eos>`` (each where the tokenizer has one) cut into windows
+    of ``max_len`` tokens.
 
     Every real token is a training target (loss_mask 1): code completion has no prompt/response split.
     """
     rows: list[dict] = []
+    # Qwen2/3 and gpt-oss tokenizers have no bos (and a tokenizer may lack eos): leave out what is not defined
+    # rather than put None into every row.
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     for f in files:
-        ids = [tokenizer.bos_token_id, *tokenizer(f.text, add_special_tokens=False)["input_ids"],
-               tokenizer.eos_token_id]
+        ids = [*bos, *tokenizer(f.text, add_special_tokens=False)["input_ids"], *eos]
         for s in range(0, len(ids) - 1, max_len):
             w = ids[s : s + max_len]
             if len(w) >= 8:  # a tail of a few tokens teaches nothing

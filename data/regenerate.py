@@ -26,8 +26,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.chat import render_chat
+from data.chat_spans import _special_strings, closing_token
 
-TURN_END_TOKEN = "<|end|>"
+_PROBE = "Zq7 probe reply"  # a reply text no template contains, to find what closes a turn
 
 
 # ------------------------------------------------------------------------------------ jsonl resume
@@ -79,15 +80,37 @@ def _append(out_path: Path, records: list[dict]) -> None:
 # ------------------------------------------------------------------------------------- generation
 
 
+def turn_end_token_id(tok: PreTrainedTokenizerBase, chat_template: str | None = None,
+                      enable_thinking: bool | None = None) -> int | None:
+    """The special token the chat template writes right after an assistant reply that ends the conversation
+    (``<|eot_id|>``, ``<|im_end|>``, ``<end_of_turn>``, gpt-oss ``<|return|>`` — not the ``<|end|>`` that closes
+    its analysis channel), read off a rendered probe conversation; None when the template writes none."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        full = render_chat(tok, msgs, False, chat_template, enable_thinking)
+    except (ValueError, TypeError):
+        return None
+    at = full.rfind(_PROBE)
+    if at < 0:
+        return None
+    end = at + len(_PROBE)
+    stop = closing_token(full, end, _special_strings(tok))
+    if stop == end:
+        return None
+    tid = tok.convert_tokens_to_ids(full[end:stop].strip())
+    return tid if isinstance(tid, int) and tid != tok.unk_token_id else None
+
+
 def stop_token_ids(tok: PreTrainedTokenizerBase, model: PreTrainedModel | None = None,
-                   turn_end: bool = True) -> list[int]:
-    """eos (tokenizer's and model's) plus the template's turn-closing token when the tokenizer has one."""
+                   turn_end: bool = True, chat_template: str | None = None,
+                   enable_thinking: bool | None = None) -> list[int]:
+    """eos (tokenizer's and the model's generation config) plus the chat template's turn-closing token."""
     ids: list[int] = []
     cands: list[Any] = [tok.eos_token_id]
     if model is not None and getattr(model, "generation_config", None) is not None:
         cands.append(model.generation_config.eos_token_id)
-    if turn_end and TURN_END_TOKEN in tok.get_vocab():
-        cands.append(tok.convert_tokens_to_ids(TURN_END_TOKEN))
+    if turn_end:
+        cands.append(turn_end_token_id(tok, chat_template, enable_thinking))
     for c in cands:
         for i in c if isinstance(c, (list, tuple)) else [c]:
             if i is not None and int(i) not in ids:
@@ -197,6 +220,8 @@ def regenerate_conversations(
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     seed: int = 0,
+    chat_template: str | None = None,
+    enable_thinking: bool | None = None,
 ) -> list[list[dict]]:
     """Every assistant turn replaced by the target's own reply to the (already regenerated) context before it.
 
@@ -204,7 +229,7 @@ def regenerate_conversations(
     turn per ``generate`` call. Output is in input order; ``out_path`` holds one line per conversation.
     """
     convs = [[{"role": m["role"], "content": m["content"]} for m in c] for c in conversations]
-    stops = stop_token_ids(tok, model)
+    stops = stop_token_ids(tok, model, chat_template=chat_template, enable_thinking=enable_thinking)
     pad_id = _pad_id(tok, stops)
 
     def same_input(conv: list[dict], rec: dict) -> bool:
@@ -223,7 +248,7 @@ def regenerate_conversations(
             prompts = []
             for i in active:
                 j = pending[i][0]
-                text = render_chat(tok, work[i][:j], add_generation_prompt=True)
+                text = render_chat(tok, work[i][:j], True, chat_template, enable_thinking)
                 prompts.append(tok(text, add_special_tokens=False)["input_ids"])
             outs = _generate_batch(model, prompts, stops, pad_id, max_new_tokens, temperature,
                                    _batch_seed(seed, idx[0]) + step)

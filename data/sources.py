@@ -31,7 +31,9 @@ class DataConfig:
     val_rows: int = 64
     source: str | None = None  # chat: local json/jsonl/parquet or hub id
     split: str = "train"
-    skip_malformed: bool = False
+    skip_malformed: bool = False  # chat: skip (and count) malformed / unmaskable conversations instead of failing
+    chat_template: str | None = None  # chat: a Jinja template (or a path to one) replacing the tokenizer's
+    enable_thinking: bool | None = None  # chat: passed to templates that read it (Qwen3); None = template default
     regenerate: int = 0  # code: number of target continuations; chat: 1 = regenerate all
     regen_prompt_len: int = 64
     regen_new_tokens: int = 128
@@ -89,7 +91,7 @@ def build_rows(cfg: DataConfig, tok, model=None) -> tuple[list[dict], list[dict]
                 raise ValueError("data.regenerate > 0 needs the target model")
             train = train + _regenerated_code(cfg, model, tok, train)
     elif cfg.kind == "chat":
-        from data.chat import load_conversations, tokenize_conversation
+        from data.chat import load_conversations, tokenize_conversations
 
         if not cfg.source:
             raise ValueError("data.kind=chat needs data.source=PATH_OR_HUB_ID (ShareGPT or OpenAI messages)")
@@ -103,8 +105,10 @@ def build_rows(cfg: DataConfig, tok, model=None) -> tuple[list[dict], list[dict]
             out = regen_cache_path(cfg, model, tok, "chat", convs)
             convs = regenerate_conversations(model, tok, convs, out, batch_size=cfg.regen_batch_size,
                                              max_new_tokens=cfg.regen_new_tokens,
-                                             temperature=cfg.regen_temperature, seed=cfg.seed)
-        rows = [r for r in (tokenize_conversation(tok, c, cfg.max_len) for c in convs) if r is not None]
+                                             temperature=cfg.regen_temperature, seed=cfg.seed,
+                                             chat_template=cfg.chat_template, enable_thinking=cfg.enable_thinking)
+        rows, _ = tokenize_conversations(tok, convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
+                                         cfg.enable_thinking)
         if not rows:
             raise ValueError(f"all {len(convs)} conversations in {cfg.source} have no assistant token within "
                              f"data.max_len={cfg.max_len}; raise data.max_len")

@@ -50,7 +50,8 @@ Results schema (``run_benchmark``'s dict; ``write_json`` turns int keys into str
         by_batch [{batch_size, k, tokens_per_s, speedup, tau, predicted_speedup, dynamic {k, predicted_speedup,
         measured_as run|fixed|ar, tokens_per_s, speedup}}], crossover_batch_size, dynamic_crossover_batch_size,
         speculation_off_from_batch_size, recommended_num_speculative_tokens {B: K*}, lossless}}},
-    recommended_for, recommended_num_speculative_tokens (best K >= 1 at batch 1, for the exporter),
+    recommended_for, recommended_num_speculative_tokens (K* at batch 1, 0 = AR is faster; for the exporter),
+    best_positive_num_speculative_tokens (best K >= 1 at batch 1),
     recommended_num_speculative_tokens_by_batch {B: K*, 0 = off}, speculation_pays_at_batch_1,
     lossless (all methods).
 
@@ -234,8 +235,10 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
     if pick is not None:
         pol = policy[pick]
         results["recommended_for"] = pick
-        # the exporter needs a positive K: the best K >= 1 at batch 1, even where K* = 0 (flagged below)
-        results["recommended_num_speculative_tokens"] = int(pol["k_star_positive_b1"])
+        # K* at batch 1; 0 where the cost model says speculation is slower than AR (the exporter then refuses
+        # --results rather than ship a slowdown); the best K >= 1 is kept alongside for whoever wants it anyway
+        results["recommended_num_speculative_tokens"] = int(pol["k_star"][1])
+        results["best_positive_num_speculative_tokens"] = int(pol["k_star_positive_b1"])
         results["recommended_num_speculative_tokens_by_batch"] = dict(pol["k_star"])
         results["speculation_pays_at_batch_1"] = pol["k_star"][1] > 0
     results["lossless"] = all(v["lossless"] for v in results["methods"].values())

@@ -16,6 +16,7 @@ import torch
 
 from eval.decode import device_time, new_cache
 from eval.decode_batch import batch_mask
+from eval.window import apply_window, batch_key_positions
 from models.target import FrozenTarget
 
 
@@ -54,6 +55,9 @@ def measure_costs(
             # the batched engine always passes its 4D mask (eval/decode.py); B=1 chains use plain causal attention
             mask = None if b == 1 else batch_mask(torch.full((b,), prefix_len, device=device), prefix_len, w,
                                                    target.model.dtype)
+            if mask is not None:  # the batched engine's windowed masks (eval/window.py), so the timing is its
+                mask = apply_window(target.model.config, mask, pos,
+                                    batch_key_positions(torch.full((b,), prefix_len, device=device), prefix_len, w))
             samples = []
             for r in range(reps + 1):
                 t = device_time(device)

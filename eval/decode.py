@@ -119,8 +119,11 @@ def check_prompt(prompt_ids: Tensor, max_new_tokens: int) -> Tensor:
 
 # --------------------------------------------------------------------------------------------- basic steps
 def new_cache(target: FrozenTarget) -> DynamicCache:
-    """An empty KV cache for the target (transformers DynamicCache, one layer per decoder layer)."""
-    return DynamicCache(config=target.model.config)
+    """An empty KV cache for the target (transformers DynamicCache, one layer per decoder layer). Every layer keeps
+    every entry, sliding ones included, so rejected drafts can be cropped (eval/window.py)."""
+    from eval.window import full_cache
+
+    return full_cache()
 
 
 def prefill(target: FrozenTarget, prompt_ids: Tensor, cache: DynamicCache, layer_ids: list[int] = ()) -> TargetOutput:
@@ -208,6 +211,11 @@ def verify_forward(
     logits [1, N+1, V]: row 0 follows the root, row j+1 follows node j (models/verify.py's layout)."""
     prefix_len = cache.get_seq_length()
     ids, pos, mask = verify_inputs(root, proposal, prefix_len, target.model.dtype)
+    if mask is not None:  # a tree: its custom mask must carry a sliding window itself (eval/window.py)
+        from eval.window import apply_window
+
+        k_pos = torch.cat([torch.arange(prefix_len, device=pos.device), pos[0]])[None]
+        mask = apply_window(target.model.config, mask, pos, k_pos)
     return target(ids, layer_ids=layer_ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
 
 

@@ -29,6 +29,7 @@ from eval.decode import (
     new_cache,
     sample_token,
 )
+from eval.window import apply_window, batch_key_positions
 from models import verify
 from models.target import FrozenTarget
 
@@ -174,6 +175,7 @@ def speculative_decode_batch(
         start = cache.get_seq_length()
         pos = lens[:, None] + torch.arange(width, device=device)
         mask = batch_mask(lens, start, width, target.model.dtype)
+        mask = apply_window(target.model.config, mask, pos, batch_key_positions(lens, start, width))
         ver = target(torch.cat([roots[:, None], drafts], dim=1), layer_ids=layer_ids, attention_mask=mask,
                      position_ids=pos, cache=cache, use_cache=True)
         if sampling.greedy:

@@ -144,8 +144,8 @@ def _batch_md(r: dict) -> list[str]:
                   f"Per batch size ({r['recommended_for']}): {by_b}."]
         if not r["speculation_pays_at_batch_1"]:
             lines.append("")
-            lines.append("Note: the cost model predicts no speedup at batch 1 for this method (K*=0); the number above "
-                         "is the best K >= 1.")
+            lines.append("Note: the cost model predicts no speedup at batch 1 for this method (K*=0: serve without "
+                         f"speculation); the best K >= 1 would be {r.get('best_positive_num_speculative_tokens')}.")
     return lines
 
 

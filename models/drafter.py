@@ -48,3 +48,11 @@ def simulated_tau(agreement: list[float]) -> float:
         run *= a
         tau += run
     return tau
+
+
+def softcap(logits, cap: float | None):
+    """The target's final-logit soft-capping (Gemma-2/3: ``cap * tanh(logits / cap)``), so heads that end in the
+    target's lm_head produce the target's kind of distribution; None / 0 → unchanged."""
+    import torch
+
+    return logits if not cap else torch.tanh(logits / cap) * cap

@@ -59,6 +59,9 @@ class Eagle3Config:
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
+    # Saved by config_dict and read back, so a reload rebuilds the shapes it was trained with even where the
+    # target's head_dim != hidden/heads (Gemma, Qwen3, DeepSeek-V3, gpt-oss, Mistral-Nemo).
+    head_dim: int | None = None
     # False: residual = g (EAGLE-3 original, native SGLang/vLLM loader); True: residual = hidden_norm(g).
     norm_before_residual: bool = False
     # EAGLE-3.1 (speculators 0.9.0 Eagle3SpeculatorConfig; same names, same tensors). Defaults = EAGLE-3.
@@ -229,7 +232,9 @@ class Eagle3Drafter(nn.Module):
         kv_heads = cfg.num_key_value_heads or getattr(tc, "num_key_value_heads", None) or heads
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        if cfg.num_attention_heads is None and getattr(tc, "head_dim", None):
+        if cfg.head_dim:
+            head_dim = int(cfg.head_dim)
+        elif cfg.num_attention_heads is None and getattr(tc, "head_dim", None):
             head_dim = int(tc.head_dim)
         elif hidden % heads:
             raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
@@ -462,6 +467,12 @@ def _rope_inv_freq(tc: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, f
     """RoPE inverse frequencies for ``head_dim`` from the target config (rope_parameters or rope_theta)."""
     params = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
     params = dict(params)
+    if isinstance(params.get("full_attention"), dict):
+        # per-layer-type parameters (Gemma-3: {"full_attention": {...}, "sliding_attention": {...}}): the draft
+        # layer attends over the whole context, so it takes the full-attention layers' RoPE
+        params = dict(params["full_attention"])
+        tc = copy.deepcopy(tc)
+        tc.rope_parameters = dict(params)
     params.setdefault("rope_theta", float(getattr(tc, "rope_theta", 10000.0) or 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     params["rope_type"] = rope_type

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedConfig
 
-from models.drafter import simulated_tau
+from models.drafter import simulated_tau, softcap
 from models.proposal import MAX_TREE_NODES, Proposal, Sampling
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
@@ -92,6 +92,7 @@ class MedusaHeads(nn.Module):
         self.hidden_size = int(target_config.hidden_size)
         self.vocab_size = int(target_config.vocab_size)
         self.layer_ids = [int(target_config.num_hidden_layers)]  # id L: after the final norm
+        self.final_logit_softcapping = getattr(target_config, "final_logit_softcapping", None)  # Gemma-2/3
         if tuple(lm_head_weight.shape) != (self.vocab_size, self.hidden_size):
             raise ValueError(f"lm_head weight has shape {tuple(lm_head_weight.shape)}, expected "
                              f"[vocab_size, hidden_size] = [{self.vocab_size}, {self.hidden_size}]")
@@ -117,10 +118,10 @@ class MedusaHeads(nn.Module):
         """hidden [..., H] (post-norm last hidden state) → logits [..., K, V]."""
         x = hidden.to(self._dtype())
         if self.shared_lm_head is None:
-            return torch.stack([head(x) for head in self.heads], dim=-2)
+            return softcap(torch.stack([head(x) for head in self.heads], dim=-2), self.final_logit_softcapping)
         feats = torch.stack([head(x) for head in self.heads], dim=-2)  # [..., K, H]
         w = self.shared_lm_head
-        return F.linear(feats.to(w.dtype), w)  # one matmul for all heads: [..., K, V]
+        return softcap(F.linear(feats.to(w.dtype), w), self.final_logit_softcapping)  # one matmul: [..., K, V]
 
     def training_loss(
         self,

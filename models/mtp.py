@@ -18,6 +18,7 @@ report uses a single λ for the average, a geometric decay favours the depths th
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from dataclasses import asdict, dataclass
 
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from models.drafter import simulated_tau
+from models.drafter import simulated_tau, softcap
 from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
@@ -161,6 +162,8 @@ class MTPDrafter(nn.Module):
         # module d sits where a native checkpoint puts it: decoder layer L + d
         self.mtp = nn.ModuleList(MTPModule(self.decoder_config, L + d, layer_cls) for d in range(cfg.num_modules))
         self.rotary_emb = rotary_cls(config=self.decoder_config)
+        self._rope_by_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        self.final_logit_softcapping = getattr(target_config, "final_logit_softcapping", None)  # Gemma-2/3
 
     @classmethod
     def from_target(cls, cfg: MTPConfig, target: FrozenTarget) -> MTPDrafter:
@@ -192,11 +195,18 @@ class MTPDrafter(nn.Module):
         n = prev.shape[1]
         emb = F.embedding(next_ids, self.embed_weight).to(dtype)  # [B, n, H]
         pos = torch.arange(n, device=prev.device)[None]  # [1, n]; RoPE is relative, offset irrelevant
-        pe = self.rotary_emb(emb, pos)
+        pe = self.rope(emb, pos)
         return self.mtp[d](emb, prev.to(dtype), pe, _causal_mask(n, dtype, prev.device), pos)
 
     def logits(self, d: int, h: torch.Tensor) -> torch.Tensor:
-        return self.mtp[d].logits(h, self.lm_head_weight)
+        return softcap(self.mtp[d].logits(h, self.lm_head_weight), self.final_logit_softcapping)
+
+    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions ``pos``; families with per-layer-type rotary tables (Gemma-3) get the full-attention
+        one, the type MTP blocks are given in ``decoder_config``."""
+        if self._rope_by_type:
+            return self.rotary_emb(x, pos, layer_type="full_attention")
+        return self.rotary_emb(x, pos)
 
     def hand_on(self, d: int, h: torch.Tensor) -> torch.Tensor:
         """What the next depth reads from module d's output h^k (see MTPConfig.hidden_between_depths)."""
@@ -390,7 +400,7 @@ def run_module_cached(
     device = prev.device
     emb = F.embedding(next_ids, drafter.embed_weight).to(dtype)  # [B, n, H]
     pos = torch.arange(start, start + n, device=device)[None]  # [1, n] absolute: cached keys carry theirs
-    pe = drafter.rotary_emb(emb, pos)
+    pe = drafter.rope(emb, pos)
     # [1, 1, n, start + n]: query at start+i sees keys 0..start+i
     visible = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
     mask = torch.zeros(n, start + n, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)

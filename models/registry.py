@@ -71,7 +71,8 @@ def check_same_target(meta: dict, target: FrozenTarget, path: Path) -> None:
     """Refuse a drafter trained for another target (shape or weights), naming what differs."""
     want, have = meta.get("target", {}), target.identity()
     for key in ("num_hidden_layers", "hidden_size", "vocab_size", "embed_fingerprint"):
-        if want.get(key) != have.get(key):
+        if want.get(key) != have.get(key) and not (key == "embed_fingerprint"
+                                                   and want.get(key) == target.legacy_fingerprint()):
             raise ValueError(f"{path} was trained for another target ({key}: {want.get(key)} != {have.get(key)}; "
                              f"trained on {want.get('name_or_path')!r}); load it with that target")
 

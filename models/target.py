@@ -90,6 +90,20 @@ def validate_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
     return ids
 
 
+def embedding_fingerprint(weight: torch.Tensor, legacy: bool = False) -> str:
+    """sha256 of a strided sample of an embedding matrix, rounded to bfloat16 first: a drafter trained on a
+    bf16-loaded target matches its fp32 load (both round the stored values to bf16 once), and an fp16- or
+    bf16-stored target gives one value in every load dtype (fp16/bf16 → fp32 is exact). Only a lossy downcast of
+    fp32 weights to fp16 (different weights) gives another value."""
+    import hashlib
+
+    w = weight.detach()
+    sample = w.reshape(-1)[:: max(1, w.numel() // 65536)][:65536].cpu()
+    if legacy:
+        return hashlib.sha256(sample.float().numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(sample.float().to(torch.bfloat16).view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # [B, T, V] (or fewer positions with logits_to_keep)
@@ -139,13 +153,13 @@ class FrozenTarget(nn.Module):
         }
 
     def fingerprint(self) -> str:
-        """sha256 of a strided sample of the input embedding: tells two targets of one shape apart
-        (a drafter trained for Llama-3.1-8B must not be used with Llama-3-8B) at a cost of ms."""
-        import hashlib
+        """Tells two targets of one shape apart (a drafter trained for Llama-3.1-8B must not be used with
+        Llama-3-8B) at a cost of ms, whatever dtype the target was loaded in (``embedding_fingerprint``)."""
+        return embedding_fingerprint(self.embed.weight)
 
-        w = self.embed.weight.detach()
-        sample = w.reshape(-1)[:: max(1, w.numel() // 65536)][:65536].float().cpu()
-        return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+    def legacy_fingerprint(self) -> str:
+        """The fingerprint older checkpoints recorded (float32 sample: depends on the load dtype)."""
+        return embedding_fingerprint(self.embed.weight, legacy=True)
 
     def _hook_module(self, k: int) -> nn.Module:
         if k == 0:

@@ -216,13 +216,21 @@ def test_truncation_keeps_a_prefix_and_reports_nothing_left(tiny_tokenizer):
         tokenize_conversation(tiny_tokenizer, messages, max_len=0)
 
 
-def test_template_that_rewrites_history_is_refused(tiny_tokenizer):
+def test_template_that_rewrites_history_is_masked_and_one_that_drops_a_turn_is_refused(tiny_tokenizer):
+    from data.chat import ChatMaskError
+
     tok = copy.deepcopy(tiny_tokenizer)
-    # marks the last message: the render of a prefix is then not a prefix of the whole render
+    # marks the last message: the render of a prefix is then not a prefix of the whole render (the old
+    # prefix-diff method refused this); each turn is still in the one full render, so its mask is exact
     tok.chat_template = ("{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['content'] }}<|end|>"
                          "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
     messages = normalize_conversation(OPENAI[0], 0)
-    with pytest.raises(ValueError, match="does not render conversation prefixes as string prefixes"):
+    out = tokenize_conversation(tok, messages, max_len=4096)
+    assert _masked_runs(tok, out) == [m["content"] + "<|end|>" for m in messages if m["role"] == "assistant"]
+    # a template that leaves the assistant's reply out cannot give a mask: one clear error naming the turn
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}<|end|>{% endif %}"
+                         "{% endfor %}")
+    with pytest.raises(ChatMaskError, match=r"turn \d \(assistant\) is not in the chat template's render"):
         tokenize_conversation(tok, messages, max_len=64)
 
 

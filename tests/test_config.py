@@ -29,6 +29,8 @@ def _targets(node, path=""):
 def compose_with(group: str, option: str) -> DictConfig:
     override = f"+recipe={option}" if group == "recipe" else f"{group}={option}"
     extra = ["data.source=conversations.jsonl"] if (group, option) == ("data", "sharegpt") else []
+    if group == "recipe" and option.endswith("_gpu"):  # GPU recipes: chat data, cuda target (composed on a CPU here)
+        extra = ["data.source=conversations.jsonl", "target.device=cpu"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="config", overrides=[override, *extra])
 

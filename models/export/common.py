@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from models.target import EMBEDDED_NAME, FrozenTarget, resolve_name
+from models.target import EMBEDDED_NAME, FrozenTarget, embedding_fingerprint, resolve_name
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -101,10 +100,8 @@ def _norm_name(name: str) -> str:
 
 
 def embed_fingerprint(weight: torch.Tensor) -> str:
-    """Same sampling as FrozenTarget.fingerprint, for an embedding matrix found in an export."""
-    w = weight.detach()
-    sample = w.reshape(-1)[:: max(1, w.numel() // 65536)][:65536].float().cpu()
-    return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+    """FrozenTarget.fingerprint of an embedding matrix found in an export (dtype-independent)."""
+    return embedding_fingerprint(weight)
 
 
 def _engine_target_name(name: str) -> str:
@@ -125,6 +122,10 @@ def recommended_k_from_results(path: str | Path) -> int:
     """``recommended_num_speculative_tokens`` from an eval results JSON (eval/ writes it)."""
     data = _load_json(Path(path))
     k = data.get("recommended_num_speculative_tokens")
+    if k == 0 and not isinstance(k, bool):
+        raise ExportError(f"{path}: recommended_num_speculative_tokens is 0 — speculation measured slower than plain "
+                          "decoding at batch 1 for this target; serve without a drafter, or export without --results "
+                          f"(best K >= 1 was {data.get('best_positive_num_speculative_tokens')})")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ExportError(f"{path}: needs a positive integer 'recommended_num_speculative_tokens', got {k!r}")
     return k

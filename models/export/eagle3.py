@@ -367,7 +367,7 @@ def _load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Modu
             for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")}
     ec = Eagle3Config(layer_ids=list(cfg["eagle_aux_hidden_state_layer_ids"]), draft_vocab_size=cfg["draft_vocab_size"],
                       norm_before_residual=bool(cfg.get("norm_before_residual", False)),
-                      **{f: bool(cfg.get(f, False)) for f in _EAGLE31}, **over)
+                      **{f: bool(cfg.get(f, False)) for f in _EAGLE31}, head_dim=layer.get("head_dim"), **over)
     d = Eagle3Drafter(ec, tc, target.embed.weight.detach().clone(), sd["d2t"], sd["t2d"])
     if d.head_dim != layer.get("head_dim", d.head_dim):
         raise ExportError(f"export head_dim {layer.get('head_dim')} cannot be rebuilt on this target "

@@ -180,7 +180,8 @@ def _mtp_expected_layer(cfg: dict, layer_idx: int, target: _Target | None, where
         except Exception as e:  # noqa: BLE001
             raise ExportError(f"{where}: config.json does not build a {cfg.get('model_type')!r} config ({e})") from None
         cls = _decoder_layer_class(cfg)
-    dc = decoder_config(MTPConfig(num_modules=1), tcfg)
+    # layer_types families index their attention types by layer: extend them up to this MTP layer
+    dc = decoder_config(MTPConfig(num_modules=max(1, layer_idx - int(tcfg.num_hidden_layers) + 1)), tcfg)
     with torch.device("meta"):
         module = MTPModule(dc, layer_idx, cls)
     sd = {k.removeprefix("block."): v for k, v in module.state_dict().items()}

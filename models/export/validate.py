@@ -125,7 +125,8 @@ def _check_same_target(fmt: str, cfg: dict, t: _Tensors, side: dict | None, targ
         st = side.get("target") or {}
         for key in ("num_hidden_layers", "embed_fingerprint"):
             have = target.num_hidden_layers if key == "num_hidden_layers" else target.fingerprint
-            if st.get(key) is not None and st.get(key) != have:
+            legacy = target.frozen.legacy_fingerprint() if key != "num_hidden_layers" and target.frozen else None
+            if st.get(key) is not None and st.get(key) != have and st.get(key) != legacy:
                 _fail(where, f"exported for another target: {key} {st.get(key)} != the target's {have} "
                              f"(trained on {side.get('target_name')!r})")
         verified = verified or st.get("embed_fingerprint") is not None

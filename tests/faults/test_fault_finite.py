@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
-from models.registry import load_drafter
 
+from models.registry import load_drafter
 from models.target import FrozenTarget
 from tests.faults.fault_helpers import cfg_for, metrics_steps, weights
 from train import checkpoint as ckpt

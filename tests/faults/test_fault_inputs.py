@@ -155,10 +155,9 @@ def test_truncated_feature_shard_names_the_path(target_dir, tmp_path):
 
 @pytest.mark.parametrize("n,eos_first", [(1, False), (4, True)])
 def test_batched_decode_rows_all_finished_at_prefill(tiny_llama, n, eos_first):
-    from models.ngram import NGramProposer
-
     from eval.decode import decode_ar, speculative_decode
     from eval.decode_batch import decode_ar_batch, speculative_decode_batch
+    from models.ngram import NGramProposer
     from models.target import FrozenTarget
 
     target = FrozenTarget(tiny_llama)

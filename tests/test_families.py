@@ -1,0 +1,327 @@
+"""The family matrix: ten target families (tests/families.py) through capture, data, train, decode and export.
+
+Per family: hidden-state capture equals ``output_hidden_states``; code rows and chat masks are built with the
+family's tokenizer and template; an EAGLE-3 checkpoint reloads with the shapes it was trained with; every
+method decodes losslessly past the sliding window (batch 2 too); (slow) a 2-step train of every recipe and an
+export + check of every format, with refusals asserted where a format cannot hold the family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from data.corpus import SourceFile, file_windows
+from eval import decode, decode_batch
+from models.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
+from models.medusa import MedusaConfig, MedusaHeads, MedusaProposer, default_medusa_choices
+from models.mtp import MTPConfig, MTPDrafter, MTPProposer
+from models.ngram import NGramProposer
+from models.target import FrozenTarget
+from models.vocab import build_draft_vocab
+from tests.families import FAMILIES, SPECS, WINDOW, make_family
+
+FAM = pytest.mark.parametrize("family", FAMILIES)
+SLIDING = [f for f in FAMILIES if SPECS[f].sliding]
+
+
+@functools.cache
+def target_of(family: str) -> FrozenTarget:
+    model, tok = make_family(family)
+    return FrozenTarget(model, tok)
+
+
+@functools.cache
+def drafters_of(family: str) -> dict:
+    """Untrained drafters of every method (random proposals: the lossless check does not need good ones)."""
+    t = target_of(family)
+    tc, V = t.model.config, t.vocab_size
+    torch.manual_seed(0)
+    d2t, t2d = build_draft_vocab(torch.arange(V).flip(0).float(), 64)
+    eagle = Eagle3Drafter(Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=64, ttt_steps=2), tc,
+                          t.embed.weight.detach().clone(), d2t, t2d).eval()
+    medusa = MedusaHeads(MedusaConfig(num_heads=2), tc, t.model.get_output_embeddings().weight.detach()).eval()
+    mtp = MTPDrafter.from_target(MTPConfig(num_modules=2), t).eval()
+    return {"eagle3": eagle, "medusa": medusa, "mtp": mtp}
+
+
+@FAM
+def test_hidden_capture_equals_output_hidden_states(family):
+    t = target_of(family)
+    ids = torch.randint(len(t.tokenizer), (2, 24), generator=torch.Generator().manual_seed(1))
+    ref = t.model(ids, output_hidden_states=True)
+    out = t(ids, layer_ids=list(range(t.num_layers + 1)))
+    torch.testing.assert_close(out.logits, ref.logits)
+    for k in range(t.num_layers + 1):
+        torch.testing.assert_close(out.hidden[k], ref.hidden_states[k], msg=f"{family} hidden state {k}")
+
+
+@FAM
+def test_code_rows_with_the_familys_bos_and_eos(family):
+    tok = target_of(family).tokenizer
+    rows = file_windows(tok, [SourceFile("a.py", "def add(a, b):\n    return a + b\n" * 4)], max_len=16)
+    ids = [i for r in rows for i in r["input_ids"]]
+    assert rows and None not in ids and all(0 <= i < len(tok) for i in ids)
+    assert (ids[0] == tok.bos_token_id) == (tok.bos_token_id is not None)  # qwen*/gpt-oss: no bos
+
+
+@FAM
+def test_eagle3_checkpoint_reloads_with_its_shapes(family, tmp_path):
+    from models.registry import load_drafter
+    from train.checkpoint import save_drafter
+
+    t = target_of(family)
+    d = drafters_of(family)["eagle3"]
+    save_drafter(tmp_path, d, {"method": "eagle3", "draft": d.config_dict(), "target": t.identity()})
+    back, _ = load_drafter(tmp_path, t)
+    assert back.head_dim == d.head_dim == (getattr(t.model.config, "head_dim", None) or d.hidden_size // 4)
+    for (n, a), (_, b) in zip(d.state_dict().items(), back.state_dict().items(), strict=True):
+        assert a.shape == b.shape, n
+        torch.testing.assert_close(a, b, msg=n)
+
+
+def _proposer(name: str, dr: dict):
+    if name == "ngram":
+        return NGramProposer(k=4)
+    if name == "eagle3":
+        return Eagle3ChainProposer(dr["eagle3"], k=3)
+    if name == "eagle3_tree":
+        return Eagle3TreeProposer(dr["eagle3"], depth=3, top_k=3, total_tokens=10)
+    if name == "medusa":
+        return MedusaProposer(dr["medusa"], choices=default_medusa_choices(2, top_k=3, num_nodes=8))
+    return MTPProposer(dr["mtp"], k=2)
+
+
+METHODS = ("ngram", "eagle3", "eagle3_tree", "medusa", "mtp")
+
+
+@FAM
+def test_lossless_greedy_decode_past_the_window(family):
+    """Prompt + generation run well past the sliding window (16): verification, KV commit and the batched
+    engine must see exactly what the no-cache model sees."""
+    t, dr = target_of(family), drafters_of(family)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(len(t.tokenizer), (WINDOW + 4,), generator=g),
+               torch.randint(len(t.tokenizer), (WINDOW + 9,), generator=g)]
+    n = 2 * WINDOW
+    x = prompts[0][None]
+    for _ in range(n):  # the reference: no cache at all
+        x = torch.cat([x, t.model(x).logits[:, -1:].argmax(-1)], 1)
+    ref = decode.decode_ar(t, prompts[0], n).tokens
+    assert ref == x[0, prompts[0].numel():].tolist()
+    for m in METHODS:
+        assert decode.speculative_decode(t, _proposer(m, dr), prompts[0], n).tokens == ref, m
+    single = [decode.decode_ar(t, p, n).tokens for p in prompts]
+    assert [r.tokens for r in decode_batch.decode_ar_batch(t, prompts, n)] == single
+    for m in ("ngram", "eagle3", "mtp"):
+        out = decode_batch.speculative_decode_batch(t, [_proposer(m, dr), _proposer(m, dr)], prompts, n)
+        assert [r.tokens for r in out] == single, m
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_cost_model_measures_sliding_targets_past_the_window(family):
+    from eval.cost_model import measure_costs
+
+    costs = measure_costs(target_of(family), prefix_len=WINDOW + 8, widths=(1, 4), batch_sizes=(1, 2),
+                          k_max_batch=2, reps=1)
+    assert set(costs["verify"]) >= {0, 3} and set(costs["batch"][2]) == {0, 1, 2}
+
+
+def test_eagle3_rope_takes_gemma3_full_attention_parameters():
+    """Gemma-3's rope_parameters are per layer type; the drafter (full attention) must use theta 1e6, not 1e4."""
+    d = drafters_of("gemma3")["eagle3"]
+    hd = d.head_dim
+    torch.testing.assert_close(d._inv_freq, 1.0 / (1e6 ** (torch.arange(0, hd, 2).float() / hd)))
+    assert d.config_dict()["rope_parameters"]["rope_theta"] == 1e6
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_medusa_and_mtp_logits_are_soft_capped_like_the_target(family):
+    t, dr = target_of(family), drafters_of(family)
+    cap = t.model.config.final_logit_softcapping
+    h = 500 * torch.randn(1, 3, t.hidden_size)  # large states: uncapped logits would exceed the cap
+    raw = torch.nn.functional.linear(h, t.model.get_output_embeddings().weight)
+    assert raw.abs().max() > cap
+    for logits in (dr["medusa"](h), dr["mtp"].logits(0, h)):
+        assert logits.abs().max() <= cap
+    x = dr["mtp"].mtp[0].shared_head.norm(h)
+    raw_mtp = torch.nn.functional.linear(x, dr["mtp"].lm_head_weight)
+    torch.testing.assert_close(dr["mtp"].logits(0, h), torch.tanh(raw_mtp / cap) * cap)
+
+
+def _masked_runs(tok, row) -> list[str]:
+    runs, cur = [], []
+    for t, m in zip(row["input_ids"], row["loss_mask"]):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r, skip_special_tokens=False).strip() for r in runs]
+
+
+@FAM
+def test_chat_masks_are_reply_plus_turn_end_on_multi_turn_with_system_prompt(family):
+    """Every family's template (Qwen3 think blocks, Mistral's folded system prompt, Gemma-2's refused system role,
+    Phi-3's trailing eos, gpt-oss <|end|>/<|return|>) masks exactly each reply and the token that closes it."""
+    from data.chat import tokenize_conversation
+    from tests.families import CONVERSATION
+
+    tok = target_of(family).tokenizer
+    replies = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    last_end = SPECS[family].turn_end
+    earlier_end = "<|end|>" if family == "gpt_oss" else last_end
+    want = [r + earlier_end for r in replies[:-1]] + [replies[-1] + last_end]
+    for thinking in (None, False, True):
+        row = tokenize_conversation(tok, CONVERSATION, max_len=4096, enable_thinking=thinking)
+        assert _masked_runs(tok, row) == want, (family, thinking)
+
+
+@FAM
+def test_regeneration_stops_at_the_templates_turn_end(family):
+    from data.regenerate import stop_token_ids, turn_end_token_id
+
+    model, tok = target_of(family).model, target_of(family).tokenizer
+    end = turn_end_token_id(tok)
+    assert tok.convert_ids_to_tokens(end) == SPECS[family].turn_end  # gpt-oss: <|return|>, not <|end|>
+    stops = stop_token_ids(tok, model)
+    assert end in stops and tok.eos_token_id in stops
+    assert set(model.generation_config.eos_token_id) <= set(stops)
+
+
+def test_qwen3_enable_thinking_and_a_template_override_are_data_config_keys(tmp_path):
+    from data.chat import render_chat
+    from data.sources import DataConfig, build_rows
+
+    tok = target_of("qwen3").tokenizer
+    user = [{"role": "user", "content": "hi"}]
+    thinking_off = render_chat(tok, user, True, enable_thinking=False)
+    assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert render_chat(tok, user, True).endswith("<|im_start|>assistant\n")
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    assert render_chat(tok, user, chat_template=str(tmp_path / "t.jinja")) == "<|im_start|>hi<|im_end|>"
+    import json
+
+    from tests.families import CONVERSATION
+
+    src = tmp_path / "c.jsonl"
+    bad = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "never rendered"}]
+    src.write_text("\n".join(json.dumps({"messages": c}) for c in [CONVERSATION] * 3 + [bad]) + "\n")
+    drop = tmp_path / "drop.jinja"  # leaves out replies containing "never": that row's mask is not derivable
+    drop.write_text("{% for m in messages %}{% if 'never' not in m['content'] %}<|im_start|>{{ m['content'] }}"
+                    "<|im_end|>{% endif %}{% endfor %}")
+    cfg = DataConfig(kind="chat", source=str(src), max_len=256, val_rows=0, enable_thinking=False)
+    train, _ = build_rows(cfg, tok)
+    assert len(train) == 4
+    with pytest.raises(ValueError, match="conversation 3: turn 1 .*data.skip_malformed"):
+        build_rows(DataConfig(kind="chat", source=str(src), max_len=256, val_rows=0, chat_template=str(drop)), tok)
+    train, _ = build_rows(DataConfig(kind="chat", source=str(src), max_len=256, val_rows=0, chat_template=str(drop),
+                                     skip_malformed=True), tok)
+    assert len(train) == 3  # the unmaskable row skipped (and counted in the log), the others kept
+
+
+def test_gpu_recipe_is_a_file_with_the_gpu_settings():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        c = compose(config_name="config", overrides=["+recipe=eagle3_gpu", "data.source=x.jsonl"])
+    assert (c.data.max_len, c.data.kind, c.draft.config.ttt_steps, c.draft.config.draft_vocab_size) == \
+        (2048, "chat", 7, 32000)
+    assert c.optim.optimizer.lr == 1e-4 and c.target.dtype == "bfloat16" and c.output_dir == "runs/eagle3_gpu"
+    readme = (conf.parent / "README.md").read_text()
+    assert "+recipe=eagle3_gpu" in readme[readme.index("**A real model**"):][:400]
+
+
+def test_exporter_refuses_k_zero_from_results(tmp_path):
+    import json
+
+    from models.export import ExportError, recommended_k_from_results
+
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps({"recommended_num_speculative_tokens": 0, "best_positive_num_speculative_tokens": 2}))
+    with pytest.raises(ExportError, match="slower than plain decoding"):
+        recommended_k_from_results(p)
+
+
+def test_fingerprint_does_not_depend_on_the_load_dtype(tmp_path):
+    """A drafter trained on a bf16-loaded target is accepted by the same target loaded in fp32 or fp16."""
+    from models.registry import load_drafter
+    from tests.families import save_family
+    from train.checkpoint import save_drafter
+
+    save_family("qwen3", tmp_path / "t")  # stored in fp32
+    loads = {dt: FrozenTarget.from_pretrained(str(tmp_path / "t"), dtype=dt) for dt in ("bfloat16", "float32")}
+    assert loads["bfloat16"].fingerprint() == loads["float32"].fingerprint()
+    assert loads["bfloat16"].legacy_fingerprint() != loads["float32"].legacy_fingerprint()  # what used to break
+    FrozenTarget.from_pretrained(str(tmp_path / "t"), dtype="float16").model.save_pretrained(tmp_path / "h")
+    loads["float32"].tokenizer.save_pretrained(tmp_path / "h")  # an fp16-stored target: every load agrees
+    assert len({FrozenTarget.from_pretrained(str(tmp_path / "h"), dtype=dt).fingerprint()
+                for dt in ("bfloat16", "float32", "float16")}) == 1
+    t16 = loads["bfloat16"]
+    torch.manual_seed(0)
+    d2t, t2d = build_draft_vocab(torch.arange(t16.vocab_size).flip(0).float(), 64)
+    d = Eagle3Drafter(Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=64), t16.model.config,
+                      t16.embed.weight.detach().clone(), d2t, t2d)
+    save_drafter(tmp_path / "d", d, {"method": "eagle3", "draft": d.config_dict(), "target": t16.identity()})
+    back, _ = load_drafter(tmp_path / "d", loads["float32"])
+    assert back.head_dim == d.head_dim
+
+
+REFUSED = {  # formats that cannot hold the family, with the reason the exporter must give
+    **{("mtp-nextn", f): "DeepSeek-V3 block" for f in FAMILIES if f != "deepseek_v3"},
+    ("mtp-nextn", "deepseek_v3"): "exactly 1 MTP module",  # trained with 2 here
+    ("mtp", "qwen3_moe"): "per-expert checkpoint layout is only verified for",
+    ("mtp", "gpt_oss"): "per-expert checkpoint layout is only verified for",
+    ("eagle3", "gpt_oss"): "attention_bias=True cannot be loaded by SGLang",  # its qkv bias; speculators format works
+}
+
+
+@pytest.mark.slow
+@FAM
+def test_train_every_recipe_two_steps_then_export_and_check(family, tmp_path):
+    """2 steps of eagle3/medusa/mtp through train/loop.py on code data, then every export format + --check."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from models.export import ExportError
+    from models.registry import load_drafter
+    from tests.families import save_family
+    from train.export import main as export_main
+    from train.loop import run
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    tdir = save_family(family, tmp_path / "target")
+    formats = {"eagle3": ["eagle3", "eagle3-speculators"], "medusa": ["medusa", "medusa-vllm"],
+               "mtp": ["mtp", "mtp-nextn"]}
+    for method, extra in (("eagle3", ["draft.config.draft_vocab_size=64", "draft.config.ttt_steps=2",
+                                      "draft.config.layer_ids=[1,2,3]"]),
+                          ("medusa", ["draft.config.num_heads=2"]), ("mtp", ["draft.config.num_modules=2"])):
+        out = tmp_path / method
+        over = [f"target.name_or_path={tdir}", f"output_dir={out}", "tracking=none", "data.max_rows=6",
+                "data.val_rows=2", "data.max_len=32", f"data.cache_dir={out}/data", "train.steps=2",
+                "train.batch_size=2", "train.ckpt_every=100", "train.eval_every=100", "optim.warmup_steps=1",
+                f"draft={method}", *extra]
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            res = run(compose(config_name="config", overrides=over))
+        assert res["method"] == method and "acc_0" in res["val"]
+        load_drafter(out / "final", target_of(family))  # reload with the same shapes (another load of the target)
+        for fmt in formats[method]:
+            e = tmp_path / f"x_{fmt}"
+            argv = [str(out / "final"), "--format", fmt, "--out", str(e), "--target", str(tdir)]
+            if (fmt, family) in REFUSED:
+                with pytest.raises(ExportError, match=REFUSED[(fmt, family)]):
+                    from models.export import export
+
+                    d, meta = load_drafter(out / "final", target_of(family))
+                    export(d, fmt, e, target_of(family), meta=meta)
+                continue
+            assert export_main(argv) == 0, (family, fmt)
+            assert export_main(["--check", str(e), "--target", str(tdir)]) == 0, (family, fmt)
