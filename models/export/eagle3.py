@@ -14,17 +14,17 @@ from models.target import FrozenTarget
 from models.vocab import check_mapping
 
 from .common import (
-    _DTYPE_NAMES,
     DEFAULT_K,
+    DTYPE_NAMES,
+    Bundle,
     ExportError,
-    _Bundle,
-    _engine_target_name,
-    _fail,
-    _num_layers,
-    _req,
-    _sidecar,
-    _Target,
-    _Tensors,
+    TargetInfo,
+    Tensors,
+    engine_target_name,
+    fail,
+    make_sidecar,
+    require,
+    target_num_layers,
 )
 
 
@@ -48,7 +48,7 @@ def _eagle3_decoder_fields(d: nn.Module, target: FrozenTarget) -> dict:
         "vocab_size": d.vocab_size, "num_hidden_layers": 1, "model_type": "llama",
         # tie_word_embeddings must be false: SGLang's LlamaForCausalLMEagle3 would otherwise make lm_head the
         # embedding (sglang/srt/models/llama_eagle3.py __init__).
-        "tie_word_embeddings": False, "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
+        "tie_word_embeddings": False, "torch_dtype": DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
     }
 
 
@@ -74,7 +74,7 @@ def _eagle3_tensors(d: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> _Bundle:
+def build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
     if d.cfg.norm_before_residual:
         # SGLang's LlamaDecoderLayer (llama_eagle3.py) always uses residual = g; only vLLM reads the flag.
         raise ExportError("norm_before_residual=True cannot be expressed in the native EAGLE-3 format (SGLang's "
@@ -103,12 +103,12 @@ def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int |
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
     }
     tensors = _eagle3_tensors(d, "midlayer.")
-    side = _sidecar("eagle3_native", d, target, name, k, meta)
-    return _Bundle("eagle3_native", cfg, tensors, side)
+    side = make_sidecar("eagle3_native", d, target, name, k, meta)
+    return Bundle("eagle3_native", cfg, tensors, side)
 
 
-def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
-                              meta: dict | None) -> _Bundle:
+def build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
+                              meta: dict | None) -> Bundle:
     vllm_ids, _ = _engine_aux_ids(d, target)
     k = k or DEFAULT_K["eagle3"]
     layer = _eagle3_decoder_fields(d, target)
@@ -125,7 +125,7 @@ def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": _engine_target_name(name),
+            "verifier": {"name_or_path": engine_target_name(name),
                          "architectures": list(getattr(target.model.config, "architectures", None) or [])},
         },
         "draft_vocab_size": d.draft_vocab_size,  # algos.py update_eagle3
@@ -136,12 +136,12 @@ def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
         "norm_before_fc": False,  # newer algos.py: default False; we apply no norm before fc
         # algos.py copies it to the vLLM config unchanged → same convention as the native top-level list.
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
-        "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
+        "torch_dtype": DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
     }
     # vLLM's llama_eagle3.py load_weights maps "midlayer." to "layers.0."; speculators checkpoints use the latter.
     tensors = _eagle3_tensors(d, "layers.0.")
-    side = _sidecar("eagle3_speculators", d, target, name, k, meta)
-    return _Bundle("eagle3_speculators", cfg, tensors, side)
+    side = make_sidecar("eagle3_speculators", d, target, name, k, meta)
+    return Bundle("eagle3_speculators", cfg, tensors, side)
 
 
 # ============================================================================================ check
@@ -149,62 +149,62 @@ def _check_aux_ids(ids: Any, what: str, L: int | None, lo_shift: int, where: str
     """ids in an engine convention; lo_shift = how far that convention sits below ours (vLLM 0, SGLang 1)."""
     if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool)
                                                             for i in ids):
-        _fail(where, f"{what} must list 3 integer layer ids, got {ids!r} (absent ids make engines fall back to "
+        fail(where, f"{what} must list 3 integer layer ids, got {ids!r} (absent ids make engines fall back to "
                      "their default layers silently)")
     if len(set(ids)) != 3:
-        _fail(where, f"{what} {ids} repeats a layer")
+        fail(where, f"{what} {ids} repeats a layer")
     if L is not None:
         lo, hi = 1 - lo_shift, L - 1 - lo_shift
         bad = [i for i in ids if not lo <= i <= hi]
         if bad:
-            _fail(where, f"{what} {ids}: {bad} out of range for a {L}-layer target (capturable {lo}..{hi} in this "
+            fail(where, f"{what} {ids}: {bad} out of range for a {L}-layer target (capturable {lo}..{hi} in this "
                          "convention; an id at the top is off by one: it names the output of the last layer or "
                          "beyond, which the engine never captures)")
     elif any(i < 1 - lo_shift for i in ids):
-        _fail(where, f"{what} {ids} has an id below {1 - lo_shift}")
+        fail(where, f"{what} {ids} has an id below {1 - lo_shift}")
     return ids
 
 
-def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None,
+def check_eagle3(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | None,
                   where: str) -> tuple[dict, dict]:
     native = fmt == "eagle3_native"
     if native:
         if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
-            _fail(where, f"architectures must be ['LlamaForCausalLMEagle3'], got {cfg.get('architectures')}")
+            fail(where, f"architectures must be ['LlamaForCausalLMEagle3'], got {cfg.get('architectures')}")
         layer = cfg
         if cfg.get("norm_before_residual"):
-            _fail(where, "norm_before_residual=true in the native format: SGLang's llama_eagle3.py ignores it "
+            fail(where, "norm_before_residual=true in the native format: SGLang's llama_eagle3.py ignores it "
                          "(residual = g) while vLLM honours it, so the two engines would compute different drafts")
         if cfg.get("attention_bias"):
-            _fail(where, "attention_bias=true in the native format: SGLang's EAGLE-3 qkv_proj has no bias")
+            fail(where, "attention_bias=true in the native format: SGLang's EAGLE-3 qkv_proj has no bias")
     else:
         if cfg.get("speculators_model_type") != "eagle3":
-            _fail(where, f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
+            fail(where, f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
         layer = cfg.get("transformer_layer_config")
         if not isinstance(layer, dict):
-            _fail(where, "config.json needs a transformer_layer_config object")
+            fail(where, "config.json needs a transformer_layer_config object")
         if not isinstance(cfg.get("norm_before_residual"), bool):
-            _fail(where, "norm_before_residual must be written explicitly (vLLM's speculators reader assumes true "
+            fail(where, "norm_before_residual must be written explicitly (vLLM's speculators reader assumes true "
                          "when absent, EAGLE-3's original is false)")
         sc = cfg.get("speculators_config") or {}
         pm = sc.get("proposal_methods") or [{}]
         if sc.get("algorithm") != "eagle3" or not isinstance(pm[0].get("speculative_tokens"), int):
-            _fail(where, "speculators_config needs algorithm 'eagle3' and proposal_methods[0].speculative_tokens")
+            fail(where, "speculators_config needs algorithm 'eagle3' and proposal_methods[0].speculative_tokens")
         if not (sc.get("verifier") or {}).get("name_or_path"):
-            _fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
+            fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
     if layer.get("model_type", "llama") != "llama":
-        _fail(where, f"the draft layer must be model_type 'llama', got {layer.get('model_type')!r}")
-    if _req(layer, "num_hidden_layers", where) != 1:
-        _fail(where, f"num_hidden_layers must be 1 (one EAGLE-3 layer), got {layer.get('num_hidden_layers')}")
+        fail(where, f"the draft layer must be model_type 'llama', got {layer.get('model_type')!r}")
+    if require(layer, "num_hidden_layers", where) != 1:
+        fail(where, f"num_hidden_layers must be 1 (one EAGLE-3 layer), got {layer.get('num_hidden_layers')}")
     if layer.get("tie_word_embeddings", False) is not False:
-        _fail(where, "tie_word_embeddings must be false (SGLang would use the embedding as the draft lm_head)")
-    H = _req(layer, "hidden_size", where)
-    I_ = _req(layer, "intermediate_size", where)
-    nh = _req(layer, "num_attention_heads", where)
+        fail(where, "tie_word_embeddings must be false (SGLang would use the embedding as the draft lm_head)")
+    H = require(layer, "hidden_size", where)
+    I_ = require(layer, "intermediate_size", where)
+    nh = require(layer, "num_attention_heads", where)
     nkv = layer.get("num_key_value_heads") or nh
     hd = layer.get("head_dim") or H // nh
-    V = _req(layer, "vocab_size", where)
-    Vd = _req(cfg, "draft_vocab_size", where)
+    V = require(layer, "vocab_size", where)
+    Vd = require(cfg, "draft_vocab_size", where)
     Ht = cfg.get("target_hidden_size") or H
     bias = bool(layer.get("attention_bias", False))
     pre = "midlayer." if native else "layers.0."
@@ -219,10 +219,10 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         exp.update({f"{pre}self_attn.q_proj.bias": (nh * hd,), f"{pre}self_attn.k_proj.bias": (nkv * hd,),
                     f"{pre}self_attn.v_proj.bias": (nkv * hd,), f"{pre}self_attn.o_proj.bias": (H,)})
     if "fc.weight" in t.shapes and tuple(t.shapes["fc.weight"]) != exp["fc.weight"]:
-        _fail(where, f"fc.weight has shape {list(t.shapes['fc.weight'])}, expected {list(exp['fc.weight'])} "
+        fail(where, f"fc.weight has shape {list(t.shapes['fc.weight'])}, expected {list(exp['fc.weight'])} "
                      f"[hidden_size, 3 x target_hidden_size]: it must fuse exactly 3 target states of size {Ht}")
 
-    L = _num_layers(target, side)
+    L = target_num_layers(target, side)
     top = _check_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
                          "top-level eagle_aux_hidden_state_layer_ids (vLLM: input of decoder layer i)", L, 0, where)
     if native:
@@ -230,38 +230,38 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
                             "eagle_config.eagle_aux_hidden_state_layer_ids (SGLang: output of decoder layer i)",
                             L, 1, where)
         if sg != [i - 1 for i in top]:
-            _fail(where, f"eagle_config ids {sg} (SGLang, output of layer i) must be the top-level ids {top} "
+            fail(where, f"eagle_config ids {sg} (SGLang, output of layer i) must be the top-level ids {top} "
                          f"(vLLM, input of layer i) minus 1, i.e. {[i - 1 for i in top]}; one of them is off by one")
     if side is not None and side.get("layer_ids") is not None and list(side["layer_ids"]) != top:
-        _fail(where, f"draftsmith.json layer ids {side['layer_ids']} (HF output_hidden_states index) differ from "
+        fail(where, f"draftsmith.json layer ids {side['layer_ids']} (HF output_hidden_states index) differ from "
                      f"the vLLM ids {top}, which use the same convention")
     if side is not None:
         nbr = (side.get("draft") or {}).get("norm_before_residual")
         if nbr is not None and bool(nbr) != bool(cfg.get("norm_before_residual", False)):
-            _fail(where, f"norm_before_residual={cfg.get('norm_before_residual')} in config.json but the drafter "
+            fail(where, f"norm_before_residual={cfg.get('norm_before_residual')} in config.json but the drafter "
                          f"was trained with {nbr}")
 
     # the vocabulary mapping (SpecForge #534: misaligned after fine-tuning, no error at load time)
     for name, dt in (("d2t", torch.int64), ("t2d", torch.bool)):
         if name in t.dtypes and t.dtypes[name] != dt:
-            _fail(where, f"{name} must be {str(dt).removeprefix('torch.')}, got {str(t.dtypes[name])}")
+            fail(where, f"{name} must be {str(dt).removeprefix('torch.')}, got {str(t.dtypes[name])}")
     if "d2t" in t.shapes and "t2d" in t.shapes:
         if t.shapes["d2t"] != (Vd,) or t.shapes["t2d"] != (V,):
-            _fail(where, f"d2t {list(t.shapes['d2t'])} / t2d {list(t.shapes['t2d'])} must be [draft_vocab_size="
+            fail(where, f"d2t {list(t.shapes['d2t'])} / t2d {list(t.shapes['t2d'])} must be [draft_vocab_size="
                          f"{Vd}] / [vocab_size={V}]")
         try:
             check_mapping(t.get("d2t"), t.get("t2d"))
         except ValueError as e:
-            _fail(where, f"d2t/t2d rejected: {e}")
+            fail(where, f"d2t/t2d rejected: {e}")
     if "lm_head.weight" in t.shapes and t.shapes["lm_head.weight"][0] != Vd:
-        _fail(where, f"lm_head.weight has {t.shapes['lm_head.weight'][0]} rows but d2t/draft_vocab_size say {Vd}")
+        fail(where, f"lm_head.weight has {t.shapes['lm_head.weight'][0]} rows but d2t/draft_vocab_size say {Vd}")
     name = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") if not native else None
     return exp, {"hidden_size": Ht, "vocab_size": V, "name": name,
                  "rope_theta": layer.get("rope_theta")}
 
 
 # ============================================================================================ load back
-def _load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
+def load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     from models.eagle3 import Eagle3Config, Eagle3Drafter
 
     layer = cfg if fmt == "eagle3_native" else cfg["transformer_layer_config"]

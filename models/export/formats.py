@@ -13,9 +13,9 @@ from functools import partial
 from pathlib import Path
 
 from .common import MEDUSA_WEIGHTS, WEIGHTS, ExportError
-from .eagle3 import _build_eagle3_native, _build_eagle3_speculators, _check_eagle3, _load_eagle3
-from .medusa import _build_medusa_fasterdecoding, _build_medusa_vllm, _check_medusa, _load_medusa
-from .mtp import _build_mtp_deepseek, _build_mtp_sglang_nextn, _check_mtp, _load_mtp
+from .eagle3 import build_eagle3_native, build_eagle3_speculators, check_eagle3, load_eagle3
+from .medusa import build_medusa_fasterdecoding, build_medusa_vllm, check_medusa, load_medusa
+from .mtp import build_mtp_deepseek, build_mtp_sglang_nextn, check_mtp, load_mtp
 
 
 @dataclass(frozen=True)
@@ -41,25 +41,25 @@ def _arch(cfg: dict) -> list[str]:
 
 EXPORT_FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
     ExportFormat("eagle3_native", "eagle3", "eagle3", "SGLang (EAGLE3), vLLM (eagle3)",
-                 _build_eagle3_native, partial(_check_eagle3, "eagle3_native"), partial(_load_eagle3, "eagle3_native"),
+                 build_eagle3_native, partial(check_eagle3, "eagle3_native"), partial(load_eagle3, "eagle3_native"),
                  lambda cfg, _p: "LlamaForCausalLMEagle3" in _arch(cfg)),
     ExportFormat("eagle3_speculators", "eagle3-speculators", "eagle3", "vLLM (speculators format)",
-                 _build_eagle3_speculators, partial(_check_eagle3, "eagle3_speculators"),
-                 partial(_load_eagle3, "eagle3_speculators"),
+                 build_eagle3_speculators, partial(check_eagle3, "eagle3_speculators"),
+                 partial(load_eagle3, "eagle3_speculators"),
                  lambda cfg, _p: "Eagle3Speculator" in _arch(cfg) or cfg.get("speculators_model_type") == "eagle3"),
     ExportFormat("medusa_fasterdecoding", "medusa", "medusa", "FasterDecoding/Medusa, TensorRT-LLM",
-                 _build_medusa_fasterdecoding, partial(_check_medusa, "medusa_fasterdecoding"),
-                 partial(_load_medusa, "medusa_fasterdecoding"),
+                 build_medusa_fasterdecoding, partial(check_medusa, "medusa_fasterdecoding"),
+                 partial(load_medusa, "medusa_fasterdecoding"),
                  lambda cfg, p: (p / MEDUSA_WEIGHTS).exists() or "medusa_num_heads" in cfg, MEDUSA_WEIGHTS),
     ExportFormat("medusa_vllm", "medusa-vllm", "medusa", "vLLM (medusa)",
-                 _build_medusa_vllm, partial(_check_medusa, "medusa_vllm"), partial(_load_medusa, "medusa_vllm"),
+                 build_medusa_vllm, partial(check_medusa, "medusa_vllm"), partial(load_medusa, "medusa_vllm"),
                  lambda cfg, _p: cfg.get("model_type") == "medusa"),
     ExportFormat("mtp_sglang_nextn", "mtp-nextn", "mtp", "SGLang (NEXTN) for DeepSeek-V3 targets",
-                 _build_mtp_sglang_nextn, partial(_check_mtp, "mtp_sglang_nextn"),
-                 partial(_load_mtp, "mtp_sglang_nextn"),
+                 build_mtp_sglang_nextn, partial(check_mtp, "mtp_sglang_nextn"),
+                 partial(load_mtp, "mtp_sglang_nextn"),
                  lambda cfg, _p: "DeepseekV3ForCausalLMNextN" in _arch(cfg)),
     ExportFormat("mtp_deepseek", "mtp", "mtp", "vLLM (mtp) for DeepSeek-V3 targets",
-                 _build_mtp_deepseek, partial(_check_mtp, "mtp_deepseek"), partial(_load_mtp, "mtp_deepseek"),
+                 build_mtp_deepseek, partial(check_mtp, "mtp_deepseek"), partial(load_mtp, "mtp_deepseek"),
                  lambda cfg, _p: bool(cfg.get("num_nextn_predict_layers"))),
 )}
 FORMATS = tuple(EXPORT_FORMATS)

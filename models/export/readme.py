@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from .common import _engine_target_name
+from .common import engine_target_name
 
 
-def _readme(fmt: str, cfg: dict, side: dict) -> str:
+def render_readme(fmt: str, cfg: dict, side: dict) -> str:
     k = side["num_speculative_tokens"]
-    tname = _engine_target_name(side["target_name"])
+    tname = engine_target_name(side["target_name"])
     path = "/path/to/this/export"
     lines = [f"# draftsmith export: {fmt}", "",
              f"Drafter method `{side['method']}` for target `{side['target_name']}` "
