@@ -17,6 +17,7 @@ L+1 of them.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,14 @@ EMBEDDED_DIR = Path(__file__).resolve().parent / "tiny_code"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def embed_fingerprint(weight: torch.Tensor) -> str:
+    """sha256 of a strided sample of an embedding matrix (at most 65536 values): the one fingerprint that
+    checkpoints (``FrozenTarget.identity``) and exports (models/export, from the exported embedding) record."""
+    w = weight.detach()
+    sample = w.reshape(-1)[:: max(1, w.numel() // 65536)][:65536].float().cpu()
+    return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
 
 
 def resolve_name(name_or_path: str) -> str:
@@ -136,13 +145,9 @@ class FrozenTarget(nn.Module):
         }
 
     def fingerprint(self) -> str:
-        """sha256 of a strided sample of the input embedding: tells two targets of one shape apart
-        (a drafter trained for Llama-3.1-8B must not be used with Llama-3-8B) at a cost of ms."""
-        import hashlib
-
-        w = self.embed.weight.detach()
-        sample = w.reshape(-1)[:: max(1, w.numel() // 65536)][:65536].float().cpu()
-        return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+        """The input embedding's ``embed_fingerprint``: tells two targets of one shape apart (a drafter
+        trained for Llama-3.1-8B must not be used with Llama-3-8B) at a cost of ms."""
+        return embed_fingerprint(self.embed.weight)
 
     def _hook_module(self, k: int) -> nn.Module:
         if k == 0:

@@ -28,6 +28,8 @@ Modules: api (export, load_export), validate (detect_format, validate), eagle3 /
 and load back each family's two formats), readme (the README.md), common (constants, ExportError, helpers).
 """
 
+from models.target import embed_fingerprint
+
 from .api import export, load_export
 from .common import (
     CONFIG,
@@ -38,7 +40,6 @@ from .common import (
     SIDECAR,
     WEIGHTS,
     ExportError,
-    embed_fingerprint,
     recommended_k_from_results,
 )
 from .formats import CLI_FORMATS, EXPORT_FORMATS, FORMATS, METHOD_OF, ExportFormat, export_format

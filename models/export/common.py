@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -98,13 +97,6 @@ def norm_name(name: str) -> str:
     r = resolve_name(str(name))
     p = Path(r)
     return str(p.resolve()) if p.exists() else r.rstrip("/")
-
-
-def embed_fingerprint(weight: torch.Tensor) -> str:
-    """Same sampling as FrozenTarget.fingerprint, for an embedding matrix found in an export."""
-    w = weight.detach()
-    sample = w.reshape(-1)[:: max(1, w.numel() // 65536)][:65536].float().cpu()
-    return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
 
 
 def engine_target_name(name: str) -> str:

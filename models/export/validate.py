@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from models.target import embed_fingerprint
+
 from .common import (
     CONFIG,
     LAYER_ID_CONVENTION,
@@ -18,7 +20,6 @@ from .common import (
     ExportError,
     TargetInfo,
     Tensors,
-    embed_fingerprint,
     fail,
     load_json,
     norm_name,
