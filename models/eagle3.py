@@ -38,10 +38,11 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from models.drafter import simulated_tau
-from models.proposal import MAX_TREE_NODES, Proposal, Sampling, chain_proposal, check_k, pick_token, tree_layout
+from models.proposal import MAX_TREE_NODES, Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget, validate_layer_ids
+from models.tree import tree_layout
 from models.vocab import build_draft_vocab, check_mapping, count_tokens, draft_to_target
 
 
