@@ -62,6 +62,8 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
                  build_mtp_deepseek, partial(check_mtp, "mtp_deepseek"), partial(load_mtp, "mtp_deepseek"),
                  lambda cfg, _p: bool(cfg.get("num_nextn_predict_layers"))),
 )}
+# Snapshots of the shipped rows (the CLI's choices, docs). The export API reads EXPORT_FORMATS itself, through
+# export_format / detect_format, so a row added to the table later (a new method's exporter, a test) works too.
 FORMATS = tuple(EXPORT_FORMATS)
 CLI_FORMATS = {f.cli: f.name for f in EXPORT_FORMATS.values()}  # CLI spelling → format
 METHOD_OF = {f.name: f.method for f in EXPORT_FORMATS.values()}
@@ -69,9 +71,10 @@ METHOD_OF = {f.name: f.method for f in EXPORT_FORMATS.values()}
 
 def export_format(fmt: str) -> ExportFormat:
     """A format by name or CLI spelling; an unknown one is a one-line error listing the known ones."""
-    fmt = CLI_FORMATS.get(fmt, fmt)
+    cli = {f.cli: f.name for f in EXPORT_FORMATS.values()}
+    fmt = cli.get(fmt, fmt)
     if fmt not in EXPORT_FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; use one of {FORMATS} (CLI: {sorted(CLI_FORMATS)})")
+        raise ExportError(f"unknown export format {fmt!r}; use one of {tuple(EXPORT_FORMATS)} (CLI: {sorted(cli)})")
     return EXPORT_FORMATS[fmt]
 
 
@@ -81,4 +84,4 @@ def detect_format(path: str | Path, cfg: dict) -> ExportFormat:
         if f.detect(cfg, path):
             return f
     raise ExportError(f"{path}: config.json matches no export format (architectures {_arch(cfg)}, "
-                      f"model_type {cfg.get('model_type')!r}); expected one of {FORMATS}")
+                      f"model_type {cfg.get('model_type')!r}); expected one of {tuple(EXPORT_FORMATS)}")

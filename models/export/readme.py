@@ -63,6 +63,8 @@ def render_readme(fmt: str, cfg: dict, side: dict) -> str:
     elif fmt == "mtp_sglang_nextn":
         spec = None
         sglang = "NEXTN"
+    else:  # a format no engine snippet is known for: no `--speculative-config` without a method in it
+        spec = None
     if spec is not None:
         lines += ["## vLLM", "", "```bash", f"vllm serve {tname} \\",
                   f"  --speculative-config '{json.dumps(spec)}'", "```", ""]
