@@ -68,7 +68,7 @@ def fold_system(messages: Sequence[dict]) -> list[dict]:
     return rest
 
 
-def _special_strings(tok: PreTrainedTokenizerBase) -> list[str]:
+def special_strings(tok: PreTrainedTokenizerBase) -> list[str]:
     found = set(getattr(tok, "all_special_tokens", []) or [])
     for t in (getattr(tok, "added_tokens_decoder", None) or {}).values():
         if getattr(t, "special", False):
@@ -95,7 +95,7 @@ def char_spans(render, tok: PreTrainedTokenizerBase, messages: Sequence[dict]) -
     """(full render, [start, end) of every assistant turn in it). ``render(messages, add_generation_prompt)``
     renders with the configured template and options."""
     full = render(messages, False)
-    specials = _special_strings(tok)
+    specials = special_strings(tok)
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, m in enumerate(messages):

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.chat import render_chat
-from data.chat_spans import _special_strings, closing_token
+from data.chat_spans import closing_token, special_strings
 
 _PROBE = "Zq7 probe reply"  # a reply text no template contains, to find what closes a turn
 
@@ -94,7 +94,7 @@ def turn_end_token_id(tok: PreTrainedTokenizerBase, chat_template: str | None = 
     if at < 0:
         return None
     end = at + len(_PROBE)
-    stop = closing_token(full, end, _special_strings(tok))
+    stop = closing_token(full, end, special_strings(tok))
     if stop == end:
         return None
     tid = tok.convert_tokens_to_ids(full[end:stop].strip())

@@ -14,18 +14,18 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from eval.bench_setup import BenchSettings, Method
-from eval.bench_stats import _first_diff, _Pool, _stats
+from eval.bench_stats import Pooled, first_diff, stats_of
 from eval.cost_model import crossover_batch_size
 from eval.decode import DecodeResult
 from eval.decode_batch import decode_ar_batch, speculative_decode_batch
 from models.target import FrozenTarget
 
 
-def _generator(device: torch.device, seed: int) -> torch.Generator:
+def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Tensor], s: BenchSettings,
+def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Tensor], s: BenchSettings,
                  policy: Mapping[str, dict], eos: int | None, mismatches: dict[str, list]) -> dict:
     """``speculative_decode_batch`` (fixed K and the policy's K*) vs ``decode_ar_batch`` per batch size.
     Rows cycle through the prompts; every run at T=0 must reproduce batched AR row for row."""
@@ -39,7 +39,7 @@ def _batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[T
 
     def one(b: int, m: Method | None, k: int | None, rep: int | None) -> list[DecodeResult]:
         rows = [ids[i % len(ids)][0] for i in range(b)]
-        gen = None if temp == 0 else _generator(device, s.seed + 104729 * (rep or 0) + b)
+        gen = None if temp == 0 else seeded_generator(device, s.seed + 104729 * (rep or 0) + b)
         if m is None:
             return decode_ar_batch(target, rows, s.max_new_tokens, temp, s.top_p, s.top_k, gen, eos)
         return speculative_decode_batch(target, [m.make(k) for _ in range(b)], rows, s.max_new_tokens, temp,
@@ -59,7 +59,7 @@ def _batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[T
             for _ in range(s.warmup):
                 one(b, m, k, None)
         measured: dict[tuple[str, str], list[float]] = {}
-        pools: dict[str, _Pool] = {}
+        pools: dict[str, Pooled] = {}
         for rep in reps:
             ar_res = None
             for m, k, tag in configs:
@@ -72,12 +72,12 @@ def _batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[T
                 measured.setdefault((m.name, tag), []).append(tps(res))
                 if tag == "fixed":
                     for r in res:
-                        pools.setdefault(m.name, _Pool()).add(r, None)
+                        pools.setdefault(m.name, Pooled()).add(r, None)
                 if temp == 0:
                     for row, (a, r) in enumerate(zip(ar_res, res)):
                         if a.tokens != r.tokens:
                             mismatches[m.name].append({"where": "batch", "batch_size": b, "k": k, "rep": rep,
-                                                       "row": row, "first_diff": _first_diff(a.tokens, r.tokens)})
+                                                       "row": row, "first_diff": first_diff(a.tokens, r.tokens)})
         ar_b = ar_tps[b]
         for m in chains:
             pol = policy[m.name]
@@ -86,15 +86,15 @@ def _batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[T
             dyn_src = "run" if ks not in (0, m.k) else ("ar" if ks == 0 else "fixed")
             dyn = {"run": measured.get((m.name, "dynamic")), "ar": ar_b, "fixed": fixed}[dyn_src]
             per[m.name].append({
-                "batch_size": b, "k": int(m.k), "tokens_per_s": _stats(fixed),
-                "speedup": _stats([f / a for f, a in zip(fixed, ar_b)]), "tau": pools[m.name].tau,
+                "batch_size": b, "k": int(m.k), "tokens_per_s": stats_of(fixed),
+                "speedup": stats_of([f / a for f, a in zip(fixed, ar_b)]), "tau": pools[m.name].tau,
                 "predicted_speedup": pol["predicted_speedup"][b][int(m.k)],
                 "dynamic": {"k": ks, "predicted_speedup": pol["predicted_speedup"][b][ks], "measured_as": dyn_src,
-                            "tokens_per_s": _stats(dyn), "speedup": _stats([d / a for d, a in zip(dyn, ar_b)])},
+                            "tokens_per_s": stats_of(dyn), "speedup": stats_of([d / a for d, a in zip(dyn, ar_b)])},
             })
     bar.close()
     out: dict[str, Any] = {"temperature": temp, "batch_sizes": list(s.batch_sizes),
-                           "ar_tokens_per_s": {b: _stats(v) for b, v in ar_tps.items()}, "methods": {}}
+                           "ar_tokens_per_s": {b: stats_of(v) for b, v in ar_tps.items()}, "methods": {}}
     for m in chains:
         rows = per[m.name]
         sizes = [r["batch_size"] for r in rows]

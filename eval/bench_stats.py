@@ -21,7 +21,7 @@ log = logging.getLogger("eval")
 
 # --------------------------------------------------------------------------------------------- aggregation
 @dataclass
-class _Pool:
+class Pooled:
     """Accounting pooled over prompts and repetitions for one (method, temperature)."""
 
     rounds: int = 0
@@ -59,21 +59,21 @@ class _Pool:
         return [a / t if t else float("nan") for a, t in zip(self.pos_accepts, self.pos_tries)]
 
 
-def _stats(xs: Sequence[float]) -> dict:
+def stats_of(xs: Sequence[float]) -> dict:
     """median / min / max / spread (half the range: with a handful of repetitions a range is the honest spread)."""
     xs = [float(x) for x in xs]
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "spread": (max(xs) - min(xs)) / 2,
             "values": xs}
 
 
-def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
+def first_diff(a: Sequence[int], b: Sequence[int]) -> int:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
     return min(len(a), len(b))
 
 
-def _lossless_single(tokens0: Mapping[str, list], names: Sequence[str]) -> dict[str, list[dict]]:
+def lossless_single(tokens0: Mapping[str, list], names: Sequence[str]) -> dict[str, list[dict]]:
     """Every method's T=0 tokens against AR's, per repetition and prompt (AR also against its own first
     repetition: a nondeterministic target would make every other check moot)."""
     ar = tokens0["ar"]
@@ -83,11 +83,11 @@ def _lossless_single(tokens0: Mapping[str, list], names: Sequence[str]) -> dict[
             ref = ar[0] if name == "ar" else ar[rep]
             for i, (a, b) in enumerate(zip(ref, toks)):
                 if a != b:
-                    out[name].append({"where": "single", "rep": rep, "prompt": i, "first_diff": _first_diff(a, b)})
+                    out[name].append({"where": "single", "rep": rep, "prompt": i, "first_diff": first_diff(a, b)})
     return out
 
 
-def _tps(single: dict, key: tuple[str, float], rep: int, idx: Sequence[int] | None = None) -> float:
+def tps_of(single: dict, key: tuple[str, float], rep: int, idx: Sequence[int] | None = None) -> float:
     n, t = single["ntoks"][key][rep], single["times"][key][rep]
     idx = range(len(n)) if idx is None else idx
     return sum(n[i] for i in idx) / sum(t[i] for i in idx)
@@ -104,7 +104,7 @@ def paired_speedup(single: dict, key: tuple[str, float], ark: tuple[str, float],
     best_a = [min(t_a[r][i] for r in reps) for i in prompts]
     min_time = (sum(n_m[0]) / sum(best_m)) / (sum(n_a[0]) / sum(best_a))
     ratios = [(n_m[r][i] / t_m[r][i]) / (n_a[r][i] / t_a[r][i]) for r in reps for i in prompts]
-    per_rep = [_tps(single, key, r) / _tps(single, ark, r) for r in reps]
+    per_rep = [tps_of(single, key, r) / tps_of(single, ark, r) for r in reps]
     spread = (max(per_rep) - min(per_rep)) / 2
     return {"min_time": min_time, "paired_median": statistics.median(ratios),
             "noisy": len(per_rep) > 1 and key != ark and spread > abs(min_time - 1)}
@@ -116,30 +116,30 @@ def _decode_tps(single: dict, key: tuple[str, float], rep: int) -> float:
     return (sum(n) - len(n)) / sum(t)
 
 
-def _summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSettings, single: dict, costs: dict,
+def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSettings, single: dict, costs: dict,
                mismatches: Mapping[str, list]) -> list[dict]:
     """One entry per (method, temperature): τ, acceptance, timings, speedup, cost model, lossless, categories."""
     reps = range(s.repetitions)
     cats: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         cats.setdefault(p.category, []).append(i)
-    hf_pl = (_stats([_tps(single, ("hf_prompt_lookup", 0.0), r) for r in reps])
+    hf_pl = (stats_of([tps_of(single, ("hf_prompt_lookup", 0.0), r) for r in reps])
              if ("hf_prompt_lookup", 0.0) in single["times"] else None)
     runs = []
     for temp in s.temperatures:
         for m in methods:
             key, ark = (m.name, temp), ("ar", temp)
             pool = single["pools"][key]
-            tok_s = _stats([_tps(single, key, r) for r in reps])
+            tok_s = stats_of([tps_of(single, key, r) for r in reps])
             e: dict[str, Any] = {
                 "method": m.name, "kind": m.kind, "temperature": temp, "tau": pool.tau,
                 "acceptance_by_pos": pool.acceptance, "rounds": pool.rounds,
                 "tokens": sum(map(sum, single["ntoks"][key])) // s.repetitions,
-                "time_s": _stats([sum(t) for t in single["times"][key]]), "tokens_per_s": tok_s,
-                "speedup": _stats([_tps(single, key, r) / _tps(single, ark, r) for r in reps]),
+                "time_s": stats_of([sum(t) for t in single["times"][key]]), "tokens_per_s": tok_s,
+                "speedup": stats_of([tps_of(single, key, r) / tps_of(single, ark, r) for r in reps]),
                 "speedup_robust": paired_speedup(single, key, ark, reps),
                 # what the cost-model bound describes: rounds only (the prefill is the same forward for everyone)
-                "decode_speedup": _stats([_decode_tps(single, key, r) / _decode_tps(single, ark, r) for r in reps]),
+                "decode_speedup": stats_of([_decode_tps(single, key, r) / _decode_tps(single, ark, r) for r in reps]),
                 # seconds per repetition (all prompts); draft = propose + accept, verify = forward + accept + KV
                 "draft_s": pool.draft_s / s.repetitions, "verify_s": pool.verify_s / s.repetitions,
                 "prefill_s": pool.prefill_s / s.repetitions,
@@ -163,8 +163,9 @@ def _summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSet
             e["by_category"] = {
                 cat: {"n_prompts": len(idx), "tau": single["pools"][(*key, cat)].tau,
                       "acceptance_by_pos": single["pools"][(*key, cat)].acceptance,
-                      "tokens_per_s": statistics.median(_tps(single, key, r, idx) for r in reps),
-                      "speedup": statistics.median(_tps(single, key, r, idx) / _tps(single, ark, r, idx) for r in reps)}
+                      "tokens_per_s": statistics.median(tps_of(single, key, r, idx) for r in reps),
+                      "speedup": statistics.median(tps_of(single, key, r, idx) / tps_of(single, ark, r, idx)
+                                                   for r in reps)}
                 for cat, idx in cats.items()}
             runs.append(e)
     return runs

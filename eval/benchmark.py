@@ -80,7 +80,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 # the split-out parts of the harness; the public names (``__all__``) still import from here
-from eval.batch_sweep import _batch_sweep, _generator
+from eval.batch_sweep import batch_sweep, seeded_generator
 from eval.bench_setup import (
     RECOMMEND_ORDER,
     BenchSettings,
@@ -89,10 +89,10 @@ from eval.bench_setup import (
     build_methods,
     load_prompts,
 )
-from eval.bench_stats import _lossless_single, _Pool, _summaries
+from eval.bench_stats import Pooled, lossless_single, summaries
 from eval.cost_model import choose_k, crossover_batch_size, expected_tokens, interp, measure_costs, predicted_speedup
 from eval.decode import DecodeResult, decode_ar, speculative_decode
-from eval.peers import _hf_generate, _peer_summaries, _peers
+from eval.peers import hf_generate, peer_runs, peer_summaries
 from models.target import FrozenTarget
 
 __all__ = [
@@ -191,8 +191,8 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
     # c is measured in these units, v(K) and w_B(K) as forward-time ratios from the microbenchmark
     costs["t_ar_step_s"] = {t: single["pools"][("ar", t)].verify_s / max(single["pools"][("ar", t)].rounds, 1)
                             for t in s.temperatures}
-    mismatches = _lossless_single(single["tokens0"], [m.name for m in methods])
-    runs = _summaries(methods, prompts, s, single, costs, mismatches)
+    mismatches = lossless_single(single["tokens0"], [m.name for m in methods])
+    runs = summaries(methods, prompts, s, single, costs, mismatches)
 
     # ---- dynamic policy (per chain method: acceptance and c from the batch temperature's B=1 runs)
     policy = {}
@@ -205,7 +205,7 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
                           "k_star": {b: k for b, (k, _) in by_b.items()},
                           "predicted_speedup": {b: pred for b, (_, pred) in by_b.items()},
                           "k_star_positive_b1": choose_k(acc, c, costs["batch"][1], 1, int(m.k), k_min=1)[0]}
-    batch = _batch_sweep(target, chains, ids, s, policy, eos, mismatches) if s.batch_sizes and chains else None
+    batch = batch_sweep(target, chains, ids, s, policy, eos, mismatches) if s.batch_sizes and chains else None
 
     results: dict[str, Any] = {
         "schema_version": 1,
@@ -227,7 +227,7 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
                     for m in methods},
         "skipped": dict(skipped or {}),
         "runs": runs,
-        "peers": _peer_summaries(single, s),
+        "peers": peer_summaries(single, s),
         "policy": policy,
         "batch": batch,
     }
@@ -249,9 +249,9 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
                  s: BenchSettings, v_table: Mapping[int, float], eos: int | None) -> dict:
     """Every method (then the HF peers at T=0) on every prompt, interleaved per repetition."""
     device = ids[0].device
-    peers = _peers(methods) if s.peers else []
+    peers = peer_runs(methods) if s.peers else []
     proposers = {m.name: (m.make(None) if m.make else None) for m in methods}
-    pools: dict[tuple, _Pool] = {}  # (name, T) and (name, T, category)
+    pools: dict[tuple, Pooled] = {}  # (name, T) and (name, T, category)
     times: dict[tuple[str, float], list[list[float]]] = {}  # [rep][prompt] seconds
     dtimes: dict[tuple[str, float], list[list[float]]] = {}  # the same without prefill (decode phase)
     ntoks: dict[tuple[str, float], list[list[int]]] = {}
@@ -261,22 +261,22 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
     for temp in s.temperatures:
         for m in methods:  # warmup: first-call allocations and lazy init stay out of the timings
             for _ in range(s.warmup):
-                _decode_one(target, m, proposers[m.name], ids[0], s, temp, _generator(device, s.seed), eos)
+                _decode_one(target, m, proposers[m.name], ids[0], s, temp, seeded_generator(device, s.seed), eos)
         if temp == 0:
             for _, extra in peers:
                 for _ in range(s.warmup):
-                    _hf_generate(target, ids[0], s, eos, extra)
+                    hf_generate(target, ids[0], s, eos, extra)
         for rep in range(s.repetitions):
             for m in methods:
                 key = (m.name, temp)
                 t_rep, d_rep, n_rep, tok_rep = [], [], [], []
                 for i, x in enumerate(ids):
                     # same seed for every method at a given (rep, prompt); T=0 needs none
-                    gen = None if temp == 0 else _generator(device, s.seed + 7919 * rep + i)
+                    gen = None if temp == 0 else seeded_generator(device, s.seed + 7919 * rep + i)
                     r = _decode_one(target, m, proposers[m.name], x, s, temp, gen, eos)
                     v = v_table if m.kind != "ar" else None
-                    pools.setdefault(key, _Pool()).add(r, v)
-                    pools.setdefault((*key, prompts[i].category), _Pool()).add(r, v)
+                    pools.setdefault(key, Pooled()).add(r, v)
+                    pools.setdefault((*key, prompts[i].category), Pooled()).add(r, v)
                     t_rep.append(r.total_s)
                     d_rep.append(r.total_s - r.prefill_s)
                     n_rep.append(len(r.tokens))
@@ -291,7 +291,7 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
                 for name, extra in peers:
                     t_rep, n_rep, tok_rep = [], [], []
                     for x in ids:
-                        toks, dt = _hf_generate(target, x, s, eos, extra)
+                        toks, dt = hf_generate(target, x, s, eos, extra)
                         t_rep.append(dt)
                         n_rep.append(len(toks))
                         tok_rep.append(toks)
@@ -308,13 +308,13 @@ def all_lossless(results: Mapping[str, Any]) -> bool:
     return all(m.get("lossless", False) is True for m in results.get("methods", {}).values())
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     if isinstance(x, float):
         return None if math.isnan(x) or math.isinf(x) else x
     if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, Path):
         return str(x)
     return x
@@ -325,6 +325,6 @@ def write_json(results: Mapping[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_jsonable(results), indent=1, allow_nan=False))
+    tmp.write_text(json.dumps(jsonable(results), indent=1, allow_nan=False))
     tmp.replace(path)
     return path

@@ -40,8 +40,9 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from models import verify
-from models.proposal import MAX_TREE_NODES, Proposal, Proposer, Sampling, tree_layout
+from models.proposal import MAX_TREE_NODES, Proposal, Proposer, Sampling
 from models.target import FrozenTarget, TargetOutput
+from models.tree import tree_layout
 
 __all__ = [
     "Sampling",
@@ -52,7 +53,6 @@ __all__ = [
     "prefill",
     "sample_token",
     "decode_ar",
-    "tree_layout",
     "verify_inputs",
     "verify_forward",
     "accept_proposal",

@@ -13,13 +13,13 @@ import torch
 from torch import Tensor
 
 from eval.bench_setup import BenchSettings, Method
-from eval.bench_stats import _stats, _tps
+from eval.bench_stats import stats_of, tps_of
 from eval.decode import device_time
 from models import registry
 from models.target import FrozenTarget
 
 
-def _hf_generate(target: FrozenTarget, ids: Tensor, s: BenchSettings, eos: int | None,
+def hf_generate(target: FrozenTarget, ids: Tensor, s: BenchSettings, eos: int | None,
                  extra: Mapping[str, Any]) -> tuple[list[int], float]:
     """One greedy HF ``generate`` on the raw target (``extra``: prompt lookup / assistant settings)."""
     from transformers import GenerationConfig
@@ -36,7 +36,7 @@ def _hf_generate(target: FrozenTarget, ids: Tensor, s: BenchSettings, eos: int |
     return out[0, ids.shape[1]:].tolist(), dt
 
 
-def _peers(methods: Sequence[Method]) -> list[tuple[str, dict]]:
+def peer_runs(methods: Sequence[Method]) -> list[tuple[str, dict]]:
     """HF peers: plain greedy generate, prompt lookup with our n-gram settings, assisted generation with our
     draft model (HF's own num_assistant_tokens schedule: what a user of generate() gets)."""
     ng = next((m for m in methods if m.kind == "ngram"), None)
@@ -49,7 +49,7 @@ def _peers(methods: Sequence[Method]) -> list[tuple[str, dict]]:
     return peers
 
 
-def _peer_summaries(single: dict, s: BenchSettings) -> dict:
+def peer_summaries(single: dict, s: BenchSettings) -> dict:
     reps = range(s.repetitions)
     out = {}
     ar0 = single["tokens0"]["ar"]
@@ -59,8 +59,8 @@ def _peer_summaries(single: dict, s: BenchSettings) -> dict:
             "temperature": 0.0,
             "settings": {k: (v if k != "assistant_model" else getattr(v.config, "_name_or_path", "") or "draft_model")
                          for k, v in extra.items()},
-            "tokens_per_s": _stats([_tps(single, key, r) for r in reps]),
-            "speedup_vs_ar": _stats([_tps(single, key, r) / _tps(single, ("ar", 0.0), r) for r in reps]),
+            "tokens_per_s": stats_of([tps_of(single, key, r) for r in reps]),
+            "speedup_vs_ar": stats_of([tps_of(single, key, r) / tps_of(single, ("ar", 0.0), r) for r in reps]),
             "matches_ar": all(a == b for rep, toks in enumerate(single["tokens0"][name])
                               for a, b in zip(ar0[rep], toks)),
         }

@@ -23,9 +23,9 @@ PLOTS = ("tau_speedup.png", "acceptance.png", "batch_speedup.png")
 
 def normalize(results: Mapping[str, Any]) -> dict:
     """The JSON view of a results dict (string keys, NaN → None), so in-memory and on-disk results render alike."""
-    from eval.benchmark import _jsonable
+    from eval.benchmark import jsonable
 
-    return json.loads(json.dumps(_jsonable(results)))
+    return json.loads(json.dumps(jsonable(results)))
 
 
 def _f(x: Any, nd: int = 2, suffix: str = "") -> str:

@@ -241,8 +241,9 @@ class DFlashDrafter(nn.Module):
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions [B, T] → cos, sin [B, 1, T, d] in the drafter's dtype."""
-        cos, sin = rope_cos_sin(self._inv_freq, positions, self._rope_factor, self.fc.weight.dtype)
-        return cos[:, None], sin[:, None]
+        b, t = positions.shape
+        cos, sin = rope_cos_sin(self._inv_freq, self._rope_factor, positions.reshape(-1).float(), self.fc.weight.dtype)
+        return cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)
 
     def context(self, hidden: dict[int, Tensor] | Tensor) -> Tensor:
         """{id: [B, T, H]} (or the concatenation [B, T, F·H]) → ctx [B, T, H] = hidden_norm(fc(cat))."""

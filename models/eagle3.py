@@ -40,9 +40,11 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from models.drafter import simulated_tau
-from models.proposal import MAX_TREE_NODES, Proposal, Sampling, chain_proposal, check_k, pick_token, tree_layout
+from models.proposal import MAX_TREE_NODES, Proposal, Sampling, chain_proposal, check_k, pick_token
+from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget, validate_layer_ids
+from models.tree import tree_layout
 from models.vocab import build_draft_vocab, check_mapping, count_tokens, draft_to_target
 
 
@@ -91,16 +93,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, heads, T, d]; cos/sin [T, d] (HF's half-split rotation, so q/k_proj weights stay HF-compatible)
-    return x * cos + _rotate_half(x) * sin
-
-
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     # [B, n_kv, T, d] → [B, n_kv * n_rep, T, d]; query head h uses kv head h // n_rep (HF repeat_kv)
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
@@ -147,7 +139,7 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         n_rep = self.heads // self.kv_heads
-        return _apply_rope(q, cos, sin), _expand_kv(_apply_rope(k, cos, sin), n_rep), _expand_kv(v, n_rep)
+        return apply_rope(q, cos, sin), _expand_kv(apply_rope(k, cos, sin), n_rep), _expand_kv(v, n_rep)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = o.shape
@@ -271,7 +263,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", d2t.clone())
         self.register_buffer("t2d", t2d.clone())
         # Plain attribute, not a buffer: named_parameters/named_buffers stay exactly the export names.
-        self._inv_freq, self.rope_scaling_factor, self.rope_parameters = _rope_inv_freq(tc, head_dim)
+        self._inv_freq, self.rope_scaling_factor, self.rope_parameters = rope_inv_freq(tc, head_dim)
 
     # ------------------------------------------------------------------ pieces
     @property
@@ -291,12 +283,8 @@ class Eagle3Drafter(nn.Module):
 
     def rope(self, T: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, d] for positions offset..offset+T-1."""
-        device = self.fc.weight.device
-        pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)
-        freqs = pos[:, None] * self._inv_freq.to(device)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        dtype = self.fc.weight.dtype
-        return ((emb.cos() * self.rope_scaling_factor).to(dtype), (emb.sin() * self.rope_scaling_factor).to(dtype))
+        pos = torch.arange(offset, offset + T, device=self.fc.weight.device, dtype=torch.float32)
+        return rope_cos_sin(self._inv_freq, self.rope_scaling_factor, pos, self.fc.weight.dtype)
 
     def fuse(self, hidden: dict[int, torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """g = fc(cat of the 3 target states in layer_ids order): [B, T, H].
@@ -463,33 +451,6 @@ def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def _rope_inv_freq(tc: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float, dict]:
-    """RoPE inverse frequencies for ``head_dim`` from the target config (rope_parameters or rope_theta)."""
-    params = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
-    params = dict(params)
-    if isinstance(params.get("full_attention"), dict):
-        # per-layer-type parameters (Gemma-3: {"full_attention": {...}, "sliding_attention": {...}}): the draft
-        # layer attends over the whole context, so it takes the full-attention layers' RoPE
-        params = dict(params["full_attention"])
-        tc = copy.deepcopy(tc)
-        tc.rope_parameters = dict(params)
-    params.setdefault("rope_theta", float(getattr(tc, "rope_theta", 10000.0) or 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = rope_type
-    if rope_type == "default":
-        base = float(params["rope_theta"])
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        return inv, 1.0, params
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"target rope_type {rope_type!r} not supported; known: default, {sorted(ROPE_INIT_FUNCTIONS)}")
-    c = copy.deepcopy(tc)
-    c.head_dim = head_dim
-    inv, factor = ROPE_INIT_FUNCTIONS[rope_type](c, None)
-    return inv.float(), float(factor), params
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Inference with a KV cache (used by the proposers below). Entries follow the training convention above: the "real"
 # entry at position i reads (emb(t_{i+1}), g_i) and sits at RoPE position i; a drafted token at depth s after the
@@ -550,12 +511,8 @@ def rope_at(drafter: Eagle3Drafter, positions: torch.Tensor) -> tuple[torch.Tens
     w = _inference_weights(drafter)
     need = int(positions.max()) + 1
     if w["cos"] is None or w["cos"].shape[0] < need:
-        device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-        freqs = torch.arange(max(256, 2 * need), device=device, dtype=torch.float32)[:, None] \
-            * drafter._inv_freq.to(device)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        f = drafter.rope_scaling_factor
-        w["cos"], w["sin"] = (emb.cos() * f).to(dtype), (emb.sin() * f).to(dtype)
+        pos = torch.arange(max(256, 2 * need), device=drafter.fc.weight.device, dtype=torch.float32)
+        w["cos"], w["sin"] = rope_cos_sin(drafter._inv_freq, drafter.rope_scaling_factor, pos, drafter.fc.weight.dtype)
     idx = positions.to(w["cos"].device)
     return w["cos"][idx], w["sin"][idx]
 
@@ -588,8 +545,8 @@ def cached_step(
     nq, nkv, d = attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.head_dim
     qkv = F.linear(x, w["qkv"], w["qkv_bias"])  # [B, M, nq + 2 nkv]
     cos, sin = rope_at(drafter, positions)
-    q = _apply_rope(qkv[..., :nq].view(B, M, attn.heads, d).transpose(1, 2), cos, sin)
-    k = _apply_rope(qkv[..., nq : nq + nkv].view(B, M, attn.kv_heads, d).transpose(1, 2), cos, sin)
+    q = apply_rope(qkv[..., :nq].view(B, M, attn.heads, d).transpose(1, 2), cos, sin)
+    k = apply_rope(qkv[..., nq : nq + nkv].view(B, M, attn.kv_heads, d).transpose(1, 2), cos, sin)
     v = qkv[..., nq + nkv :].view(B, M, attn.kv_heads, d).transpose(1, 2)
     n_rep = attn.heads // attn.kv_heads
     keys, values = kv.write(start, _expand_kv(k, n_rep), _expand_kv(v, n_rep))

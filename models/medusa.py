@@ -38,6 +38,7 @@ from models.drafter import simulated_tau, softcap
 from models.proposal import MAX_TREE_NODES, Proposal, Sampling
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
+from models.tree import tree_layout
 
 log = logging.getLogger(__name__)
 
@@ -388,11 +389,7 @@ def tree_buffers(choices: Sequence[Sequence[int]]) -> MedusaTreeBuffers:
             if p[:-1] not in index:
                 raise ValueError(f"medusa tree node {p} has no parent {p[:-1]} in the tree")
             parent[i] = index[p[:-1]]
-    depth = torch.tensor([len(p) for p in paths], dtype=torch.long)
-    mask = torch.zeros(N, N, dtype=torch.bool)
-    for i, p in enumerate(paths):
-        for d in range(1, len(p) + 1):  # itself and every ancestor (prefixes of its path)
-            mask[i, index[p[:d]]] = True
+    depth, mask = tree_layout(parent)  # depth = len(path); mask: itself and every ancestor (prefixes of its path)
     is_parent = torch.zeros(N, dtype=torch.bool)
     is_parent[parent[parent >= 0]] = True
     leaves = [i for i in range(N) if not is_parent[i]]

@@ -2,7 +2,7 @@
 
 ``Sampling`` (how tokens are chosen, the same for target and draft), ``Proposal`` (one round's drafted
 chain or tree), the ``Proposer`` protocol the engine drives (eval/decode.py docstring: context bookkeeping),
-``tree_layout`` (depth and ancestors of a tree given its parents), and the small helpers proposers share.
+and the small helpers proposers share. A tree's depth and ancestors: ``models.tree.tree_layout``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class Proposal:
     (-1 = child of the root, parents[j] < j). ``q`` [N, V]: the draft distribution each token was *sampled*
     from (row j for node j); None = deterministic drafts (greedy / top-k / lookup), verified with the
     point-mass rule. ``depth`` [N] (1-based) and ``ancestors`` [N, N] bool ([i, j] = j is i or an ancestor
-    of i) are optional tree layout a proposer may precompute (static trees); the engine derives them otherwise.
+    of i) are optional tree layout a proposer may precompute (static trees); the engine derives them otherwise
+    (models/tree.py).
     """
 
     tokens: Tensor
@@ -90,25 +91,6 @@ class Proposer(Protocol):
 
     def accept(self, tokens: Tensor, hidden: dict[int, Tensor]) -> None:
         """tokens [1, r] new tokens; hidden {id: [1, r, H]} the target's states for the r tokens before them."""
-
-
-def tree_layout(parents: Tensor) -> tuple[Tensor, Tensor]:
-    """parents [N] (-1 = root child, topological) → (depth [N] 1-based, ancestors [N, N] bool incl. self).
-
-    Vectorised over nodes, one step per tree level: walk every node's ancestor chain in lockstep.
-    """
-    n = parents.shape[0]
-    device = parents.device
-    anc = torch.eye(n, dtype=torch.bool, device=device)
-    depth = torch.ones(n, dtype=torch.long, device=device)
-    rows = torch.arange(n, device=device)
-    cur = parents.clone()
-    while bool((cur >= 0).any()):
-        live = cur >= 0
-        anc[rows[live], cur[live]] = True
-        depth += live.long()
-        cur = torch.where(live, parents[cur.clamp_min(0)], cur)
-    return depth, anc
 
 
 # --------------------------------------------------------------------------------------------- helpers

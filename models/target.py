@@ -17,6 +17,7 @@ L+1 of them.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,12 +91,11 @@ def validate_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
     return ids
 
 
-def embedding_fingerprint(weight: torch.Tensor, legacy: bool = False) -> str:
+def embed_fingerprint(weight: torch.Tensor, legacy: bool = False) -> str:
     """sha256 of a strided sample of an embedding matrix, rounded to bfloat16 first: a drafter trained on a
     bf16-loaded target matches its fp32 load (both round the stored values to bf16 once), and an fp16- or
     bf16-stored target gives one value in every load dtype (fp16/bf16 → fp32 is exact). Only a lossy downcast of
     fp32 weights to fp16 (different weights) gives another value."""
-    import hashlib
 
     w = weight.detach()
     sample = w.reshape(-1)[:: max(1, w.numel() // 65536)][:65536].cpu()
@@ -154,12 +154,12 @@ class FrozenTarget(nn.Module):
 
     def fingerprint(self) -> str:
         """Tells two targets of one shape apart (a drafter trained for Llama-3.1-8B must not be used with
-        Llama-3-8B) at a cost of ms, whatever dtype the target was loaded in (``embedding_fingerprint``)."""
-        return embedding_fingerprint(self.embed.weight)
+        Llama-3-8B) at a cost of ms, whatever dtype the target was loaded in (``embed_fingerprint``)."""
+        return embed_fingerprint(self.embed.weight)
 
     def legacy_fingerprint(self) -> str:
         """The fingerprint older checkpoints recorded (float32 sample: depends on the load dtype)."""
-        return embedding_fingerprint(self.embed.weight, legacy=True)
+        return embed_fingerprint(self.embed.weight, legacy=True)
 
     def _hook_module(self, k: int) -> nn.Module:
         if k == 0:

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.tree import tree_layout
+
 __all__ = [
     "sampling_probs",
     "residual_probs",
@@ -120,13 +122,6 @@ def tree_children(parents: Tensor | Sequence[int]) -> list[list[int]]:
 def _as_float(x: Tensor) -> Tensor:
     """Probabilities in at least float32 (uniform draws and multinomial in bf16/fp16 are too coarse)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
-def _depths(par: list[int]) -> list[int]:
-    depth: list[int] = []
-    for pj in par:
-        depth.append(1 if pj < 0 else depth[pj] + 1)
-    return depth
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +301,7 @@ def speculative_sample_tree_batch(
     device = p.device
     children = tree_children(par)
     width = max((len(c) for c in children), default=0)
-    depth = max(_depths(par), default=0)
+    depth = int(tree_layout(torch.tensor(par, dtype=torch.long))[0].max()) if par else 0
     table = torch.full((n + 1, max(width, 1)), -1, dtype=torch.long, device=device)
     for row, kids in enumerate(children):
         if kids:

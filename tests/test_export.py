@@ -183,12 +183,12 @@ def test_expert_split_matches_transformers_checkpoint_layout(ds, ds_dir):
     """Our per-expert names and gate/up split are exactly what transformers itself writes for DeepSeek-V3."""
     target, _ = ds
     fused = {k: v for k, v in target.model.state_dict().items() if k.startswith("model.layers.1.mlp.experts.")}
-    ours = ex._unfuse_experts(fused, "deepseek_v3")
+    ours = ex.unfuse_experts(fused, "deepseek_v3")
     saved = load_file(str(ds_dir / "model.safetensors"))
     assert len(ours) == 12
     for k, v in ours.items():
         assert torch.equal(v, saved[k]), k
-    assert all(torch.equal(a, b) for a, b in zip(ex._fuse_experts(ours).values(), fused.values()))
+    assert all(torch.equal(a, b) for a, b in zip(ex.fuse_experts(ours).values(), fused.values()))
 
 
 # --------------------------------------------------------------------------------------------- formats

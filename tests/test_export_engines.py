@@ -279,7 +279,7 @@ def test_sglang_plus_one_rule_per_family():
 def test_validator_warns_when_sglang_would_read_the_ids_differently(tiny_tokenizer, tmp_path):
     import warnings
 
-    from models.export.readme import _readme
+    from models.export.readme import render_readme
     from tests.conftest import make_tiny_llama
 
     deep = FrozenTarget(make_tiny_llama(len(tiny_tokenizer), layers=6), tiny_tokenizer)
@@ -299,7 +299,7 @@ def test_validator_warns_when_sglang_would_read_the_ids_differently(tiny_tokeniz
         if warns:
             assert "would capture layers [0, 1, 2] instead of [1, 2, 3]" in msgs[0] and "\n" not in msgs[0]
         side = json.loads((out / ex.SIDECAR).read_text())
-        text = _readme("eagle3_native", cfg, side)
+        text = render_readme("eagle3_native", cfg, side)
         assert ("SGLang would capture [0, 1, 2] instead of [1, 2, 3]" in text) == warns
 
 

@@ -28,6 +28,8 @@ Modules: api (export, load_export), validate (detect_format, validate), eagle3 /
 and load back each family's two formats), readme (the README.md), common (constants, ExportError, helpers).
 """
 
+from models.target import embed_fingerprint
+
 from .api import export, load_export
 from .common import (
     CONFIG,
@@ -38,17 +40,15 @@ from .common import (
     SIDECAR,
     WEIGHTS,
     ExportError,
-    embed_fingerprint,
     recommended_k_from_results,
 )
 from .formats import CLI_FORMATS, EXPORT_FORMATS, FORMATS, METHOD_OF, ExportFormat, export_format
-from .mtp import _fuse_experts as _fuse_experts
-from .mtp import _unfuse_experts as _unfuse_experts
+from .mtp import fuse_experts, unfuse_experts
 from .validate import detect_format, validate
 
 __all__ = [
     "CLI_FORMATS", "EXPORT_FORMATS", "ExportFormat", "export_format", "CONFIG", "DEFAULT_K", "FORMATS",
     "LAYER_ID_CONVENTION", "MEDUSA_WEIGHTS", "METHOD_OF", "README",
     "SIDECAR", "WEIGHTS", "ExportError", "detect_format", "embed_fingerprint", "export", "load_export",
-    "recommended_k_from_results", "validate",
+    "recommended_k_from_results", "validate", "fuse_experts", "unfuse_experts",
 ]

@@ -14,19 +14,19 @@ from torch import nn
 from models.target import FrozenTarget
 
 from .common import (
-    _DTYPE_NAMES,
     CONFIG,
+    DTYPE_NAMES,
     README,
     SIDECAR,
+    Bundle,
     ExportError,
-    _Bundle,
-    _load_json,
-    _target_info,
-    _Tensors,
+    Tensors,
+    load_json,
+    target_info,
 )
 from .formats import EXPORT_FORMATS, export_format
-from .readme import _readme
-from .validate import _check, validate
+from .readme import render_readme
+from .validate import check_export, validate
 
 
 # ============================================================================================ writing
@@ -53,8 +53,8 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
     if dtype is not None:
         bundle.tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in bundle.tensors.items()}
         _set_dtype(bundle, dtype)
-    info = _target_info(target)
-    _check(bundle.fmt, bundle.config, _Tensors.of(bundle.tensors), bundle.sidecar, info, f"export to {out}")
+    info = target_info(target)
+    check_export(bundle.fmt, bundle.config, Tensors.of(bundle.tensors), bundle.sidecar, info, f"export to {out}")
     path = _write(bundle, Path(out), overwrite)
     try:
         validate(path, fmt, target)
@@ -64,12 +64,12 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
     return path
 
 
-def _set_dtype(bundle: _Bundle, dtype: torch.dtype) -> None:
-    name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+def _set_dtype(bundle: Bundle, dtype: torch.dtype) -> None:
+    name = DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
     bundle.config["torch_dtype"] = name
 
 
-def _write(bundle: _Bundle, out: Path, overwrite: bool) -> Path:
+def _write(bundle: Bundle, out: Path, overwrite: bool) -> Path:
     """Atomic: write OUT.tmp, then swap it in (a crash leaves the old directory or none, never half of one)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -83,7 +83,7 @@ def _write(bundle: _Bundle, out: Path, overwrite: bool) -> Path:
     save_file(tensors, str(tmp / bundle.weights_file), metadata={"format": "pt"})
     (tmp / CONFIG).write_text(json.dumps(bundle.config, indent=2, sort_keys=True) + "\n")
     (tmp / SIDECAR).write_text(json.dumps(bundle.sidecar, indent=2, sort_keys=True) + "\n")
-    (tmp / README).write_text(_readme(bundle.fmt, bundle.config, bundle.sidecar))
+    (tmp / README).write_text(render_readme(bundle.fmt, bundle.config, bundle.sidecar))
     _make_readable(tmp)
     if out.exists():
         shutil.rmtree(out)
@@ -124,6 +124,6 @@ def load_export(path: str | Path, target: FrozenTarget, fmt: str | None = None) 
     """
     path = Path(path)
     spec = export_format(validate(path, fmt, target))
-    cfg = _load_json(path / CONFIG)
-    t = _Tensors.read(path / spec.weights_file)
+    cfg = load_json(path / CONFIG)
+    t = Tensors.read(path / spec.weights_file)
     return spec.load(cfg, {k: t.get(k) for k in t.shapes}, target)

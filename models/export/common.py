@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from models.target import EMBEDDED_NAME, FrozenTarget, embedding_fingerprint, resolve_name
+from models.target import EMBEDDED_NAME, FrozenTarget, resolve_name
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -31,7 +31,7 @@ class ExportError(ValueError):
 
 # ============================================================================================ small helpers
 @dataclass
-class _Tensors:
+class Tensors:
     """Names, shapes and dtypes of an export's tensors; values fetched on demand (files are read lazily)."""
 
     shapes: dict[str, tuple[int, ...]]
@@ -39,12 +39,12 @@ class _Tensors:
     get: Callable[[str], torch.Tensor]
 
     @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor]) -> _Tensors:
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> Tensors:
         return cls({k: tuple(v.shape) for k, v in tensors.items()}, {k: v.dtype for k, v in tensors.items()},
                    lambda k: tensors[k])
 
     @classmethod
-    def read(cls, path: Path) -> _Tensors:
+    def read(cls, path: Path) -> Tensors:
         shapes, dtypes = {}, {}
         with safe_open(str(path), framework="pt") as f:
             for k in f.keys():
@@ -62,11 +62,11 @@ class _Tensors:
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass
-class _Target:
+class TargetInfo:
     """What the validator knows about the target (from a FrozenTarget, a config or a plain dict)."""
 
     num_hidden_layers: int | None = None
@@ -78,38 +78,33 @@ class _Target:
     frozen: FrozenTarget | None = None
 
 
-def _target_info(t: Any) -> _Target | None:
+def target_info(t: Any) -> TargetInfo | None:
     if t is None:
         return None
-    if isinstance(t, _Target):
+    if isinstance(t, TargetInfo):
         return t
     if isinstance(t, FrozenTarget):
         c = t.model.config
-        return _Target(c.num_hidden_layers, c.hidden_size, c.vocab_size, getattr(c, "_name_or_path", None),
+        return TargetInfo(c.num_hidden_layers, c.hidden_size, c.vocab_size, getattr(c, "_name_or_path", None),
                        t.fingerprint(), c, t)
     get = t.get if isinstance(t, Mapping) else (lambda k, d=None: getattr(t, k, d))
     name = get("_name_or_path", None) or get("name_or_path", None)
-    return _Target(get("num_hidden_layers"), get("hidden_size"), get("vocab_size"), name, None, t)
+    return TargetInfo(get("num_hidden_layers"), get("hidden_size"), get("vocab_size"), name, None, t)
 
 
-def _norm_name(name: str) -> str:
+def norm_name(name: str) -> str:
     """A target name comparable across spellings: `tiny-code` and local paths resolve to absolute paths."""
     r = resolve_name(str(name))
     p = Path(r)
     return str(p.resolve()) if p.exists() else r.rstrip("/")
 
 
-def embed_fingerprint(weight: torch.Tensor) -> str:
-    """FrozenTarget.fingerprint of an embedding matrix found in an export (dtype-independent)."""
-    return embedding_fingerprint(weight)
-
-
-def _engine_target_name(name: str) -> str:
+def engine_target_name(name: str) -> str:
     # Engines cannot resolve draftsmith's alias for the embedded target; give them its directory.
     return resolve_name(name) if name == EMBEDDED_NAME else name
 
 
-def _load_json(path: Path) -> dict:
+def load_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -120,7 +115,7 @@ def _load_json(path: Path) -> dict:
 
 def recommended_k_from_results(path: str | Path) -> int:
     """``recommended_num_speculative_tokens`` from an eval results JSON (eval/ writes it)."""
-    data = _load_json(Path(path))
+    data = load_json(Path(path))
     k = data.get("recommended_num_speculative_tokens")
     if k == 0 and not isinstance(k, bool):
         raise ExportError(f"{path}: recommended_num_speculative_tokens is 0 — speculation measured slower than plain "
@@ -133,7 +128,7 @@ def recommended_k_from_results(path: str | Path) -> int:
 
 # ============================================================================================ the bundle
 @dataclass
-class _Bundle:
+class Bundle:
     """Everything one export writes; validated as a whole before the first byte hits the disk."""
 
     fmt: str
@@ -143,7 +138,7 @@ class _Bundle:
     weights_file: str = WEIGHTS
 
 
-def _sidecar(fmt: str, drafter: nn.Module, target: FrozenTarget, target_name: str, k: int,
+def make_sidecar(fmt: str, drafter: nn.Module, target: FrozenTarget, target_name: str, k: int,
              meta: dict | None) -> dict:
     return {"format": fmt, "method": drafter.config_dict().get("method"), "target_name": target_name,
             "target": target.identity(),
@@ -153,18 +148,18 @@ def _sidecar(fmt: str, drafter: nn.Module, target: FrozenTarget, target_name: st
 
 
 # ============================================================================================ check primitives
-def _fail(where: str, msg: str) -> None:
+def fail(where: str, msg: str) -> None:
     raise ExportError(f"{where}: {msg}".replace("\n", " "))
 
 
-def _req(cfg: Mapping, key: str, where: str, kind: type | tuple = int) -> Any:
+def require(cfg: Mapping, key: str, where: str, kind: type | tuple = int) -> Any:
     v = cfg.get(key)
     if v is None or not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-        _fail(where, f"config.json needs {key} ({getattr(kind, '__name__', kind)}), got {v!r}")
+        fail(where, f"config.json needs {key} ({getattr(kind, '__name__', kind)}), got {v!r}")
     return v
 
 
-def _num_layers(target: _Target | None, side: dict | None) -> int | None:
+def target_num_layers(target: TargetInfo | None, side: dict | None) -> int | None:
     if target is not None and target.num_hidden_layers:
         return int(target.num_hidden_layers)
     if side is not None:

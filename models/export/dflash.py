@@ -29,16 +29,16 @@ from models.target import FrozenTarget
 from models.vocab import check_mapping
 
 from .common import (
-    _DTYPE_NAMES,
+    DTYPE_NAMES,
+    Bundle,
     ExportError,
-    _Bundle,
-    _engine_target_name,
-    _fail,
-    _num_layers,
-    _req,
-    _sidecar,
-    _Target,
-    _Tensors,
+    TargetInfo,
+    Tensors,
+    engine_target_name,
+    fail,
+    make_sidecar,
+    require,
+    target_num_layers,
 )
 
 
@@ -58,7 +58,7 @@ def _layer_config(d: nn.Module, target: FrozenTarget) -> dict:
         {k: v for k, v in rope.items() if k != "rope_theta"},
         # every draft layer is full (bidirectional in-block) attention, as z-lab's drafts
         "layer_types": ["full_attention"] * d.cfg.num_layers, "sliding_window": None,
-        "tie_word_embeddings": False, "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
+        "tie_word_embeddings": False, "torch_dtype": DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
     }
 
 
@@ -80,8 +80,8 @@ def _check_ids_servable(d: nn.Module, target: FrozenTarget) -> list[int]:
     return list(d.layer_ids)
 
 
-def _build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
-                              meta: dict | None) -> _Bundle:
+def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
+                              meta: dict | None) -> Bundle:
     ids = _check_ids_servable(d, target)
     B = d.block_size
     k = k or B - 1
@@ -104,10 +104,10 @@ def _build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
             "algorithm": "dflash",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": _engine_target_name(name),
+            "verifier": {"name_or_path": engine_target_name(name),
                          "architectures": list(getattr(target.model.config, "architectures", None) or [])},
         },
-        "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
+        "torch_dtype": DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
     }
     tensors = _body(d)
     # frozen copies of the verifier's, as speculators' own save_pretrained writes them
@@ -115,11 +115,11 @@ def _build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
     tensors["lm_head.weight"] = d.lm_head.detach().clone()
     if d.draft_vocab_size < d.vocab_size:
         tensors["d2t"], tensors["t2d"] = d.d2t.clone(), d.t2d.clone()
-    side = _sidecar("dflash_speculators", d, target, name, k, meta)
-    return _Bundle("dflash_speculators", cfg, tensors, side)
+    side = make_sidecar("dflash_speculators", d, target, name, k, meta)
+    return Bundle("dflash_speculators", cfg, tensors, side)
 
 
-def _build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> _Bundle:
+def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
     ids = _check_ids_servable(d, target)
     if d.draft_vocab_size < d.vocab_size:
         raise ExportError(f"the z-lab/SGLang DFlash format has no draft vocabulary (SGLang drafts over the target's "
@@ -134,8 +134,8 @@ def _build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | N
         # z-lab convention: output of decoder layer k = our id - 1; SGLang requires [0, num_target_layers)
         "dflash_config": {"mask_token_id": int(d.cfg.mask_token_id), "target_layer_ids": [i - 1 for i in ids]},
     }
-    side = _sidecar("dflash_zlab", d, target, name, k or B - 1, meta)
-    return _Bundle("dflash_zlab", cfg, _body(d), side)
+    side = make_sidecar("dflash_zlab", d, target, name, k or B - 1, meta)
+    return Bundle("dflash_zlab", cfg, _body(d), side)
 
 
 # ============================================================================================ check
@@ -143,72 +143,72 @@ def _int_list(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
 
 
-def _check_dflash(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None,
+def check_dflash(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | None,
                   where: str) -> tuple[dict, dict]:
     spec = fmt == "dflash_speculators"
     if spec:
         if cfg.get("speculators_model_type") != "dflash":
-            _fail(where, f"speculators_model_type must be 'dflash', got {cfg.get('speculators_model_type')!r}")
+            fail(where, f"speculators_model_type must be 'dflash', got {cfg.get('speculators_model_type')!r}")
         layer = cfg.get("transformer_layer_config")
         if not isinstance(layer, dict):
-            _fail(where, "config.json needs a transformer_layer_config object")
+            fail(where, "config.json needs a transformer_layer_config object")
         ids = cfg.get("aux_hidden_state_layer_ids")
         mask_id = cfg.get("mask_token_id")
         sc = cfg.get("speculators_config") or {}
         pm = (sc.get("proposal_methods") or [{}])[0]
         if sc.get("algorithm") != "dflash" or not isinstance(pm.get("speculative_tokens"), int):
-            _fail(where, "speculators_config needs algorithm 'dflash' and proposal_methods[0].speculative_tokens")
+            fail(where, "speculators_config needs algorithm 'dflash' and proposal_methods[0].speculative_tokens")
         if not (sc.get("verifier") or {}).get("name_or_path"):
-            _fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
+            fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
         if cfg.get("sample_from_anchor") not in (False, None):
-            _fail(where, "sample_from_anchor must be false for DFlash (slot 0 is the anchor); true is DSpark's layout")
+            fail(where, "sample_from_anchor must be false for DFlash (slot 0 is the anchor); true is DSpark's layout")
         shift = 0
     else:
         if cfg.get("architectures") != ["DFlashDraftModel"]:
-            _fail(where, f"architectures must be ['DFlashDraftModel'], got {cfg.get('architectures')}")
+            fail(where, f"architectures must be ['DFlashDraftModel'], got {cfg.get('architectures')}")
         layer = cfg
         dc = cfg.get("dflash_config") or {}
         ids, mask_id, pm, shift = dc.get("target_layer_ids"), dc.get("mask_token_id"), {}, 1
-    B = _req(cfg, "block_size", where)
+    B = require(cfg, "block_size", where)
     if B < 2:
-        _fail(where, f"block_size={B}: a block needs the anchor and at least one drafted slot")
+        fail(where, f"block_size={B}: a block needs the anchor and at least one drafted slot")
     if spec and not 1 <= pm["speculative_tokens"] <= B - 1:
-        _fail(where, f"speculative_tokens={pm['speculative_tokens']} disagrees with block_size={B}: vLLM verifies "
+        fail(where, f"speculative_tokens={pm['speculative_tokens']} disagrees with block_size={B}: vLLM verifies "
                      f"1..B-1 = 1..{B - 1} drafted slots (slots past the block were never trained)")
-    H = _req(layer, "hidden_size", where)
-    I_ = _req(layer, "intermediate_size", where)
-    nh = _req(layer, "num_attention_heads", where)
+    H = require(layer, "hidden_size", where)
+    I_ = require(layer, "intermediate_size", where)
+    nh = require(layer, "num_attention_heads", where)
     nkv = layer.get("num_key_value_heads") or nh
     hd = layer.get("head_dim") or H // nh
-    Ld = _req(layer, "num_hidden_layers", where)
-    V = _req(layer, "vocab_size", where)
+    Ld = require(layer, "num_hidden_layers", where)
+    V = require(layer, "vocab_size", where)
     Vd = cfg.get("draft_vocab_size") or V
     if layer.get("hidden_act", "silu") != "silu":
-        _fail(where, f"hidden_act must be silu (SGLang's DFlash supports only silu), got {layer.get('hidden_act')!r}")
+        fail(where, f"hidden_act must be silu (SGLang's DFlash supports only silu), got {layer.get('hidden_act')!r}")
     what = "aux_hidden_state_layer_ids (vLLM capture: input of layer k)" if spec else \
         "dflash_config.target_layer_ids (z-lab: output of layer k)"
     if not _int_list(ids) or len(set(ids)) != len(ids):
-        _fail(where, f"{what} must list distinct integer layer ids, got {ids!r} (vLLM falls back to 3 EAGLE ids "
+        fail(where, f"{what} must list distinct integer layer ids, got {ids!r} (vLLM falls back to 3 EAGLE ids "
                      "silently when they are absent)")
-    L = _num_layers(target, side)
+    L = target_num_layers(target, side)
     if L is not None:
         lo, hi = 1 - shift, L - 1 - shift
         bad = [i for i in ids if not lo <= i <= hi]
         if bad:
-            _fail(where, f"{what} {ids}: {bad} out of range for a {L}-layer target ({lo}..{hi} in this convention; "
+            fail(where, f"{what} {ids}: {bad} out of range for a {L}-layer target ({lo}..{hi} in this convention; "
                          "ids in the other convention are off by one)")
     ours = [i + shift for i in ids]
     if side is not None and side.get("layer_ids") is not None and list(side["layer_ids"]) != ours:
-        _fail(where, f"{what} {ids} is {ours} in draftsmith's convention but the drafter was trained on "
+        fail(where, f"{what} {ids} is {ours} in draftsmith's convention but the drafter was trained on "
                      f"{side['layer_ids']}: one of them is off by one")
     if not isinstance(mask_id, int) or isinstance(mask_id, bool) or not 0 <= mask_id < V:
-        _fail(where, f"mask_token_id {mask_id!r} is not a row of the target's {V}-row embedding")
+        fail(where, f"mask_token_id {mask_id!r} is not a row of the target's {V}-row embedding")
     if side is not None and (side.get("draft") or {}).get("mask_token_id") not in (None, mask_id):
-        _fail(where, f"mask_token_id {mask_id} differs from the one the drafter was trained with "
+        fail(where, f"mask_token_id {mask_id} differs from the one the drafter was trained with "
                      f"({side['draft']['mask_token_id']})")
     F_ = len(ids)
     if "fc.weight" in t.shapes and tuple(t.shapes["fc.weight"]) != (H, F_ * H):
-        _fail(where, f"fc.weight has shape {list(t.shapes['fc.weight'])}, expected {[H, F_ * H]} for {F_} fused "
+        fail(where, f"fc.weight has shape {list(t.shapes['fc.weight'])}, expected {[H, F_ * H]} for {F_} fused "
                      f"target states of size {H}")
     exp: dict[str, tuple[int, ...]] = {"fc.weight": (H, F_ * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
     for i in range(Ld):
@@ -225,18 +225,18 @@ def _check_dflash(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
             exp.update({"d2t": (Vd,), "t2d": (V,)})
             for name, dt in (("d2t", torch.int64), ("t2d", torch.bool)):
                 if name in t.dtypes and t.dtypes[name] != dt:
-                    _fail(where, f"{name} must be {str(dt).removeprefix('torch.')}, got {t.dtypes[name]}")
+                    fail(where, f"{name} must be {str(dt).removeprefix('torch.')}, got {t.dtypes[name]}")
             if "d2t" in t.shapes and "t2d" in t.shapes and t.shapes["d2t"] == (Vd,) and t.shapes["t2d"] == (V,):
                 try:
                     check_mapping(t.get("d2t"), t.get("t2d"))
                 except ValueError as e:
-                    _fail(where, f"d2t/t2d rejected: {e}")
+                    fail(where, f"d2t/t2d rejected: {e}")
     name = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") if spec else None
     return exp, {"hidden_size": H, "vocab_size": V, "name": name, "rope_theta": layer.get("rope_theta")}
 
 
 # ============================================================================================ load back
-def _load_dflash(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
+def load_dflash(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     from models.dflash import DFlashConfig, DFlashDrafter
 
     spec = fmt == "dflash_speculators"

@@ -14,17 +14,17 @@ from models.target import FrozenTarget
 from models.vocab import check_mapping
 
 from .common import (
-    _DTYPE_NAMES,
     DEFAULT_K,
+    DTYPE_NAMES,
+    Bundle,
     ExportError,
-    _Bundle,
-    _engine_target_name,
-    _fail,
-    _num_layers,
-    _req,
-    _sidecar,
-    _Target,
-    _Tensors,
+    TargetInfo,
+    Tensors,
+    engine_target_name,
+    fail,
+    make_sidecar,
+    require,
+    target_num_layers,
 )
 from .identity import (
     STAMP_KEY,
@@ -59,7 +59,7 @@ def _eagle3_decoder_fields(d: nn.Module, target: FrozenTarget) -> dict:
         "vocab_size": d.vocab_size, "num_hidden_layers": 1, "model_type": "llama",
         # tie_word_embeddings must be false: SGLang's LlamaForCausalLMEagle3 would otherwise make lm_head the
         # embedding (sglang/srt/models/llama_eagle3.py __init__).
-        "tie_word_embeddings": False, "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
+        "tie_word_embeddings": False, "torch_dtype": DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
     }
 
 
@@ -121,7 +121,7 @@ def _engine_sidecar(side: dict, ids: list[int], d: nn.Module) -> dict:
     return side
 
 
-def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> _Bundle:
+def build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
     if d.cfg.norm_before_residual:
         # SGLang's LlamaDecoderLayer (llama_eagle3.py) always uses residual = g; only vLLM reads the flag.
         raise ExportError("norm_before_residual=True cannot be expressed in the native EAGLE-3 format (SGLang's "
@@ -157,12 +157,12 @@ def _build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int |
         STAMP_KEY: target_stamp(target, layer_ids=vllm_ids, draft_vocab=vocab_hash(d.d2t)),
     }
     tensors = _eagle3_tensors(d, "midlayer.")
-    side = _engine_sidecar(_sidecar("eagle3_native", d, target, name, k, meta), vllm_ids, d)
-    return _Bundle("eagle3_native", cfg, tensors, side)
+    side = _engine_sidecar(make_sidecar("eagle3_native", d, target, name, k, meta), vllm_ids, d)
+    return Bundle("eagle3_native", cfg, tensors, side)
 
 
-def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
-                              meta: dict | None) -> _Bundle:
+def build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
+                              meta: dict | None) -> Bundle:
     vllm_ids, _ = _engine_aux_ids(d, target)
     k = k or DEFAULT_K["eagle3"]
     layer = _eagle3_decoder_fields(d, target)
@@ -179,7 +179,7 @@ def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": _engine_target_name(name),
+            "verifier": {"name_or_path": engine_target_name(name),
                          "architectures": list(getattr(target.model.config, "architectures", None) or [])},
         },
         "draft_vocab_size": d.draft_vocab_size,  # algos.py update_eagle3
@@ -191,7 +191,7 @@ def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
         **{f: bool(getattr(d.cfg, f)) for f in _EAGLE31},
         # algos.py copies it to the vLLM config unchanged → same convention as the native top-level list.
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
-        "torch_dtype": _DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
+        "torch_dtype": DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
         STAMP_KEY: target_stamp(target, layer_ids=vllm_ids, draft_vocab=vocab_hash(d.d2t)),
     }
     # vLLM's llama_eagle3.py load_weights maps "midlayer." to "layers.0."; speculators checkpoints use the latter.
@@ -200,8 +200,8 @@ def _build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: 
     # (its verifier-copy fallback never fires) — the draft then runs on a wrong embedding without a word. vLLM
     # drops it when it equals the target's (llama_eagle3.py load_weights), SGLang always takes the target's.
     tensors = _eagle3_tensors(d, "layers.0.", with_embedding=True)
-    side = _engine_sidecar(_sidecar("eagle3_speculators", d, target, name, k, meta), vllm_ids, d)
-    return _Bundle("eagle3_speculators", cfg, tensors, side)
+    side = _engine_sidecar(make_sidecar("eagle3_speculators", d, target, name, k, meta), vllm_ids, d)
+    return Bundle("eagle3_speculators", cfg, tensors, side)
 
 
 # ============================================================================================ check
@@ -209,71 +209,71 @@ def _check_aux_ids(ids: Any, what: str, L: int | None, lo_shift: int, where: str
     """ids in an engine convention; lo_shift = how far that convention sits below ours (vLLM 0, SGLang 1)."""
     if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool)
                                                             for i in ids):
-        _fail(where, f"{what} must list 3 integer layer ids, got {ids!r} (absent ids make engines fall back to "
+        fail(where, f"{what} must list 3 integer layer ids, got {ids!r} (absent ids make engines fall back to "
                      "their default layers silently)")
     if len(set(ids)) != 3:
-        _fail(where, f"{what} {ids} repeats a layer")
+        fail(where, f"{what} {ids} repeats a layer")
     if L is not None:
         lo, hi = 1 - lo_shift, L - 1 - lo_shift
         bad = [i for i in ids if not lo <= i <= hi]
         if bad:
-            _fail(where, f"{what} {ids}: {bad} out of range for a {L}-layer target (capturable {lo}..{hi} in this "
+            fail(where, f"{what} {ids}: {bad} out of range for a {L}-layer target (capturable {lo}..{hi} in this "
                          "convention; an id at the top is off by one: it names the output of the last layer or "
                          "beyond, which the engine never captures)")
     elif any(i < 1 - lo_shift for i in ids):
-        _fail(where, f"{what} {ids} has an id below {1 - lo_shift}")
+        fail(where, f"{what} {ids} has an id below {1 - lo_shift}")
     return ids
 
 
-def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None,
+def check_eagle3(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | None,
                   where: str) -> tuple[dict, dict]:
     native = fmt == "eagle3_native"
     if native:
         if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
-            _fail(where, f"architectures must be ['LlamaForCausalLMEagle3'], got {cfg.get('architectures')}")
+            fail(where, f"architectures must be ['LlamaForCausalLMEagle3'], got {cfg.get('architectures')}")
         layer = cfg
         if cfg.get("norm_before_residual"):
-            _fail(where, "norm_before_residual=true in the native format: SGLang's llama_eagle3.py ignores it "
+            fail(where, "norm_before_residual=true in the native format: SGLang's llama_eagle3.py ignores it "
                          "(residual = g) while vLLM honours it, so the two engines would compute different drafts")
         if cfg.get("attention_bias"):
-            _fail(where, "attention_bias=true in the native format: SGLang's EAGLE-3 qkv_proj has no bias")
+            fail(where, "attention_bias=true in the native format: SGLang's EAGLE-3 qkv_proj has no bias")
         on = [f for f in _EAGLE31 if cfg.get(f)]
         if on:
-            _fail(where, f"{'/'.join(on)}=true in the native format: SGLang's llama_eagle3.py ignores the EAGLE-3.1 "
+            fail(where, f"{'/'.join(on)}=true in the native format: SGLang's llama_eagle3.py ignores the EAGLE-3.1 "
                          "flags, so it would compute another draft; use the speculators format")
     else:
         if cfg.get("speculators_model_type") != "eagle3":
-            _fail(where, f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
+            fail(where, f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
         layer = cfg.get("transformer_layer_config")
         if not isinstance(layer, dict):
-            _fail(where, "config.json needs a transformer_layer_config object")
+            fail(where, "config.json needs a transformer_layer_config object")
         if not isinstance(cfg.get("norm_before_residual"), bool):
-            _fail(where, "norm_before_residual must be written explicitly (vLLM's speculators reader assumes true "
+            fail(where, "norm_before_residual must be written explicitly (vLLM's speculators reader assumes true "
                          "when absent, EAGLE-3's original is false)")
         missing = [f for f in _EAGLE31 if not isinstance(cfg.get(f), bool)]
         if missing:
-            _fail(where, f"EAGLE-3.1 flags {missing} must be written explicitly as true/false")
+            fail(where, f"EAGLE-3.1 flags {missing} must be written explicitly as true/false")
         if cfg.get("norm_before_fc") and cfg.get("fc_norm"):
-            _fail(where, "norm_before_fc and fc_norm are both true; speculators refuses the pair (mutually exclusive)")
+            fail(where, "norm_before_fc and fc_norm are both true; speculators refuses the pair (mutually exclusive)")
         sc = cfg.get("speculators_config") or {}
         pm = sc.get("proposal_methods") or [{}]
         if sc.get("algorithm") != "eagle3" or not isinstance(pm[0].get("speculative_tokens"), int):
-            _fail(where, "speculators_config needs algorithm 'eagle3' and proposal_methods[0].speculative_tokens")
+            fail(where, "speculators_config needs algorithm 'eagle3' and proposal_methods[0].speculative_tokens")
         if not (sc.get("verifier") or {}).get("name_or_path"):
-            _fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
+            fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
     if layer.get("model_type", "llama") != "llama":
-        _fail(where, f"the draft layer must be model_type 'llama', got {layer.get('model_type')!r}")
-    if _req(layer, "num_hidden_layers", where) != 1:
-        _fail(where, f"num_hidden_layers must be 1 (one EAGLE-3 layer), got {layer.get('num_hidden_layers')}")
+        fail(where, f"the draft layer must be model_type 'llama', got {layer.get('model_type')!r}")
+    if require(layer, "num_hidden_layers", where) != 1:
+        fail(where, f"num_hidden_layers must be 1 (one EAGLE-3 layer), got {layer.get('num_hidden_layers')}")
     if layer.get("tie_word_embeddings", False) is not False:
-        _fail(where, "tie_word_embeddings must be false (SGLang would use the embedding as the draft lm_head)")
-    H = _req(layer, "hidden_size", where)
-    I_ = _req(layer, "intermediate_size", where)
-    nh = _req(layer, "num_attention_heads", where)
+        fail(where, "tie_word_embeddings must be false (SGLang would use the embedding as the draft lm_head)")
+    H = require(layer, "hidden_size", where)
+    I_ = require(layer, "intermediate_size", where)
+    nh = require(layer, "num_attention_heads", where)
     nkv = layer.get("num_key_value_heads") or nh
     hd = layer.get("head_dim") or H // nh
-    V = _req(layer, "vocab_size", where)
-    Vd = _req(cfg, "draft_vocab_size", where)
+    V = require(layer, "vocab_size", where)
+    Vd = require(cfg, "draft_vocab_size", where)
     Ht = cfg.get("target_hidden_size") or H
     bias = bool(layer.get("attention_bias", False))
     pre = "midlayer." if native else "layers.0."
@@ -285,7 +285,7 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
            f"{pre}post_attention_layernorm.weight": (H,), "norm.weight": (H,), "lm_head.weight": (Vd, H),
            "d2t": (Vd,), "t2d": (V,)}
     if not native:
-        exp["embed_tokens.weight"] = (V, H)  # see _build_eagle3_speculators: speculators needs it in the file
+        exp["embed_tokens.weight"] = (V, H)  # see build_eagle3_speculators: speculators needs it in the file
         if cfg.get("norm_before_fc"):
             exp["input_norm.weight"] = (3 * Ht,)  # speculators Eagle3DraftModel.input_norm
         if cfg.get("fc_norm"):
@@ -294,16 +294,16 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
         exp.update({f"{pre}self_attn.q_proj.bias": (nh * hd,), f"{pre}self_attn.k_proj.bias": (nkv * hd,),
                     f"{pre}self_attn.v_proj.bias": (nkv * hd,), f"{pre}self_attn.o_proj.bias": (H,)})
     if "fc.weight" in t.shapes and tuple(t.shapes["fc.weight"]) != exp["fc.weight"]:
-        _fail(where, f"fc.weight has shape {list(t.shapes['fc.weight'])}, expected {list(exp['fc.weight'])} "
+        fail(where, f"fc.weight has shape {list(t.shapes['fc.weight'])}, expected {list(exp['fc.weight'])} "
                      f"[hidden_size, 3 x target_hidden_size]: it must fuse exactly 3 target states of size {Ht}")
 
     st = stamp_of(cfg)
-    L = _num_layers(target, side) or st.get("num_hidden_layers")
+    L = target_num_layers(target, side) or st.get("num_hidden_layers")
     top = _check_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
                          "top-level eagle_aux_hidden_state_layer_ids (vLLM: input of decoder layer i)", L, 0, where)
     if top != sorted(top):
         # vLLM sorts the capture layers and SGLang captures in layer order: fc's blocks are fed ascending ids.
-        _fail(where, f"eagle_aux_hidden_state_layer_ids {top} are not ascending: both engines fuse the states in "
+        fail(where, f"eagle_aux_hidden_state_layer_ids {top} are not ascending: both engines fuse the states in "
                      "ascending layer order, so fc.weight would read them permuted; re-export with draftsmith "
                      "(it sorts the ids and permutes fc.weight's column blocks)")
     if native:
@@ -311,45 +311,45 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
                             "eagle_config.eagle_aux_hidden_state_layer_ids (SGLang: output of decoder layer i)",
                             L, 1, where)
         if sg != [i - 1 for i in top]:
-            _fail(where, f"eagle_config ids {sg} (SGLang, output of layer i) must be the top-level ids {top} "
+            fail(where, f"eagle_config ids {sg} (SGLang, output of layer i) must be the top-level ids {top} "
                          f"(vLLM, input of layer i) minus 1, i.e. {[i - 1 for i in top]}; one of them is off by one")
         warn_sglang_family(sg, top, model_type_of(target, st), where)
     if st.get("layer_ids") is not None and list(st["layer_ids"]) != top:
         # ids shifted consistently in every field still disagree with the ids recorded with the weights
-        _fail(where, f"eagle_aux_hidden_state_layer_ids {top} differ from the ids fc.weight was exported with "
+        fail(where, f"eagle_aux_hidden_state_layer_ids {top} differ from the ids fc.weight was exported with "
                      f"({STAMP_KEY}.layer_ids {st['layer_ids']}): converted to another convention twice?")
     if side is not None and side.get("layer_ids") is not None and list(side["layer_ids"]) != top:
-        _fail(where, f"draftsmith.json layer ids {side['layer_ids']} (HF output_hidden_states index) differ from "
+        fail(where, f"draftsmith.json layer ids {side['layer_ids']} (HF output_hidden_states index) differ from "
                      f"the vLLM ids {top}, which use the same convention")
     if side is not None:
         for flag in ("norm_before_residual", *_EAGLE31):
             was = (side.get("draft") or {}).get(flag)
             if was is not None and bool(was) != bool(cfg.get(flag, False)):
-                _fail(where, f"{flag}={cfg.get(flag)} in config.json but the drafter was trained with {was}")
+                fail(where, f"{flag}={cfg.get(flag)} in config.json but the drafter was trained with {was}")
 
     # the vocabulary mapping (SpecForge #534: misaligned after fine-tuning, no error at load time)
     for name, dt in (("d2t", torch.int64), ("t2d", torch.bool)):
         if name in t.dtypes and t.dtypes[name] != dt:
-            _fail(where, f"{name} must be {str(dt).removeprefix('torch.')}, got {str(t.dtypes[name])}")
+            fail(where, f"{name} must be {str(dt).removeprefix('torch.')}, got {str(t.dtypes[name])}")
     if "d2t" in t.shapes and "t2d" in t.shapes:
         if t.shapes["d2t"] != (Vd,) or t.shapes["t2d"] != (V,):
-            _fail(where, f"d2t {list(t.shapes['d2t'])} / t2d {list(t.shapes['t2d'])} must be [draft_vocab_size="
+            fail(where, f"d2t {list(t.shapes['d2t'])} / t2d {list(t.shapes['t2d'])} must be [draft_vocab_size="
                          f"{Vd}] / [vocab_size={V}]")
         if target is not None and target.vocab_size and t.shapes["t2d"][0] != int(target.vocab_size):
-            _fail(where, f"d2t/t2d were built for a vocabulary of {t.shapes['t2d'][0]} tokens, the target has "
+            fail(where, f"d2t/t2d were built for a vocabulary of {t.shapes['t2d'][0]} tokens, the target has "
                          f"{target.vocab_size}: rebuild the draft vocabulary for this target and retrain")
         try:
             check_mapping(t.get("d2t"), t.get("t2d"))
         except ValueError as e:
-            _fail(where, f"d2t/t2d rejected: {e}")
+            fail(where, f"d2t/t2d rejected: {e}")
         check_vocab_against_target(t.get("d2t"), st, target, where)
     if "lm_head.weight" in t.shapes and t.shapes["lm_head.weight"][0] != Vd:
-        _fail(where, f"lm_head.weight has {t.shapes['lm_head.weight'][0]} rows but d2t/draft_vocab_size say {Vd}")
+        fail(where, f"lm_head.weight has {t.shapes['lm_head.weight'][0]} rows but d2t/draft_vocab_size say {Vd}")
     if not native and "embed_tokens.weight" in t.shapes and target is not None and target.frozen is not None:
         emb = t.get("embed_tokens.weight")
         ref = target.frozen.embed.weight.detach()
         if tuple(emb.shape) == tuple(ref.shape) and not torch.equal(emb, ref.to(emb.dtype)):
-            _fail(where, "exported for another target: embed_tokens.weight is not this target's embedding "
+            fail(where, "exported for another target: embed_tokens.weight is not this target's embedding "
                          "(speculators runs the draft on the file's copy)")
     name = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") if not native else None
     return exp, {"hidden_size": Ht, "vocab_size": V, "name": name,
@@ -357,7 +357,7 @@ def _check_eagle3(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
 
 
 # ============================================================================================ load back
-def _load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
+def load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     from models.eagle3 import Eagle3Config, Eagle3Drafter
 
     layer = cfg if fmt == "eagle3_native" else cfg["transformer_layer_config"]

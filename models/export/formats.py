@@ -13,10 +13,10 @@ from functools import partial
 from pathlib import Path
 
 from .common import MEDUSA_WEIGHTS, WEIGHTS, ExportError
-from .dflash import _build_dflash_speculators, _build_dflash_zlab, _check_dflash, _load_dflash
-from .eagle3 import _build_eagle3_native, _build_eagle3_speculators, _check_eagle3, _load_eagle3
-from .medusa import _build_medusa_fasterdecoding, _build_medusa_vllm, _check_medusa, _load_medusa
-from .mtp import _build_mtp_deepseek, _build_mtp_sglang_nextn, _check_mtp, _load_mtp
+from .dflash import build_dflash_speculators, build_dflash_zlab, check_dflash, load_dflash
+from .eagle3 import build_eagle3_native, build_eagle3_speculators, check_eagle3, load_eagle3
+from .medusa import build_medusa_fasterdecoding, build_medusa_vllm, check_medusa, load_medusa
+from .mtp import build_mtp_deepseek, build_mtp_sglang_nextn, check_mtp, load_mtp
 
 
 @dataclass(frozen=True)
@@ -42,34 +42,36 @@ def _arch(cfg: dict) -> list[str]:
 
 EXPORT_FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
     ExportFormat("eagle3_native", "eagle3", "eagle3", "SGLang (EAGLE3), vLLM (eagle3)",
-                 _build_eagle3_native, partial(_check_eagle3, "eagle3_native"), partial(_load_eagle3, "eagle3_native"),
+                 build_eagle3_native, partial(check_eagle3, "eagle3_native"), partial(load_eagle3, "eagle3_native"),
                  lambda cfg, _p: "LlamaForCausalLMEagle3" in _arch(cfg)),
     ExportFormat("eagle3_speculators", "eagle3-speculators", "eagle3", "vLLM (speculators format)",
-                 _build_eagle3_speculators, partial(_check_eagle3, "eagle3_speculators"),
-                 partial(_load_eagle3, "eagle3_speculators"),
+                 build_eagle3_speculators, partial(check_eagle3, "eagle3_speculators"),
+                 partial(load_eagle3, "eagle3_speculators"),
                  lambda cfg, _p: "Eagle3Speculator" in _arch(cfg) or cfg.get("speculators_model_type") == "eagle3"),
     ExportFormat("medusa_fasterdecoding", "medusa", "medusa", "FasterDecoding/Medusa, TensorRT-LLM",
-                 _build_medusa_fasterdecoding, partial(_check_medusa, "medusa_fasterdecoding"),
-                 partial(_load_medusa, "medusa_fasterdecoding"),
+                 build_medusa_fasterdecoding, partial(check_medusa, "medusa_fasterdecoding"),
+                 partial(load_medusa, "medusa_fasterdecoding"),
                  lambda cfg, p: (p / MEDUSA_WEIGHTS).exists() or "medusa_num_heads" in cfg, MEDUSA_WEIGHTS),
     ExportFormat("medusa_vllm", "medusa-vllm", "medusa", "vLLM (medusa)",
-                 _build_medusa_vllm, partial(_check_medusa, "medusa_vllm"), partial(_load_medusa, "medusa_vllm"),
+                 build_medusa_vllm, partial(check_medusa, "medusa_vllm"), partial(load_medusa, "medusa_vllm"),
                  lambda cfg, _p: cfg.get("model_type") == "medusa"),
     ExportFormat("mtp_sglang_nextn", "mtp-nextn", "mtp", "SGLang (NEXTN) for DeepSeek-V3 targets",
-                 _build_mtp_sglang_nextn, partial(_check_mtp, "mtp_sglang_nextn"),
-                 partial(_load_mtp, "mtp_sglang_nextn"),
+                 build_mtp_sglang_nextn, partial(check_mtp, "mtp_sglang_nextn"),
+                 partial(load_mtp, "mtp_sglang_nextn"),
                  lambda cfg, _p: "DeepseekV3ForCausalLMNextN" in _arch(cfg)),
     ExportFormat("mtp_deepseek", "mtp", "mtp", "vLLM (mtp) for DeepSeek-V3 targets",
-                 _build_mtp_deepseek, partial(_check_mtp, "mtp_deepseek"), partial(_load_mtp, "mtp_deepseek"),
+                 build_mtp_deepseek, partial(check_mtp, "mtp_deepseek"), partial(load_mtp, "mtp_deepseek"),
                  lambda cfg, _p: bool(cfg.get("num_nextn_predict_layers"))),
     ExportFormat("dflash_speculators", "dflash-speculators", "dflash", "vLLM (dflash, speculators format)",
-                 _build_dflash_speculators, partial(_check_dflash, "dflash_speculators"),
-                 partial(_load_dflash, "dflash_speculators"),
+                 build_dflash_speculators, partial(check_dflash, "dflash_speculators"),
+                 partial(load_dflash, "dflash_speculators"),
                  lambda cfg, _p: "DFlashSpeculator" in _arch(cfg) or cfg.get("speculators_model_type") == "dflash"),
     ExportFormat("dflash_zlab", "dflash", "dflash", "SGLang (DFLASH), z-lab layout",
-                 _build_dflash_zlab, partial(_check_dflash, "dflash_zlab"), partial(_load_dflash, "dflash_zlab"),
+                 build_dflash_zlab, partial(check_dflash, "dflash_zlab"), partial(load_dflash, "dflash_zlab"),
                  lambda cfg, _p: "DFlashDraftModel" in _arch(cfg)),
 )}
+# Snapshots of the shipped rows (the CLI's choices, docs). The export API reads EXPORT_FORMATS itself, through
+# export_format / detect_format, so a row added to the table later (a new method's exporter, a test) works too.
 FORMATS = tuple(EXPORT_FORMATS)
 CLI_FORMATS = {f.cli: f.name for f in EXPORT_FORMATS.values()}  # CLI spelling → format
 METHOD_OF = {f.name: f.method for f in EXPORT_FORMATS.values()}
@@ -77,9 +79,10 @@ METHOD_OF = {f.name: f.method for f in EXPORT_FORMATS.values()}
 
 def export_format(fmt: str) -> ExportFormat:
     """A format by name or CLI spelling; an unknown one is a one-line error listing the known ones."""
-    fmt = CLI_FORMATS.get(fmt, fmt)
+    cli = {f.cli: f.name for f in EXPORT_FORMATS.values()}
+    fmt = cli.get(fmt, fmt)
     if fmt not in EXPORT_FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; use one of {FORMATS} (CLI: {sorted(CLI_FORMATS)})")
+        raise ExportError(f"unknown export format {fmt!r}; use one of {tuple(EXPORT_FORMATS)} (CLI: {sorted(cli)})")
     return EXPORT_FORMATS[fmt]
 
 
@@ -89,4 +92,4 @@ def detect_format(path: str | Path, cfg: dict) -> ExportFormat:
         if f.detect(cfg, path):
             return f
     raise ExportError(f"{path}: config.json matches no export format (architectures {_arch(cfg)}, "
-                      f"model_type {cfg.get('model_type')!r}); expected one of {FORMATS}")
+                      f"model_type {cfg.get('model_type')!r}); expected one of {tuple(EXPORT_FORMATS)}")

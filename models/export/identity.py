@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .common import _fail, _Target
+from .common import TargetInfo, fail
 
 STAMP_KEY = "draftsmith_target"
 
@@ -53,7 +53,7 @@ def stamp_of(cfg: Mapping) -> dict:
     return s if isinstance(s, dict) else {}
 
 
-def check_stamp(cfg: Mapping, dims: Mapping, target: _Target | None, where: str) -> bool:
+def check_stamp(cfg: Mapping, dims: Mapping, target: TargetInfo | None, where: str) -> bool:
     """Refuse an export whose stamp names another target or contradicts its own config/tensors.
 
     Returns True when the target's embedding itself was compared (the name may then differ in spelling only).
@@ -63,7 +63,7 @@ def check_stamp(cfg: Mapping, dims: Mapping, target: _Target | None, where: str)
         return False  # exported before the stamp existed: draftsmith.json and the names remain the evidence
     for key in ("hidden_size", "vocab_size"):
         if st.get(key) is not None and dims.get(key) is not None and int(st[key]) != int(dims[key]):
-            _fail(where, f"config.json {STAMP_KEY}.{key} is {st[key]} but the tensors/config say {dims[key]}")
+            fail(where, f"config.json {STAMP_KEY}.{key} is {st[key]} but the tensors/config say {dims[key]}")
     if target is None:
         return False
     tc = target.config
@@ -73,12 +73,12 @@ def check_stamp(cfg: Mapping, dims: Mapping, target: _Target | None, where: str)
             "architectures": list(get("architectures", None) or []) or None, "embed_fingerprint": target.fingerprint}
     for key, h in have.items():
         if st.get(key) not in (None, []) and h is not None and st[key] != h:
-            _fail(where, f"exported for another target: {key} {st[key]} != the target's {h} (config.json "
+            fail(where, f"exported for another target: {key} {st[key]} != the target's {h} (config.json "
                          f"{STAMP_KEY})")
     return st.get("embed_fingerprint") is not None and target.fingerprint is not None
 
 
-def model_type_of(target: _Target | None, st: dict) -> str | None:
+def model_type_of(target: TargetInfo | None, st: dict) -> str | None:
     tc = target.config if target is not None else None
     mt = (tc.get("model_type") if isinstance(tc, dict) else getattr(tc, "model_type", None)) if tc is not None else None
     return mt or st.get("model_type")
@@ -94,16 +94,16 @@ def warn_sglang_family(sg: list[int], top: list[int], model_type: str | None, wh
                       "with layer ids starting at 2 (the default)", UserWarning, stacklevel=2)
 
 
-def check_vocab_against_target(d2t: torch.Tensor, st: dict, target: _Target | None, where: str) -> None:
+def check_vocab_against_target(d2t: torch.Tensor, st: dict, target: TargetInfo | None, where: str) -> None:
     """The draft vocabulary must be the one exported with lm_head's rows, and consist of ids the target's
     tokenizer can produce (a self-consistent mapping built for another vocabulary passes check_mapping)."""
     if st.get("draft_vocab") is not None and vocab_hash(d2t) != st["draft_vocab"]:
-        _fail(where, f"d2t/t2d are not the draft vocabulary lm_head.weight was exported with ({STAMP_KEY}."
+        fail(where, f"d2t/t2d are not the draft vocabulary lm_head.weight was exported with ({STAMP_KEY}."
                      "draft_vocab differs): a mapping from another vocabulary or data set; re-export the drafter")
     tok = getattr(target.frozen, "tokenizer", None) if target is not None and target.frozen is not None else None
     if tok is not None:
         n = len(tok)
         top = int((d2t + torch.arange(d2t.numel())).max())
         if top >= n:
-            _fail(where, f"d2t maps to target id {top}, beyond the target tokenizer's {n} tokens: the draft "
+            fail(where, f"d2t maps to target id {top}, beyond the target tokenizer's {n} tokens: the draft "
                          "vocabulary was built for another vocabulary")

@@ -10,16 +10,16 @@ from torch import nn
 from models.target import FrozenTarget
 
 from .common import (
-    _DTYPE_NAMES,
+    DTYPE_NAMES,
     MEDUSA_WEIGHTS,
+    Bundle,
     ExportError,
-    _Bundle,
-    _engine_target_name,
-    _fail,
-    _req,
-    _sidecar,
-    _Target,
-    _Tensors,
+    TargetInfo,
+    Tensors,
+    engine_target_name,
+    fail,
+    make_sidecar,
+    require,
 )
 from .identity import STAMP_KEY, target_stamp
 
@@ -33,27 +33,27 @@ def _medusa_k(d: nn.Module, k: int | None) -> int:
     return k or K
 
 
-def _build_medusa_fasterdecoding(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
-                                 meta: dict | None) -> _Bundle:
+def build_medusa_fasterdecoding(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
+                                 meta: dict | None) -> Bundle:
     k = _medusa_k(d, k)
     cfg = {
         # FasterDecoding/Medusa medusa/model/medusa_model.py MedusaConfig: these three fields.
         "medusa_num_heads": d.cfg.num_heads, "medusa_num_layers": d.cfg.num_layers,
-        "base_model_name_or_path": _engine_target_name(name),
+        "base_model_name_or_path": engine_target_name(name),
         # not read by FasterDecoding; lets the validator check shapes without the target
         "hidden_size": d.hidden_size, "vocab_size": d.vocab_size,
-        "torch_dtype": _DTYPE_NAMES.get(d._dtype(), "float32"),
+        "torch_dtype": DTYPE_NAMES.get(d._dtype(), "float32"),
         STAMP_KEY: target_stamp(target),  # identity.py: which target, from the export alone
     }
     # {h}.{l}.linear.{weight,bias} and {h}.{n}.weight: MedusaModel.medusa_head state dict (nn.Sequential of
     # ResBlocks + Linear) and TensorRT-LLM's load_medusa_hf (tensorrt_llm/models/medusa/weight.py).
     tensors = d.to_fasterdecoding_state_dict()
-    side = _sidecar("medusa_fasterdecoding", d, target, name, k, meta)
-    return _Bundle("medusa_fasterdecoding", cfg, tensors, side,
+    side = make_sidecar("medusa_fasterdecoding", d, target, name, k, meta)
+    return Bundle("medusa_fasterdecoding", cfg, tensors, side,
                    weights_file=MEDUSA_WEIGHTS)
 
 
-def _build_medusa_vllm(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> _Bundle:
+def build_medusa_vllm(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
     k = _medusa_k(d, k)
     K, n = d.cfg.num_heads, d.cfg.num_layers
     shared = d.shared_lm_head is not None
@@ -69,7 +69,7 @@ def _build_medusa_vllm(d: nn.Module, target: FrozenTarget, name: str, k: int | N
         "medusa_fc_bias": True,
         # medusa.py: original_lm_head → one lm_head for every head, loaded from "lm_heads.0.weight".
         "original_lm_head": shared,
-        "torch_dtype": _DTYPE_NAMES.get(d._dtype(), "float32"),
+        "torch_dtype": DTYPE_NAMES.get(d._dtype(), "float32"),
         STAMP_KEY: target_stamp(target),  # nested: the "num"+"heads" renaming only touches top-level keys
     }
     fd = d.to_fasterdecoding_state_dict()
@@ -80,22 +80,22 @@ def _build_medusa_vllm(d: nn.Module, target: FrozenTarget, name: str, k: int | N
             tensors[f"blocks.{h}.layers.{j}.bias"] = fd[f"{h}.{j}.linear.bias"]
         if not shared or h == 0:
             tensors[f"lm_heads.{h}.weight"] = fd[f"{h}.{n}.weight"]
-    side = _sidecar("medusa_vllm", d, target, name, k, meta)
-    return _Bundle("medusa_vllm", cfg, tensors, side)
+    side = make_sidecar("medusa_vllm", d, target, name, k, meta)
+    return Bundle("medusa_vllm", cfg, tensors, side)
 
 
 # ============================================================================================ check
-def _check_medusa(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None,
+def check_medusa(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | None,
                   where: str) -> tuple[dict, dict]:
     if fmt == "medusa_fasterdecoding":
-        K = _req(cfg, "medusa_num_heads", where)
-        n = _req(cfg, "medusa_num_layers", where)
-        name = _req(cfg, "base_model_name_or_path", where, str)
+        K = require(cfg, "medusa_num_heads", where)
+        n = require(cfg, "medusa_num_layers", where)
+        name = require(cfg, "base_model_name_or_path", where, str)
         H = cfg.get("hidden_size") or (t.shapes.get("0.0.linear.weight") or t.shapes.get(f"0.{n}.weight")
                                        or (None, None))[-1]
         V = cfg.get("vocab_size") or (t.shapes.get(f"0.{n}.weight") or (None,))[0]
         if not H or not V:
-            _fail(where, f"cannot tell hidden/vocab size: config.json has none and head 0 lacks 0.{n}.weight")
+            fail(where, f"cannot tell hidden/vocab size: config.json has none and head 0 lacks 0.{n}.weight")
         exp = {}
         for h in range(K):
             for j in range(n):
@@ -103,19 +103,19 @@ def _check_medusa(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
             exp[f"{h}.{n}.weight"] = (V, H)
     else:
         if cfg.get("architectures") != ["MedusaModel"]:
-            _fail(where, f"architectures must be ['MedusaModel'], got {cfg.get('architectures')}")
+            fail(where, f"architectures must be ['MedusaModel'], got {cfg.get('architectures')}")
         clobber = [k for k in cfg if "num" in k and ("heads" in k or "layers" in k)
                    and k not in ("num_heads", "num_hidden_layers")]
         if clobber:
-            _fail(where, f"config keys {clobber} would overwrite num_heads/num_hidden_layers in vLLM's "
+            fail(where, f"config keys {clobber} would overwrite num_heads/num_hidden_layers in vLLM's "
                          "MedusaConfig.from_pretrained (it renames every key with 'num' and 'heads'/'layers')")
-        K, n = _req(cfg, "num_heads", where), _req(cfg, "num_hidden_layers", where)
-        H, V = _req(cfg, "hidden_size", where), _req(cfg, "vocab_size", where)
+        K, n = require(cfg, "num_heads", where), require(cfg, "num_hidden_layers", where)
+        H, V = require(cfg, "hidden_size", where), require(cfg, "vocab_size", where)
         if cfg.get("truncated_vocab_size", V) != V:
-            _fail(where, f"truncated_vocab_size={cfg.get('truncated_vocab_size')} needs a token_map; draftsmith "
+            fail(where, f"truncated_vocab_size={cfg.get('truncated_vocab_size')} needs a token_map; draftsmith "
                          f"heads score the full vocabulary ({V})")
         if n > 0 and cfg.get("medusa_fc_bias") is not True:
-            _fail(where, "medusa_fc_bias must be true: vLLM otherwise builds bias-free ResidualBlocks and drops "
+            fail(where, "medusa_fc_bias must be true: vLLM otherwise builds bias-free ResidualBlocks and drops "
                          "the blocks' .bias tensors without a word")
         shared = bool(cfg.get("original_lm_head", False))
         exp = {}
@@ -126,12 +126,12 @@ def _check_medusa(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _
                 exp[f"lm_heads.{h}.weight"] = (V, H)
         name = None
     if K < 1 or n < 0:
-        _fail(where, f"medusa needs >= 1 head and >= 0 layers, got {K} heads, {n} layers")
+        fail(where, f"medusa needs >= 1 head and >= 0 layers, got {K} heads, {n} layers")
     return exp, {"hidden_size": H, "vocab_size": V, "name": name}
 
 
 # ============================================================================================ load back
-def _load_medusa(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
+def load_medusa(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     from models.medusa import MedusaConfig, MedusaHeads
 
     lm = target.model.get_output_embeddings().weight.detach()

@@ -14,7 +14,7 @@ from torch import nn
 
 from models.target import FrozenTarget, resolve_name
 
-from .common import _DTYPE_NAMES, CONFIG, ExportError, _Bundle, _fail, _req, _sidecar, _Target, _Tensors
+from .common import CONFIG, DTYPE_NAMES, Bundle, ExportError, TargetInfo, Tensors, fail, make_sidecar, require
 from .identity import STAMP_KEY, target_stamp
 
 # The only model family whose HF-5 fused expert tensors we split back into the per-expert checkpoint layout:
@@ -28,7 +28,7 @@ _FUSED = re.compile(r"^(?P<pre>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<pre>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _unfuse_experts(sd: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+def unfuse_experts(sd: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
     """HF-5 fused experts → the per-expert names of DeepSeek checkpoints (what SGLang/vLLM's
     ``make_expert_params_mapping`` expect: mlp.experts.{e}.{gate,up,down}_proj.weight)."""
     out: dict[str, torch.Tensor] = {}
@@ -52,8 +52,8 @@ def _unfuse_experts(sd: dict[str, torch.Tensor], model_type: str) -> dict[str, t
     return out
 
 
-def _fuse_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of ``_unfuse_experts``."""
+def fuse_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of ``unfuse_experts``."""
     groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     out: dict[str, torch.Tensor] = {}
     for k, t in sd.items():
@@ -100,23 +100,23 @@ def _mtp_native(d: nn.Module, target: FrozenTarget) -> tuple[dict, str]:
         raise ExportError(f"MTP block overrides {differ} differ from the target's config; native MTP layouts "
                           "assume the target's block shape (retrain without the overrides)")
     mt = getattr(tc, "model_type", "")
-    return _unfuse_experts(to_native_state_dict(d, include_shared=True), mt), mt
+    return unfuse_experts(to_native_state_dict(d, include_shared=True), mt), mt
 
 
-def _build_mtp_deepseek(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> _Bundle:
+def build_mtp_deepseek(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
     sd, _ = _mtp_native(d, target)
     D = d.cfg.num_modules
     k = k or D
     # vllm/model_executor/models/deepseek_mtp.py: layers num_hidden_layers..+num_nextn_predict_layers-1, each with
     # enorm/hnorm/eh_proj/shared_head.{norm,head} and its own embed_tokens copy (only the first is loaded).
     cfg = {**_target_config_dict(target), "num_nextn_predict_layers": D,
-           "torch_dtype": _DTYPE_NAMES.get(d._dtype(), "float32"), STAMP_KEY: _stamp(d, target)}
-    side = _sidecar("mtp_deepseek", d, target, name, k, meta)
-    return _Bundle("mtp_deepseek", cfg, sd, side)
+           "torch_dtype": DTYPE_NAMES.get(d._dtype(), "float32"), STAMP_KEY: _stamp(d, target)}
+    side = make_sidecar("mtp_deepseek", d, target, name, k, meta)
+    return Bundle("mtp_deepseek", cfg, sd, side)
 
 
-def _build_mtp_sglang_nextn(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
-                            meta: dict | None) -> _Bundle:
+def build_mtp_sglang_nextn(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
+                            meta: dict | None) -> Bundle:
     tc = target.model.config
     mt = getattr(tc, "model_type", "")
     if mt != "deepseek_v3":
@@ -143,10 +143,10 @@ def _build_mtp_sglang_nextn(d: nn.Module, target: FrozenTarget, name: str, k: in
     k = k or 1
     # export_deepseek_nextn.py update_and_save_config: num_hidden_layers 1, DeepseekV3ForCausalLMNextN.
     cfg = {**_target_config_dict(target), "num_hidden_layers": 1, "architectures": ["DeepseekV3ForCausalLMNextN"],
-           "num_nextn_predict_layers": 1, "torch_dtype": _DTYPE_NAMES.get(d._dtype(), "float32"),
+           "num_nextn_predict_layers": 1, "torch_dtype": DTYPE_NAMES.get(d._dtype(), "float32"),
            STAMP_KEY: _stamp(d, target)}
-    side = _sidecar("mtp_sglang_nextn", d, target, name, k, meta)
-    return _Bundle("mtp_sglang_nextn", cfg, tensors, side)
+    side = make_sidecar("mtp_sglang_nextn", d, target, name, k, meta)
+    return Bundle("mtp_sglang_nextn", cfg, tensors, side)
 
 
 # ============================================================================================ check
@@ -164,7 +164,7 @@ def _decoder_layer_class(cfg: dict) -> type[nn.Module]:
     return cls
 
 
-def _mtp_expected_layer(cfg: dict, layer_idx: int, target: _Target | None, where: str) -> dict[str, tuple]:
+def _mtp_expected_layer(cfg: dict, layer_idx: int, target: TargetInfo | None, where: str) -> dict[str, tuple]:
     """Native names/shapes of one MTP layer (own tensors + the family's decoder block), built on the meta device
     from the config, so a 671B target costs nothing."""
     from transformers import AutoConfig
@@ -185,22 +185,22 @@ def _mtp_expected_layer(cfg: dict, layer_idx: int, target: _Target | None, where
     with torch.device("meta"):
         module = MTPModule(dc, layer_idx, cls)
     sd = {k.removeprefix("block."): v for k, v in module.state_dict().items()}
-    sd = _unfuse_experts(sd, getattr(tcfg, "model_type", cfg.get("model_type", "")))
+    sd = unfuse_experts(sd, getattr(tcfg, "model_type", cfg.get("model_type", "")))
     return {k: tuple(v.shape) for k, v in sd.items()}
 
 
-def _check_mtp(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None,
+def check_mtp(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | None,
                where: str) -> tuple[dict, dict]:
-    H, V = _req(cfg, "hidden_size", where), _req(cfg, "vocab_size", where)
+    H, V = require(cfg, "hidden_size", where), require(cfg, "vocab_size", where)
     exp: dict[str, tuple] = {}
     if fmt == "mtp_deepseek":
-        L, D = _req(cfg, "num_hidden_layers", where), _req(cfg, "num_nextn_predict_layers", where)
+        L, D = require(cfg, "num_hidden_layers", where), require(cfg, "num_nextn_predict_layers", where)
         if target is not None and target.num_hidden_layers and target.num_hidden_layers != L:
-            _fail(where, f"config.json says the target has {L} layers (MTP layers {L}..{L + D - 1}) but the target "
+            fail(where, f"config.json says the target has {L} layers (MTP layers {L}..{L + D - 1}) but the target "
                          f"has {target.num_hidden_layers}: the MTP layer indices would be off")
         present = sorted({int(m.group(1)) for k in t.shapes if (m := re.match(r"^model\.layers\.(\d+)\.", k))})
         if present and present != list(range(L, L + D)):
-            _fail(where, f"MTP tensors sit at layers {present[:6]}, expected model.layers.{L}..{L + D - 1} "
+            fail(where, f"MTP tensors sit at layers {present[:6]}, expected model.layers.{L}..{L + D - 1} "
                          f"(num_hidden_layers={L}, num_nextn_predict_layers={D}): off by one?")
         for d in range(D):
             for k, s in _mtp_expected_layer(cfg, L + d, target, where).items():
@@ -209,10 +209,10 @@ def _check_mtp(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Tar
             exp[f"model.layers.{L + d}.shared_head.head.weight"] = (V, H)
     else:
         if cfg.get("architectures") != ["DeepseekV3ForCausalLMNextN"] or cfg.get("model_type") != "deepseek_v3":
-            _fail(where, f"SGLang NextN needs architectures ['DeepseekV3ForCausalLMNextN'] and model_type "
+            fail(where, f"SGLang NextN needs architectures ['DeepseekV3ForCausalLMNextN'] and model_type "
                          f"deepseek_v3, got {cfg.get('architectures')} / {cfg.get('model_type')!r}")
         if cfg.get("num_hidden_layers") != 1 or cfg.get("num_nextn_predict_layers") != 1:
-            _fail(where, "SGLang NextN needs num_hidden_layers == num_nextn_predict_layers == 1 "
+            fail(where, "SGLang NextN needs num_hidden_layers == num_nextn_predict_layers == 1 "
                          "(deepseek_nextn.py load_weights asserts it)")
         # is_nextn=True makes SGLang's layer MoE: derive the block at an MoE index (>= first_k_dense_replace).
         moe_idx = int(cfg.get("first_k_dense_replace") or 0)
@@ -222,7 +222,7 @@ def _check_mtp(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Tar
 
 
 # ============================================================================================ load back
-def _load_mtp(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
+def load_mtp(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     from models.mtp import MTPConfig, MTPDrafter, init_from_native
 
     L = target.num_layers
@@ -233,7 +233,7 @@ def _load_mtp(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
         D = cfg["num_nextn_predict_layers"]
     drafter = MTPDrafter.from_target(MTPConfig(num_modules=D), target)
     if any(_FUSED.match(k) for k in drafter.state_dict()):
-        sd = _fuse_experts(sd)
+        sd = fuse_experts(sd)
     dtype = next(v.dtype for v in sd.values() if v.is_floating_point())
     drafter.to(dtype)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .common import _engine_target_name
+from .common import engine_target_name
 from .identity import SGLANG_PLUS1_IF_FIRST_IS_1, sglang_reads, stamp_of
 
 # The engine releases whose loaders (read from their wheels) each snippet was checked against.
@@ -12,9 +12,9 @@ VLLM_CHECKED = "vLLM 0.33.0 and 0.32.0"
 SGLANG_CHECKED = "SGLang 0.5.23"
 
 
-def _readme(fmt: str, cfg: dict, side: dict) -> str:
+def render_readme(fmt: str, cfg: dict, side: dict) -> str:
     k = side["num_speculative_tokens"]
-    tname = _engine_target_name(side["target_name"])
+    tname = engine_target_name(side["target_name"])
     path = "/path/to/this/export"
     lines = [f"# draftsmith export: {fmt}", "",
              f"Drafter method `{side['method']}` for target `{side['target_name']}` "
@@ -108,11 +108,17 @@ def _readme(fmt: str, cfg: dict, side: dict) -> str:
                   "Checked against vLLM `model_executor/models/qwen3_dflash.py` + speculators `algos.py` "
                   "`update_dflash`, and SGLang `srt/speculative/dflash_utils.py` (sources and commits: "
                   "shared/design/dflash.md §0).", ""]
-        spec = {"method": "dflash", **spec} if fmt == "dflash_speculators" else None
+        if fmt == "dflash_speculators":  # labelled with what it was read against, not the EAGLE-3 releases
+            lines += ["## vLLM (dflash; read against the sources in shared/design/dflash.md §0)", "", "```bash",
+                      f"vllm serve {tname} \\",
+                      f"  --speculative-config '{json.dumps({'method': 'dflash', **spec})}'", "```", ""]
+        spec = None
         if fmt == "dflash_zlab":
             lines += ["## SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {tname} \\",
                       f"  --speculative-algorithm DFLASH --speculative-draft-model-path {path} \\",
                       f"  --speculative-num-draft-tokens {blk}", "```", ""]
+    elif not fmt.startswith(("eagle3", "medusa", "mtp")):
+        spec = None  # a format no engine snippet is known for: no `--speculative-config` without a method in it
     if spec is not None:
         lines += [f"## vLLM (checked against {VLLM_CHECKED})", "", "```bash", f"vllm serve {tname} \\",
                   f"  --speculative-config '{json.dumps(spec)}'", "```", ""]

@@ -11,18 +11,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from models.target import embed_fingerprint
+
 from .common import (
     CONFIG,
     LAYER_ID_CONVENTION,
     SIDECAR,
     ExportError,
-    _fail,
-    _load_json,
-    _norm_name,
-    _Target,
-    _target_info,
-    _Tensors,
-    embed_fingerprint,
+    TargetInfo,
+    Tensors,
+    fail,
+    load_json,
+    norm_name,
+    target_info,
 )
 from .formats import detect_format as _detect
 from .formats import export_format
@@ -31,7 +32,7 @@ from .identity import check_stamp
 
 def detect_format(path: str | Path) -> str:
     """Which of FORMATS a directory holds (from its config.json and weight files)."""
-    return _detect(path, _load_json(Path(path) / CONFIG)).name
+    return _detect(path, load_json(Path(path) / CONFIG)).name
 
 
 def validate(path: str | Path, fmt: str | None = None, target_config: Any = None) -> str:
@@ -41,23 +42,23 @@ def validate(path: str | Path, fmt: str | None = None, target_config: Any = None
     with num_hidden_layers/hidden_size/vocab_size(/_name_or_path) — or None for self-consistency only.
     """
     path = Path(path)
-    cfg = _load_json(path / CONFIG)
+    cfg = load_json(path / CONFIG)
     spec = export_format(fmt) if fmt else _detect(path, cfg)
     fmt = spec.name
-    side = _load_json(path / SIDECAR) if (path / SIDECAR).exists() else None
+    side = load_json(path / SIDECAR) if (path / SIDECAR).exists() else None
     wfile = path / spec.weights_file
     if not wfile.exists():
         raise ExportError(f"{path}: {fmt} export needs {wfile.name}, which is missing")
     try:
-        tensors = _Tensors.read(wfile)
+        tensors = Tensors.read(wfile)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one reason to refuse
         raise ExportError(f"{wfile}: unreadable safetensors ({type(e).__name__}: {e})") from None
     _check_finite(tensors, wfile)
-    _check(fmt, cfg, tensors, side, _target_info(target_config), str(path))
+    check_export(fmt, cfg, tensors, side, target_info(target_config), str(path))
     return fmt
 
 
-def _check_finite(t: _Tensors, wfile: Path) -> None:
+def _check_finite(t: Tensors, wfile: Path) -> None:
     """A diverged drafter (NaN/inf weights) is not a valid export, whatever its shapes say."""
     from models.checkpoint import check_finite
 
@@ -67,42 +68,42 @@ def _check_finite(t: _Tensors, wfile: Path) -> None:
         raise ExportError(str(e)) from None
 
 
-def _check(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None, where: str) -> None:
+def check_export(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | None, where: str) -> None:
     if side is not None:
         if side.get("format") not in (None, fmt):
-            _fail(where, f"draftsmith.json says format {side.get('format')!r} but the files are {fmt}")
+            fail(where, f"draftsmith.json says format {side.get('format')!r} but the files are {fmt}")
         if side.get("layer_id_convention") not in (None, LAYER_ID_CONVENTION):
-            _fail(where, f"draftsmith.json layer ids use convention {side.get('layer_id_convention')!r}, "
+            fail(where, f"draftsmith.json layer ids use convention {side.get('layer_id_convention')!r}, "
                          f"expected {LAYER_ID_CONVENTION!r}")
     expected, tgt_dims = export_format(fmt).check(cfg, t, side, target, where)
     _check_same_target(fmt, cfg, t, side, target, tgt_dims, where)  # first: "another target" explains the rest
     _compare_tensors(expected, t, where, fmt)
 
 
-def _compare_tensors(expected: dict[str, tuple[int, ...]], t: _Tensors, where: str, fmt: str) -> None:
+def _compare_tensors(expected: dict[str, tuple[int, ...]], t: Tensors, where: str, fmt: str) -> None:
     missing = [k for k in expected if k not in t.shapes]
     if missing:
-        _fail(where, f"{fmt} export is missing {len(missing)} tensor(s), e.g. {missing[:4]}")
+        fail(where, f"{fmt} export is missing {len(missing)} tensor(s), e.g. {missing[:4]}")
     extra = sorted(k for k in t.shapes if k not in expected)
     if extra:
-        _fail(where, f"{fmt} export has {len(extra)} unexpected tensor(s), e.g. {extra[:4]} "
+        fail(where, f"{fmt} export has {len(extra)} unexpected tensor(s), e.g. {extra[:4]} "
                      "(engines skip unknown names silently, so they must not be there)")
     for k, shape in expected.items():
         if tuple(t.shapes[k]) != tuple(shape):
-            _fail(where, f"tensor {k} has shape {list(t.shapes[k])}, expected {list(shape)} from config.json")
+            fail(where, f"tensor {k} has shape {list(t.shapes[k])}, expected {list(shape)} from config.json")
     floats = {k: d for k, d in t.dtypes.items() if d.is_floating_point}
     if len(set(floats.values())) > 1:
-        _fail(where, f"float tensors mix dtypes {sorted({str(d) for d in floats.values()})}")
+        fail(where, f"float tensors mix dtypes {sorted({str(d) for d in floats.values()})}")
 
 
-def _check_same_target(fmt: str, cfg: dict, t: _Tensors, side: dict | None, target: _Target | None,
+def _check_same_target(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | None,
                        dims: dict, where: str) -> None:
     """Refuse an export made for another target: shape, name, then (with a FrozenTarget) the embedding itself."""
     if side is not None:
         st = side.get("target") or {}
         for key in ("hidden_size", "vocab_size"):
             if st.get(key) is not None and dims.get(key) is not None and st[key] != dims[key]:
-                _fail(where, f"draftsmith.json says the target's {key} is {st[key]} but the tensors/config say "
+                fail(where, f"draftsmith.json says the target's {key} is {st[key]} but the tensors/config say "
                              f"{dims[key]}")
     if target is None:
         check_stamp(cfg, dims, None, where)  # the stamp must still agree with the export's own config
@@ -110,15 +111,15 @@ def _check_same_target(fmt: str, cfg: dict, t: _Tensors, side: dict | None, targ
     for key in ("hidden_size", "vocab_size"):
         want, have = dims.get(key), getattr(target, key)
         if want is not None and have is not None and int(want) != int(have):
-            _fail(where, f"exported for another target: {key} {want} != the target's {have}")
+            fail(where, f"exported for another target: {key} {want} != the target's {have}")
     tmt = (target.config.get("model_type") if isinstance(target.config, Mapping)
            else getattr(target.config, "model_type", None))
     if dims.get("model_type") and tmt and dims["model_type"] != tmt:
-        _fail(where, f"exported for another target: model_type {dims['model_type']!r} != the target's {tmt!r}")
+        fail(where, f"exported for another target: model_type {dims['model_type']!r} != the target's {tmt!r}")
     rt = dims.get("rope_theta")
     trt = _rope_theta_of(target.config)
     if rt is not None and trt is not None and not math.isclose(float(rt), float(trt)):
-        _fail(where, f"exported for another target: rope_theta {rt} != the target's {trt}")
+        fail(where, f"exported for another target: rope_theta {rt} != the target's {trt}")
     # the target's weights themselves were compared: a differing name is then just a spelling
     verified = check_stamp(cfg, dims, target, where)
     if side is not None and target.fingerprint is not None:
@@ -127,19 +128,19 @@ def _check_same_target(fmt: str, cfg: dict, t: _Tensors, side: dict | None, targ
             have = target.num_hidden_layers if key == "num_hidden_layers" else target.fingerprint
             legacy = target.frozen.legacy_fingerprint() if key != "num_hidden_layers" and target.frozen else None
             if st.get(key) is not None and st.get(key) != have and st.get(key) != legacy:
-                _fail(where, f"exported for another target: {key} {st.get(key)} != the target's {have} "
+                fail(where, f"exported for another target: {key} {st.get(key)} != the target's {have} "
                              f"(trained on {side.get('target_name')!r})")
         verified = verified or st.get("embed_fingerprint") is not None
     if fmt == "mtp_deepseek" and target.fingerprint is not None:
         for k in t.shapes:
             if k.endswith("embed_tokens.weight"):
                 if embed_fingerprint(t.get(k)) != target.fingerprint:
-                    _fail(where, f"exported for another target: {k} is not this target's embedding")
+                    fail(where, f"exported for another target: {k} is not this target's embedding")
                 verified = True
     names = [n for n in (dims.get("name"), cfg.get("base_model_name_or_path"),
                          (side or {}).get("target_name")) if n]
-    if not verified and target.name and names and _norm_name(names[0]) != _norm_name(target.name):
-        _fail(where, f"exported for another target: verifier {names[0]!r} != the target {target.name!r}")
+    if not verified and target.name and names and norm_name(names[0]) != norm_name(target.name):
+        fail(where, f"exported for another target: verifier {names[0]!r} != the target {target.name!r}")
 
 
 def _rope_theta_of(c: Any) -> float | None:

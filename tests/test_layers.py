@@ -1,0 +1,192 @@
+"""The package's import graph is a layered DAG (issue 10, Build 3), checked by parsing the source with ``ast``.
+
+Layers, lowest first; a module may import its own layer or lower ones, never a higher one:
+
+    core      models.{target, vocab, tokenizer, verify, proposal, spec, checkpoint, drafter, rope, tree}
+    methods   models.{eagle3, medusa, mtp, dflash, ngram, draft_model}  (not each other: only through core)
+    registry  models.registry
+    data      data.*
+    export    models.export.*
+    top       train.* and eval.* (not each other)
+
+Also: no import cycle (module-level and function-level imports both count, so a lazy import cannot hide one),
+and no private name (``_x``) taken from another package module, by ``from m import _x`` or by ``m._x``. A
+helper two modules need is public in one place.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("train", "models", "data", "eval")
+
+CORE = {"models.target", "models.vocab", "models.tokenizer", "models.verify", "models.proposal", "models.spec",
+        "models.checkpoint", "models.drafter", "models.rope", "models.tree"}
+METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model"}
+# rank of each layer; train and eval share the top rank but are separate groups
+RANK = {"core": 0, "methods": 1, "registry": 2, "data": 3, "export": 4, "train": 5, "eval": 5}
+
+
+def layer(mod: str) -> str | None:
+    if mod in CORE:
+        return "core"
+    if mod in METHODS:
+        return "methods"
+    if mod == "models.registry":
+        return "registry"
+    if mod == "models.export" or mod.startswith("models.export."):
+        return "export"
+    top = mod.split(".")[0]
+    if top in ("data", "train", "eval") or mod == "models":
+        return {"models": "core"}.get(top, top)
+    return None
+
+
+def package_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Module name → file, for every module of the four packages (a package is its __init__.py)."""
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = f
+    return out
+
+
+def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names (relative imports resolved against ``mod``)."""
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def scan(mods: dict[str, Path], root: Path = ROOT) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """(imports: module → {imported package module: line}, private-name violations)."""
+    edges: dict[str, dict[str, int]] = {m: {} for m in mods}
+    private: list[str] = []
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_pkg = path.name == "__init__.py"
+        where = lambda node: f"{path.relative_to(root)}:{node.lineno}"  # noqa: E731
+        bound: dict[str, str] = {}  # local name → package module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods:
+                        edges[mod].setdefault(a.name, node.lineno)
+                        bound[a.asname or a.name] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                src = _resolve(mod, is_pkg, node)
+                for a in node.names:
+                    sub = f"{src}.{a.name}"
+                    if sub in mods:  # `from models import eagle3`: the submodule itself
+                        edges[mod].setdefault(sub, node.lineno)
+                        bound[a.asname or a.name] = sub
+                    elif src in mods:
+                        edges[mod].setdefault(src, node.lineno)
+                        if a.name.startswith("_") and not a.name.startswith("__"):
+                            private.append(f"{where(node)}: {mod} imports private {src}.{a.name}")
+        for node in ast.walk(tree):  # m._x on a name bound to a package module
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                private.append(f"{where(node)}: {mod} uses private {bound[node.value.id]}.{node.attr}")
+        edges[mod].pop(mod, None)
+    return edges, private
+
+
+def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def arrow_violations(edges: dict[str, dict[str, int]], mods: dict[str, Path], root: Path = ROOT) -> list[str]:
+    bad = []
+    for a, targets in sorted(edges.items()):
+        la = layer(a)
+        if la is None:
+            bad.append(f"{mods[a].relative_to(root)}: module {a} is in no layer; add it to tests/test_layers.py")
+            continue
+        for b, line in sorted(targets.items()):
+            lb = layer(b)
+            if lb is None:
+                continue  # reported as its own module above
+            at = f"{mods[a].relative_to(root)}:{line}: {a} ({la}) imports {b} ({lb})"
+            if RANK[lb] > RANK[la]:
+                bad.append(f"{at}: upward arrow")
+            elif la != lb and RANK[la] == RANK[lb]:
+                bad.append(f"{at}: {la} and {lb} must not import each other")
+            elif la == lb == "methods":
+                bad.append(f"{at}: methods share code only through core")
+    return bad
+
+
+def test_import_graph_is_a_layered_dag_without_private_crossings():
+    mods = package_modules()
+    edges, private = scan(mods)
+    problems = [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
+    problems += arrow_violations(edges, mods) + private
+    assert not problems, f"{len(problems)} layering violation(s):\n" + "\n".join(problems)
+
+
+def test_the_checker_sees_each_kind_of_violation(tmp_path):
+    """The checker itself: a planted cycle through a function-level import, an upward arrow, a method importing
+    a method, train importing eval, and both spellings of a private import are each reported."""
+    files = {
+        "models/target.py": "def f():\n    from models import registry\n",
+        "models/registry.py": "from models import target\n",
+        "models/eagle3.py": "from models import medusa\n",
+        "models/medusa.py": "from models.target import _fp\nfrom models import vocab\nvocab._x\n",
+        "models/vocab.py": "",
+        "train/loop.py": "import eval.decode\n",
+        "eval/decode.py": "",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    for pkg in ("models", "train", "eval", "data"):
+        (tmp_path / pkg).mkdir(exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    mods = package_modules(tmp_path)
+    edges, private = scan(mods, tmp_path)
+    found = "\n".join([str(c) for c in cycles(edges)] + arrow_violations(edges, mods, tmp_path) + private)
+    assert "['models.registry', 'models.target']" in found
+    assert "models.target (core) imports models.registry (registry): upward arrow" in found
+    assert "models.eagle3 (methods) imports models.medusa (methods): methods share code only through core" in found
+    assert "train.loop (train) imports eval.decode (eval): train and eval must not import each other" in found
+    assert "imports private models.target._fp" in found
+    assert "uses private models.vocab._x" in found
