@@ -45,7 +45,7 @@ test-fast: install
 # EAGLE-3's acceptance still climbs past the main job's 400 steps: the benchmark drafter trains longer.
 BENCH_EAGLE3_STEPS ?= 1000
 bench: install
-	@for r in eagle3 medusa mtp; do \
+	@for r in eagle3 medusa mtp dflash; do \
 		if [ ! -f runs/$$r/final/model.safetensors ]; then \
 			echo "bench: training the $$r drafter (runs/$$r/final absent)"; \
 			extra=""; [ $$r = eagle3 ] && extra="train.steps=$(BENCH_EAGLE3_STEPS)"; \

@@ -147,12 +147,14 @@ def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSett
             busy = pool.draft_s + pool.verify_s
             e["draft_frac"] = pool.draft_s / busy if busy else 0.0
             if m.kind == "ar":
-                e.update(k_mean=0.0, c=0.0, v=1.0, bound=1.0)
+                e.update(k_mean=0.0, c=0.0, c_round=0.0, v=1.0, bound=1.0)
             else:
                 k_mean = pool.drafted / pool.rounds if pool.rounds else float("nan")
                 c = pool.draft_s / costs["t_ar_step_s"][temp] / pool.drafted if pool.drafted else 0.0
                 v = pool.v_units / pool.rounds if pool.rounds else float("nan")
-                e.update(k_mean=k_mean, c=c, v=v, bound=pool.tau / (k_mean * c + v) if pool.rounds else float("nan"))
+                # c per drafted token; c_round = k_mean·c = drafting cost of one round (the unit for DFlash)
+                e.update(k_mean=k_mean, c=c, c_round=k_mean * c, v=v,
+                         bound=pool.tau / (k_mean * c + v) if pool.rounds else float("nan"))
             if e["speedup_robust"]["noisy"]:
                 log.warning("%s T=%g: speedup %.2f ± %.2f over repetitions is noisier than the effect; the "
                             "fastest-repetition estimate is %.2f (a loaded machine? raise repetitions)", m.name, temp,

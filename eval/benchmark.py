@@ -198,13 +198,18 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
     policy = {}
     for m in chains:
         pool = single["pools"][(m.name, s.batch_temperature)]
-        c = pool.draft_s / costs["t_ar_step_s"][s.batch_temperature] / pool.drafted if pool.drafted else 0.0
+        # c per drafted token, or per round for drafters that write the whole chain in one forward (DFlash)
+        per_round = m.proposer_spec() is not None and m.proposer_spec().draft_cost == "per_round"
+        units = pool.rounds if per_round else pool.drafted
+        c = pool.draft_s / costs["t_ar_step_s"][s.batch_temperature] / units if units else 0.0
         acc = pool.acceptance
-        by_b = {b: choose_k(acc, c, costs["batch"][b], b, int(m.k)) for b in sorted(costs["batch"])}
-        policy[m.name] = {"acceptance_by_pos": acc, "c": c, "k_max": int(m.k),
-                          "k_star": {b: k for b, (k, _) in by_b.items()},
+        by_b = {b: choose_k(acc, c, costs["batch"][b], b, int(m.k), per_round=per_round)
+                for b in sorted(costs["batch"])}
+        policy[m.name] = {"acceptance_by_pos": acc, "c": c, "c_unit": "round" if per_round else "token",
+                          "k_max": int(m.k), "k_star": {b: k for b, (k, _) in by_b.items()},
                           "predicted_speedup": {b: pred for b, (_, pred) in by_b.items()},
-                          "k_star_positive_b1": choose_k(acc, c, costs["batch"][1], 1, int(m.k), k_min=1)[0]}
+                          "k_star_positive_b1": choose_k(acc, c, costs["batch"][1], 1, int(m.k), k_min=1,
+                                                         per_round=per_round)[0]}
     batch = batch_sweep(target, chains, ids, s, policy, eos, mismatches) if s.batch_sizes and chains else None
 
     results: dict[str, Any] = {

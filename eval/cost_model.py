@@ -106,21 +106,25 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return total
 
 
-def predicted_speedup(acceptance: Sequence[float], c: float, w: Mapping[int, float], batch_size: int, k: int) -> float:
-    """Throughput of K-token chains over batched AR at batch B (cost model; c per drafted token, w in units of
-    one single-token forward):
-    E(K) · w_B(0) / (B·K·c + w_B(K)); the B proposers draft one after another, hence B·K·c. K = 0 → 1."""
+def predicted_speedup(acceptance: Sequence[float], c: float, w: Mapping[int, float], batch_size: int, k: int,
+                      per_round: bool = False) -> float:
+    """Throughput of K-token chains over batched AR at batch B (cost model; w in units of one single-token
+    forward): E(K) · w_B(0) / (B·K·c + w_B(K)), c per drafted token — or, for a drafter that writes the whole
+    chain in one forward (``per_round``: DFlash), E(K) · w_B(0) / (B·c + w_B(K)) with c per round. The B
+    proposers draft one after another, hence the factor B. K = 0 → 1."""
     if k == 0:
         return 1.0
-    return expected_tokens(acceptance, k) * interp(w, 0) / (batch_size * k * c + interp(w, k))
+    draft = batch_size * c * (1 if per_round else k)
+    return expected_tokens(acceptance, k) * interp(w, 0) / (draft + interp(w, k))
 
 
 def choose_k(
-    acceptance: Sequence[float], c: float, w: Mapping[int, float], batch_size: int, k_max: int, k_min: int = 0
+    acceptance: Sequence[float], c: float, w: Mapping[int, float], batch_size: int, k_max: int, k_min: int = 0,
+    per_round: bool = False,
 ) -> tuple[int, dict[int, float]]:
     """K* = argmax over K in k_min..k_max of ``predicted_speedup`` (K = 0: speculation off; ties → smaller K).
     Returns (K*, {K: predicted speedup})."""
-    pred = {k: predicted_speedup(acceptance, c, w, batch_size, k) for k in range(k_min, k_max + 1)}
+    pred = {k: predicted_speedup(acceptance, c, w, batch_size, k, per_round) for k in range(k_min, k_max + 1)}
     best = max(pred, key=lambda k: (pred[k], -k))
     return best, pred
 

@@ -474,5 +474,6 @@ SPEC = MethodSpec(
     name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
     export_formats=("dflash_speculators", "dflash_zlab"),
     proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o), {"k": None},
-                            prepare=lambda d, _p, o: {**o, "k": int(o["k"] or d.block_size - 1)}),),
+                            prepare=lambda d, _p, o: {**o, "k": int(o["k"] or d.block_size - 1)},
+                            draft_cost="per_round"),),
 )

@@ -275,6 +275,9 @@ def test_dynamic_k_policy_on_hand_made_tables():
                                             ((1, w1), (2, w2), (8, w8))]) == 8
     # unmeasured K are interpolated: v(1) between v(0) = 1.0 and v(2) = 1.2
     assert predicted_speedup(acc, c, {0: 1.0, 2: 1.2}, 1, 1) == pytest.approx(1.8 / (0.1 + 1.1))
+    # a block drafter (DFlash) pays c once per round whatever K: B=1, K=3 → 2.28/(0.1 + 1.3), not /(0.3 + 1.3)
+    k, pred = choose_k(acc, c, w1, 1, 3, per_round=True)
+    assert k == 2 and pred == pytest.approx({0: 1.0, 1: 1.8 / 1.2, 2: 2.2 / 1.3, 3: 2.28 / 1.4})
 
 
 def test_conversation_prompts_by_category(env, tmp_path):
