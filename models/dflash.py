@@ -18,7 +18,8 @@ vllm-project/speculators, SpecForge and ModelOpt):
 Training (teacher forced, one forward per batch): up to ``num_anchors`` random anchors per row, redrawn every
 step, inside the loss-masked region; all blocks of a row in one attention call with one [N·B, T+N·B] mask.
 Label of slot k = the target's greedy token at a+k (argmax of its logits at a+k−1; ``loss: kl`` distils the
-whole distribution), weight exp(−(k−1)/γ) (paper Eq. 4), D-PACE weights as an option. ``acc_{k-1}`` is the
+whole distribution), scored (``label_path: greedy``) only where tokens a+1..a+k−1 are themselves the target's
+greedy choices, i.e. where the label is what a verifier accepts after slots 1..k−1; weight exp(−(k−1)/γ) (paper Eq. 4), D-PACE weights as an option. ``acc_{k-1}`` is the
 agreement of slot k *given slots 1..k−1 agreed*, so ``simulated_tau`` of them is the expected accepted
 length of a greedy block.
 
@@ -55,6 +56,10 @@ class DFlashConfig:
     mask_token_id: int | None = None  # None → chosen at build time (an embedding row the data never uses)
     num_anchors: int = 32  # blocks per row per step (≈ T / B covers a row)
     loss: str = "ce"  # "ce": the target's greedy token; "kl": the target's distribution
+    # "greedy": slot k is scored only where the data's tokens a+1..a+k-1 are the target's own greedy choices, so
+    # its label is exactly what a greedy verifier accepts after slots 1..k-1 (on data the target did not write,
+    # a teacher-forced label conditions on tokens the accepted drafts would not be); "data": every slot
+    label_path: str = "greedy"
     decay_gamma: float | None = None  # None → 7 for B >= 16, else 4 (paper / ModelOpt recommendation)
     dpace: bool = False  # D-PACE position weights (arXiv 2605.18810), CE only
     dpace_alpha: float = 0.5
@@ -171,6 +176,8 @@ class DFlashDrafter(nn.Module):
         check_k("loss_chunk", cfg.loss_chunk)
         if cfg.loss not in ("ce", "kl"):
             raise ValueError(f"draft.config.loss={cfg.loss!r}: use 'ce' (target's token) or 'kl' (its distribution)")
+        if cfg.label_path not in ("greedy", "data"):
+            raise ValueError(f"draft.config.label_path={cfg.label_path!r}: use 'greedy' or 'data'")
         if cfg.dpace and cfg.loss != "ce":
             raise ValueError("draft.config.dpace=true needs loss=ce (D-PACE weights come from the CE of each slot)")
         ids = list(cfg.layer_ids) if cfg.layer_ids is not None else default_layer_ids(L, cfg.num_layers)
@@ -328,6 +335,12 @@ class DFlashDrafter(nn.Module):
         valid = keep[:, :, None] & (lab_pos < t)
         lab_pos = lab_pos.clamp_max(t - 1)
         valid &= loss_mask.gather(1, lab_pos.view(b, -1)).view_as(lab_pos).bool()
+        if self.cfg.label_path == "greedy":  # tokens a+1..a+k-1 must be the target's greedy path
+            on = torch.zeros_like(input_ids, dtype=torch.bool)
+            on[:, 1:] = input_ids[:, 1:] == target_logits[:, :-1].argmax(-1)  # token p = target's choice at p-1
+            on_k = on.gather(1, lab_pos.view(b, -1)).view_as(lab_pos)  # token a+k on the path
+            before = torch.cat([torch.ones_like(on_k[:, :, :1]), on_k[:, :, :-1]], dim=2)
+            valid &= torch.cumprod(before.long(), dim=2).bool()
         teacher = target_logits.gather(1, (lab_pos - 1).view(b, -1, 1).expand(-1, -1, target_logits.shape[-1]))
         teacher = teacher.view(b, n, blk - 1, -1)
         return self._scored(out, teacher, valid)

@@ -67,7 +67,7 @@ def test_block_mask_matches_a_visibility_table_by_hand(target):
 def test_slot_labels_are_the_targets_tokens_at_anchor_plus_k(target, monkeypatch):
     """Slot k of a block anchored at a is scored against argmax(target_logits[a+k-1]) = the target's token a+k;
     slot 0 is not scored; labels past the row's end or outside the loss mask are not scored."""
-    d = drafter(target, block_size=4, num_anchors=2)
+    d = drafter(target, block_size=4, num_anchors=2, label_path="data")
     t = 7
     logits = torch.full((1, t, V), -10.0)
     for pos in range(t):
@@ -89,6 +89,13 @@ def test_slot_labels_are_the_targets_tokens_at_anchor_plus_k(target, monkeypatch
     assert seen["valid"][0, 0].tolist() == [True, False, True]  # token 3 is masked
     # anchor 5: tokens 6, 7, 8 → only token 6 exists in a row of 7
     assert seen["label"][0, 1, 0].item() == 15
+    assert seen["valid"][0, 1].tolist() == [True, False, False]
+    # label_path=greedy: slot k only where tokens a+1..a+k-1 are the target's own choices (token p = 10+p-1)
+    d.cfg.label_path = "greedy"
+    on_path = torch.tensor([[0, 10, 11, 99, 13, 14, 15]])  # token 3 is off the target's greedy path
+    d.training_loss(on_path, torch.ones(1, t, dtype=torch.long), {k: torch.randn(1, t, 32) for k in d.layer_ids},
+                    logits)
+    assert seen["valid"][0, 0].tolist() == [True, True, False]  # slot 3 follows token 3: not the target's path
     assert seen["valid"][0, 1].tolist() == [True, False, False]
 
 
