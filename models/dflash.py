@@ -19,8 +19,9 @@ Training (teacher forced, one forward per batch): up to ``num_anchors`` random a
 step, inside the loss-masked region; all blocks of a row in one attention call with one [N·B, T+N·B] mask.
 Label of slot k = the target's greedy token at a+k (argmax of its logits at a+k−1; ``loss: kl`` distils the
 whole distribution), scored (``label_path: greedy``) only where tokens a+1..a+k−1 are themselves the target's
-greedy choices, i.e. where the label is what a verifier accepts after slots 1..k−1; weight exp(−(k−1)/γ) (paper Eq. 4), D-PACE weights as an option. ``acc_{k-1}`` is the
-agreement of slot k *given slots 1..k−1 agreed*, so ``simulated_tau`` of them is the expected accepted
+greedy choices, i.e. where the label is what a verifier accepts after slots 1..k−1; weight exp(−(k−1)/γ)
+(paper Eq. 4), D-PACE weights as an option. ``acc_{k-1}`` is the agreement of slot k *given slots 1..k−1
+agreed*, so ``simulated_tau`` of them is the expected accepted
 length of a greedy block.
 
 Inference: the drafter keeps a KV cache of the injected context only (per layer, positions 0..n−1); a round
