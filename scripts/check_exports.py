@@ -20,23 +20,16 @@ import torch
 
 from data.corpus import heldout_prompts
 from eval.decode import Sampling, accept_proposal, commit_kv, new_cache, prefill, verify_forward
-from models.eagle3 import Eagle3ChainProposer
+from models import registry
 from models.export import ExportError, export, load_export
-from models.medusa import MedusaProposer, load_static_tree
-from models.mtp import MTPProposer
 from models.registry import load_drafter
 from models.target import FrozenTarget
 
-FORMATS = {"eagle3": ["eagle3_native", "eagle3_speculators"], "medusa": ["medusa_fasterdecoding", "medusa_vllm"],
-           "mtp": ["mtp_deepseek", "mtp_sglang_nextn"]}
 
-
-def _proposer(method: str, drafter, ckpt: Path):
-    if method == "eagle3":
-        return Eagle3ChainProposer(drafter, k=5)
-    if method == "medusa":
-        return MedusaProposer(drafter, choices=load_static_tree(ckpt))
-    return MTPProposer(drafter)
+def _proposer(method: str, drafter, target: FrozenTarget, ckpt: Path):
+    """The method's first proposer with its defaults (its prepare step reads e.g. Medusa's saved tree)."""
+    name = registry.method(method).proposers[0].name
+    return registry.make_proposer_factory(name, drafter, target, str(ckpt))[0](None)
 
 
 @torch.no_grad()
@@ -76,7 +69,8 @@ def main() -> int:
     target = FrozenTarget.from_pretrained("tiny-code")
     prompts = [p["input_ids"] for p in heldout_prompts(target.tokenizer, args.prompts, 128)]
     ok = True
-    for method, fmts in FORMATS.items():
+    for method in registry.trainable_methods():
+        fmts = registry.method(method).export_formats
         ckpt = Path(args.runs) / method / "final"
         if not (ckpt / "model.safetensors").exists():
             print(f"{method:7s} -- no checkpoint at {ckpt}, skipped")
@@ -94,8 +88,8 @@ def main() -> int:
                 results = []
                 for ids in prompts:
                     ids = torch.as_tensor(ids).view(1, -1)
-                    results.append(same_proposals(target, _proposer(method, drafter, ckpt),
-                                                  _proposer(method, back, ckpt), ids, args.rounds))
+                    results.append(same_proposals(target, _proposer(method, drafter, target, ckpt),
+                                                  _proposer(method, back, target, ckpt), ids, args.rounds))
                 good = all(r[0] for r in results)
                 ok &= good
                 print(f"{method:7s} {fmt:22s} {'identical' if good else 'DIFFERENT'} proposals over "
