@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedConfig
 
-from models.drafter import simulated_tau, softcap
+from models.drafter import softcap
+from models.losses import distill_step, step_metrics, weighted_total
 from models.proposal import MAX_TREE_NODES, Proposal, Sampling
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
@@ -138,37 +139,28 @@ class MedusaHeads(nn.Module):
         cfg = self.cfg
         _, T = input_ids.shape
         logits = self(hidden[self.layer_ids[0]])  # [B, T, K, V]
-        total = logits.new_zeros((), dtype=torch.float32)
-        metrics: dict[str, float] = {}
-        accs: list[float] = []
+        losses, accs, counts, extra = [], [], [], {}
         for k in range(cfg.num_heads):
             n = max(T - 2 - k, 0)  # positions t = 0..n-1 have a token t+2+k inside the window
             lk = logits[:, :n, k].float()  # [B, n, V] head k at position t
             tl = target_logits[:, 1 + k : 1 + k + n].float()  # [B, n, V] target's dist. for token t+2+k
             m = loss_mask[:, 2 + k : 2 + k + n].bool()  # [B, n] is token t+2+k a training target
-            logp = F.log_softmax(lk, dim=-1)
-            if cfg.distill:
-                ce = -(F.softmax(tl, dim=-1) * logp).sum(-1)  # H(p_target, q_head)
-            else:
-                ce = -logp.gather(-1, input_ids[:, 2 + k : 2 + k + n, None]).squeeze(-1)
-            count = m.sum()
-            denom = count.clamp_min(1)
-            loss_k = torch.where(m, ce, 0.0).sum() / denom
-            total = total + cfg.step_weight**k * loss_k
-            tgt = tl.argmax(-1)  # [B, n] the target's greedy token t+2+k
-            acc_k = ((lk.argmax(-1) == tgt) & m).sum() / denom
-            metrics[f"loss_{k}"] = float(loss_k.detach())
-            metrics[f"acc_{k}"] = float(acc_k)
-            accs.append(float(acc_k))
+            labels = None if cfg.distill else input_ids[:, 2 + k : 2 + k + n]
+            loss_k, acc_k, count = distill_step(lk, tl, m, labels)
+            losses.append(loss_k)
+            accs.append(acc_k)
+            counts.append(count)
             if cfg.metric_top_k > 0:
+                tgt = tl.argmax(-1)  # [B, n] the target's greedy token t+2+k
                 top = lk.topk(min(cfg.metric_top_k, lk.shape[-1]), dim=-1).indices  # [B, n, j]
                 hit = top == tgt[..., None]
                 for j in range(1, cfg.metric_top_k + 1):
-                    metrics[f"top{j}_{k}"] = float((hit[..., :j].any(-1) & m).sum() / denom)
+                    extra[f"top{j}_{k}"] = float((hit[..., :j].any(-1) & m).sum() / count.clamp_min(1))
+        total = weighted_total(losses, cfg.step_weight)
         # Medusa accuracies are marginal, not conditional: head k is scored with the true prefix, not
         # given that heads 0..k-1 were right. Their product over-/under-states the joint acceptance
         # when errors correlate, so sim_tau is a rough guide for Medusa (exact for EAGLE-3's TTT accs).
-        metrics["sim_tau"] = simulated_tau(accs)
+        metrics = {**step_metrics(losses, accs, counts), **extra}
         metrics["loss"] = float(total.detach())
         return total, metrics
 

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from models.drafter import simulated_tau, softcap
+from models.drafter import softcap
+from models.losses import distill_step, step_metrics, weighted_total
 from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
@@ -240,34 +241,25 @@ class MTPDrafter(nn.Module):
         """
         cfg = self.cfg
         T = input_ids.shape[1]
-        per_depth = self(input_ids, hidden[self.layer_ids[0]])
-        total = hidden[self.layer_ids[0]].new_zeros((), dtype=torch.float32)
-        metrics: dict[str, float] = {}
-        accs: list[float] = []
+        h0 = hidden[self.layer_ids[0]]
+        per_depth = self(input_ids, h0)
+        losses, accs, counts = [], [], []
         for d in range(cfg.num_modules):
             k = d + 1
             n = max(T - 1 - k, 0)  # positions i whose predicted token i+1+k is inside the window
-            if d < len(per_depth):
-                lk = per_depth[d][:, :n].float()  # [B, n, V]
-            else:
-                lk = total.new_zeros(input_ids.shape[0], 0, self.vocab_size)
+            lk = per_depth[d][:, :n].float() if d < len(per_depth) else h0.new_zeros(h0.shape[0], 0,
+                                                                                        self.vocab_size)
             tl = target_logits[:, k : k + n].float()  # [B, n, V] target's distribution for token i+1+k
             m = loss_mask[:, k + 1 : k + 1 + n].bool()  # [B, n]
-            logp = F.log_softmax(lk, dim=-1)
-            if cfg.distill:
-                ce = -(F.softmax(tl, dim=-1) * logp).sum(-1)
-            else:
-                ce = -logp.gather(-1, input_ids[:, k + 1 : k + 1 + n, None]).squeeze(-1)
-            denom = m.sum().clamp_min(1)
-            loss_k = torch.where(m, ce, 0.0).sum() / denom
-            total = total + cfg.step_weight**d * loss_k
-            acc_k = ((lk.argmax(-1) == tl.argmax(-1)) & m).sum() / denom
-            metrics[f"loss_{d}"] = float(loss_k.detach())
-            metrics[f"acc_{d}"] = float(acc_k)
-            accs.append(float(acc_k))
+            labels = None if cfg.distill else input_ids[:, k + 1 : k + 1 + n]
+            loss_k, acc_k, count = distill_step(lk, tl, m, labels)
+            losses.append(loss_k)
+            accs.append(acc_k)
+            counts.append(count)
+        total = weighted_total(losses, cfg.step_weight)
         # Depth k is teacher-forced (true tokens t_{i+k}), not conditioned on earlier depths being right:
         # sim_tau multiplies these as if they were conditional acceptance rates (approximate).
-        metrics["sim_tau"] = simulated_tau(accs)
+        metrics = step_metrics(losses, accs, counts)
         metrics["loss"] = float(total.detach())
         return total, metrics
 
