@@ -80,6 +80,8 @@ class Method:
         if sized is not None:
             self.options = sized
             self.make = registry.factory(p, self.model, target, sized)
+            if p.k_option:  # a sized chain length (DFlash k: auto)
+                self.k = int(sized[p.k_option])
 
 
 @dataclass

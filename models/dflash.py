@@ -484,10 +484,36 @@ def _lm_head(target: FrozenTarget) -> Tensor:
     return target.model.get_output_embeddings().weight
 
 
+def _prepare_k(d: DFlashDrafter, _ckpt_dir: str | None, o: dict) -> dict:
+    auto = o["k"] in (None, "auto")
+    return {**o, "k": d.block_size - 1 if auto else int(o["k"]), "auto_size": o["k"] == "auto"}
+
+
+def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost) -> dict | None:
+    """``k: auto``: verify the k <= B-1 slots that maximise E(k) / v(k) — E from the held-out conditional slot
+    agreement saved with the checkpoint (final/eval.json, acc_0..), v the measured verify cost of k drafted
+    tokens. One draft forward writes every slot, so the draft cost does not grow with k."""
+    import json
+    from pathlib import Path
+
+    path = Path(ckpt_dir or "") / "eval.json"
+    if not o.get("auto_size") or not path.exists():
+        return None
+    ev = json.loads(path.read_text())
+    acc = [float(ev[f"acc_{i}"]) for i in range(d.block_size - 1) if f"acc_{i}" in ev]
+    pred, run, tau = {}, 1.0, 1.0
+    for k in range(1, len(acc) + 1):
+        run *= acc[k - 1]
+        tau += run
+        pred[k] = tau / float(verify_cost(k))
+    best = max(pred, key=pred.get)
+    return {**o, "k": best, "k_sized": {"k": best, "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
+
+
 SPEC = MethodSpec(
     name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
     export_formats=("dflash_speculators", "dflash_zlab"),
+    # k: null → the whole block (B-1); auto → sized by the cost model from the held-out slot agreement
     proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o), {"k": None},
-                            prepare=lambda d, _p, o: {**o, "k": int(o["k"] or d.block_size - 1)},
-                            draft_cost="per_round"),),
+                            prepare=_prepare_k, size=_size_k, draft_cost="per_round"),),
 )
