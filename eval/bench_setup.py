@@ -138,11 +138,13 @@ def load_prompts(tokenizer, n: int, prompt_tokens: int, source: str | Path | Non
     """Evaluation prompts.
 
     ``source`` None: held-out stdlib prefixes of ``prompt_tokens`` tokens (``data.corpus.heldout_prompts``,
-    category "code"). Otherwise a conversation ``.jsonl`` (MT-bench / Spec-Bench style): each row has an
-    optional ``category`` and either ``turns`` (list of user strings; the first turn is used) or
-    ``messages`` (OpenAI style; everything before the first assistant message is used). Rows are rendered
-    with the tokenizer's chat template plus the generation prompt; prompts longer than ``prompt_tokens``
-    are skipped (with a warning); ``n`` prompts are taken round-robin over categories, in file order.
+    category "code"). Otherwise a ``.jsonl`` whose rows each have an optional ``category`` and one of:
+    - ``prompt`` or ``text`` (a string): a completion prompt (HumanEval style, your own code), tokenized as is
+      (the tokenizer's own special tokens, e.g. bos) and cut to its first ``prompt_tokens`` tokens;
+    - ``turns`` (list of user strings; the first turn is used) or ``messages`` (OpenAI style; everything before
+      the first assistant message), MT-bench / Spec-Bench style: rendered with the tokenizer's chat template
+      plus the generation prompt; chat prompts longer than ``prompt_tokens`` are skipped (with a warning).
+    ``n`` prompts are taken round-robin over categories, in file order.
     """
     if n < 1 or prompt_tokens < 1:
         raise ValueError(f"n_prompts and prompt_tokens must be >= 1, got {n} and {prompt_tokens}")
@@ -168,14 +170,20 @@ def load_prompts(tokenizer, n: int, prompt_tokens: int, source: str | Path | Non
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {i + 1}: not valid JSON ({e.msg})") from None
-            messages = _prompt_messages(row, f"{path} line {i + 1}")
-            ids = tokenizer(render_chat(tokenizer, messages, add_generation_prompt=True),
-                            add_special_tokens=False)["input_ids"]
+            text = _completion_text(row, f"{path} line {i + 1}")
+            if text is not None:  # a completion prompt: its first prompt_tokens tokens, like the held-out prefixes
+                ids = tokenizer(text)["input_ids"][:prompt_tokens]
+            else:
+                messages = _prompt_messages(row, f"{path} line {i + 1}")
+                ids = tokenizer(render_chat(tokenizer, messages, add_generation_prompt=True),
+                                add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise ValueError(f"{path} line {i + 1}: the prompt is empty")
             if len(ids) > prompt_tokens:
                 too_long += 1
                 continue
             cat = str(row.get("category") or "default")
-            label = str(row.get("question_id", row.get("id", i)))
+            label = str(row.get("question_id", row.get("id", row.get("source", i))))
             by_cat.setdefault(cat, []).append(Prompt(list(ids), cat, label))
     if too_long:
         log.warning("%s: skipped %d prompts longer than prompt_tokens=%d", path, too_long, prompt_tokens)
@@ -188,6 +196,18 @@ def load_prompts(tokenizer, n: int, prompt_tokens: int, source: str | Path | Non
     if not out:
         raise ValueError(f"{path}: no usable prompts (of <= prompt_tokens={prompt_tokens} tokens)")
     return out
+
+
+def _completion_text(row: Any, where: str) -> str | None:
+    """A completion row's text (``prompt`` or ``text``), or None for a chat row."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be a JSON object")
+    key = "prompt" if "prompt" in row else "text" if "text" in row else None
+    if key is None:
+        return None
+    if not isinstance(row[key], str) or not row[key]:
+        raise ValueError(f"{where}: '{key}' must be a non-empty string")
+    return row[key]
 
 
 def _prompt_messages(row: Any, where: str) -> list[dict]:

@@ -308,9 +308,34 @@ def test_conversation_prompts_by_category(env, tmp_path):
         assert all(c["n_prompts"] == 1 and c["tokens_per_s"] > 0 for c in e["by_category"].values())
     assert "## Per category" in markdown(r)
 
-    path.write_text(json.dumps({"category": "x", "prompt": "hi"}) + "\n")
+    path.write_text(json.dumps({"category": "x", "question": "hi"}) + "\n")
     with pytest.raises(ValueError, match=r"line 1: needs 'turns'"):
         load_prompts(env.tok, 3, 64, path)
+    path.write_text(json.dumps({"category": "x", "prompt": 5}) + "\n")
+    with pytest.raises(ValueError, match=r"line 1: 'prompt' must be a non-empty string"):
+        load_prompts(env.tok, 3, 64, path)
+
+
+def test_completion_prompt_files(env, tmp_path):
+    """{"prompt"} / {"text"} rows (optional category) are raw completion prompts: tokenized as is, cut to their
+    first prompt_tokens tokens (no chat template), reported per category; the shipped out-of-domain set loads."""
+    code = "def add(a, b):\n    return a + b\n" * 20
+    rows = [{"prompt": code, "category": "humaneval", "source": "HumanEval/0"}, {"text": "for i in range(10):\n"},
+            {"prompt": "class Point:\n", "category": "humaneval"}]
+    path = tmp_path / "completions.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts = load_prompts(env.tok, 3, 16, path)
+    assert [p.category for p in prompts] == ["humaneval", "default", "humaneval"]
+    assert prompts[0].ids == env.tok(code)["input_ids"][:16] and prompts[0].label == "HumanEval/0"
+    assert prompts[1].ids == env.tok("for i in range(10):\n")["input_ids"]
+    methods, _ = build_methods(env.target, ["ngram"], options=OPTIONS)
+    r = run_benchmark(env.target, methods, prompts, settings(temperatures=[0], repetitions=1, batch_sizes=[],
+                                                             peers=False), prompt_source=str(path))
+    assert r["lossless"] and r["prompts"]["categories"] == {"humaneval": 2, "default": 1}
+    assert all(set(e["by_category"]) == {"humaneval", "default"} for e in r["runs"])
+    ood = Path(__file__).resolve().parent.parent / "eval" / "prompts" / "ood_python.jsonl"
+    shipped = load_prompts(env.tok, 8, 64, ood)
+    assert len(shipped) == 8 and {p.category for p in shipped} == {"hydra", "click", "filelock", "packaging"}
 
 
 def _one_line(excinfo) -> str:
