@@ -18,6 +18,7 @@ from eval.bench_stats import Pooled, first_diff, stats_of
 from eval.cost_model import crossover_batch_size
 from eval.decode import DecodeResult
 from eval.decode_batch import decode_ar_batch, speculative_decode_batch
+from eval.precision import Judge, failures
 from models.target import FrozenTarget
 
 
@@ -26,7 +27,8 @@ def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Tensor], s: BenchSettings,
-                 policy: Mapping[str, dict], eos: int | None, mismatches: dict[str, list]) -> dict:
+                 policy: Mapping[str, dict], eos: int | None, mismatches: dict[str, list],
+                 judge: Judge | None = None) -> dict:
     """``speculative_decode_batch`` (fixed K and the policy's K*) vs ``decode_ar_batch`` per batch size.
     Rows cycle through the prompts; every run at T=0 must reproduce batched AR row for row."""
     device = ids[0].device
@@ -76,8 +78,10 @@ def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Te
                 if temp == 0:
                     for row, (a, r) in enumerate(zip(ar_res, res)):
                         if a.tokens != r.tokens:
+                            d = (judge.divergence(row % len(ids), a.tokens, r.tokens) if judge is not None
+                                 else {"first_diff": first_diff(a.tokens, r.tokens)})
                             mismatches[m.name].append({"where": "batch", "batch_size": b, "k": k, "rep": rep,
-                                                       "row": row, "first_diff": first_diff(a.tokens, r.tokens)})
+                                                       "row": row, **d})
         ar_b = ar_tps[b]
         for m in chains:
             pol = policy[m.name]
@@ -105,6 +109,6 @@ def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Te
                                                                          for r in rows]),
             "speculation_off_from_batch_size": next((b for b in sizes if policy[m.name]["k_star"][b] == 0), None),
             "recommended_num_speculative_tokens": {b: policy[m.name]["k_star"][b] for b in sizes},
-            "lossless": not any(x["where"] == "batch" for x in mismatches[m.name]),
+            "lossless": not any(x["where"] == "batch" for x in failures(mismatches[m.name])),
         }
     return out

@@ -1,5 +1,6 @@
 """Benchmark accounting: per-round counts pooled over prompts and repetitions, repetition statistics, tokens/s,
-the T=0 lossless comparison and the per-(method, temperature) summaries of the single-sequence runs.
+the T=0 lossless comparison (divergences judged by eval/precision.py) and the per-(method, temperature)
+summaries of the single-sequence runs.
 
 Split out of eval/benchmark.py for readability (no behaviour change); eval/benchmark.py re-exports every name.
 """
@@ -15,6 +16,7 @@ from typing import Any
 from eval.bench_setup import BenchSettings, Method, Prompt
 from eval.cost_model import interp
 from eval.decode import DecodeResult
+from eval.precision import Judge, failures, first_diff
 
 log = logging.getLogger("eval")
 
@@ -66,16 +68,11 @@ def stats_of(xs: Sequence[float]) -> dict:
             "values": xs}
 
 
-def first_diff(a: Sequence[int], b: Sequence[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
-def lossless_single(tokens0: Mapping[str, list], names: Sequence[str]) -> dict[str, list[dict]]:
+def lossless_single(tokens0: Mapping[str, list], names: Sequence[str], judge: Judge | None = None
+                    ) -> dict[str, list[dict]]:
     """Every method's T=0 tokens against AR's, per repetition and prompt (AR also against its own first
-    repetition: a nondeterministic target would make every other check moot)."""
+    repetition: a nondeterministic target would make every other check moot). Each divergence is judged by
+    ``judge`` (its gap against the dtype's noise, eval/precision.py); without one it is a plain failure."""
     ar = tokens0["ar"]
     out: dict[str, list[dict]] = {n: [] for n in names}
     for name in names:
@@ -83,7 +80,8 @@ def lossless_single(tokens0: Mapping[str, list], names: Sequence[str]) -> dict[s
             ref = ar[0] if name == "ar" else ar[rep]
             for i, (a, b) in enumerate(zip(ref, toks)):
                 if a != b:
-                    out[name].append({"where": "single", "rep": rep, "prompt": i, "first_diff": first_diff(a, b)})
+                    d = judge.divergence(i, a, b) if judge is not None else {"first_diff": first_diff(a, b)}
+                    out[name].append({"where": "single", "rep": rep, "prompt": i, **d})
     return out
 
 
@@ -160,7 +158,7 @@ def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSett
                             "fastest-repetition estimate is %.2f (a loaded machine? raise repetitions)", m.name, temp,
                             e["speedup"]["median"], e["speedup"]["spread"], e["speedup_robust"]["min_time"])
             e["efficiency"] = e["decode_speedup"]["median"] / e["bound"]
-            e["lossless"] = (not mismatches[m.name]) if temp == 0 else None
+            e["lossless"] = (not failures(mismatches[m.name])) if temp == 0 else None
             e["vs_hf_prompt_lookup"] = tok_s["median"] / hf_pl["median"] if (temp == 0 and hf_pl) else None
             e["by_category"] = {
                 cat: {"n_prompts": len(idx), "tau": single["pools"][(*key, cat)].tau,

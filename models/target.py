@@ -48,13 +48,8 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_causal_lm(
-    name_or_path: str,
-    dtype: str | torch.dtype = "float32",
-    trust_remote_code: bool = False,
-    device: str = "cpu",
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load model + tokenizer by hub id or local path; eval mode, gradients off."""
+def check_target_path(name_or_path: str) -> str:
+    """The directory or hub id to load ``name_or_path`` from; a missing local target is one clear error."""
     path = resolve_name(name_or_path)
     if name_or_path == EMBEDDED_NAME and not (Path(path) / "model.safetensors").exists():
         raise FileNotFoundError(f"embedded target weights missing under {path}; "
@@ -62,6 +57,17 @@ def load_causal_lm(
     if str(name_or_path).startswith((".", "/", "~")) and not Path(path).expanduser().exists():
         # clearly a path: the hub's "Repo id must be in the form ..." would only confuse
         raise FileNotFoundError(f"target {name_or_path!r} does not exist (target.name_or_path / --target)")
+    return path
+
+
+def load_causal_lm(
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+    device: str = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load model + tokenizer by hub id or local path; eval mode, gradients off."""
+    path = check_target_path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=True

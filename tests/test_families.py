@@ -325,3 +325,21 @@ def test_train_every_recipe_two_steps_then_export_and_check(family, tmp_path):
                 continue
             assert export_main(argv) == 0, (family, fmt)
             assert export_main(["--check", str(e), "--target", str(tdir)]) == 0, (family, fmt)
+
+
+def test_regeneration_cache_is_per_target(tmp_path):
+    """Two targets never share regenerated data: same family, shape and tokenizer but other weights (only the
+    embedding fingerprint tells them apart) and another family each get their own cache file; the same target
+    again gets the same file (a reuse)."""
+    from data.sources import DataConfig, regen_cache_path
+
+    cfg = DataConfig(cache_dir=str(tmp_path))
+    prompts = [[5, 6, 7], [8, 9]]
+    a, tok = make_family("llama", seed=0)
+    b, tok_b = make_family("llama", seed=1)
+    q, tok_q = make_family("qwen2")
+    assert tok.get_vocab() == tok_b.get_vocab() and a.config.to_dict() == b.config.to_dict()
+    pa = regen_cache_path(cfg, a, tok, "code", prompts)
+    assert regen_cache_path(cfg, a, tok, "code", prompts) == pa
+    others = {regen_cache_path(cfg, b, tok_b, "code", prompts), regen_cache_path(cfg, q, tok_q, "code", prompts)}
+    assert len({pa, *others}) == 3

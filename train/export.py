@@ -8,6 +8,7 @@ CHECKPOINT is a directory written by train/ (e.g. OUTPUT_DIR/final). The target 
 the checkpoint (``tiny-code`` for the embedded target); the checkpoint is refused if it was trained for another
 target. The export is validated before it is written and again from disk; ``--check`` runs the same validator
 on any directory (exit status 2 and a one-line reason when it is not a valid export).
+Both read only the target's config, tokenizer, embedding and lm_head (models/target_view.py), never its decoder weights.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from models.export import CLI_FORMATS, ExportError, export, recommended_k_from_results, validate
-from models.target import EMBEDDED_NAME, FrozenTarget, parse_dtype, resolve_name
+from models.target import EMBEDDED_NAME, parse_dtype, resolve_name
+from models.target_view import TargetView
 
 
 def _default_target(meta: dict) -> str:
@@ -45,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> str:
     target = None
     if args.target:
-        target = FrozenTarget.from_pretrained(args.target)
+        target = TargetView.from_pretrained(args.target)
     fmt = validate(args.check, None, target)
     against = f" against {args.target}" if args.target else " (self-consistency only; pass --target to compare)"
     return f"{args.check}: valid {fmt} export{against}"
@@ -73,7 +75,7 @@ def _export(args: argparse.Namespace) -> str:
     except ValueError as e:
         raise ExportError(str(e)) from None
     name = args.target or _default_target(meta)
-    target = FrozenTarget.from_pretrained(name)
+    target = TargetView.from_pretrained(name)
     try:
         drafter, meta = load_drafter(ckpt, target)  # refuses a checkpoint trained for another target
     except ValueError as e:
