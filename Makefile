@@ -39,8 +39,9 @@ test: install lint
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# Benchmark every method on the embedded target: trains the three recipes' drafters (and the 2-layer
-# draft-model baseline) first when absent, then writes bench/results/{results.json,results.md,*.png}.
+# Benchmark every method on the embedded target: trains the recipes' drafters (and the 2-layer draft-model
+# baseline) first when absent, then writes bench/results/{results.json,results.md,*.png} (held-out stdlib
+# prompts) and bench/results_ood/ (out-of-domain Python: eval/prompts/ood_python.jsonl, no batch sweep).
 # Exits non-zero if any method is not lossless. Extra Hydra overrides: make bench BENCH_ARGS="n_prompts=4 batch_sizes=[1,4]"
 # EAGLE-3's acceptance still climbs past the main job's 400 steps: the benchmark drafter trains longer.
 BENCH_EAGLE3_STEPS ?= 1000
@@ -57,6 +58,7 @@ bench: install
 		$(BIN)/python -m train.build_tiny_code --draft --out runs/tiny_code_draft || exit 1; \
 	fi
 	$(BIN)/python -m eval out_dir=bench/results $(BENCH_ARGS)
+	$(BIN)/python -m eval out_dir=bench/results_ood prompts=eval/prompts/ood_python.jsonl "batch_sizes=[]" $(BENCH_ARGS)
 
 # Recompute tiny-code's held-out loss (README numbers).
 target-loss: install
