@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from eval.decode import device_time, new_cache
-from eval.decode_batch import batch_mask
+from eval.decode_result import device_time
+from eval.ladder import batch_mask, new_cache
 from eval.window import apply_window, batch_key_positions
 from models.target import FrozenTarget
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from eval import decode
+from eval import decode, ladder
 from eval.benchmark import (
     BenchSettings,
     Method,
@@ -238,7 +238,7 @@ def _accept_everything(proposal, logits, sampling):
 
 def test_lossless_check_catches_a_broken_verifier(env, monkeypatch):
     methods, _ = build_methods(env.target, ["eagle3"], env.ckpts, options=OPTIONS)
-    monkeypatch.setattr(decode, "accept_proposal", _accept_everything)
+    monkeypatch.setattr(ladder, "accept_proposal", _accept_everything)
     r = run_benchmark(env.target, methods, env.prompts, settings(temperatures=[0], repetitions=1, batch_sizes=[],
                                                                  peers=False))
     assert r["methods"]["ar"]["lossless"] is True  # AR never verifies
@@ -383,7 +383,7 @@ def test_cli_exit_status(env, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: top_p")
     # a verifier that accepts every draft: the harness notices and the CLI fails
-    monkeypatch.setattr(decode, "accept_proposal", _accept_everything)
+    monkeypatch.setattr(ladder, "accept_proposal", _accept_everything)
     argv = _cli_overrides(env, tmp_path, "methods=[ar,eagle3]", "batch_sizes=[]", "temperatures=[0]", "peers=false")
     assert _main_exit(monkeypatch, argv) == 1
     assert "lossless check failed for eagle3" in capsys.readouterr().err
