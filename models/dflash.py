@@ -37,8 +37,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
+from models.dflash_batch import DFlashBatchProposer
 from models.drafter import simulated_tau
-from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
+from models.proposal import PerRowProposers, Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget, validate_layer_ids
@@ -408,6 +409,15 @@ class DFlashProposer:
         self.sample_drafts = sample_drafts
         self.vocab_ids = drafter.draft_ids
         self.vocab_size = drafter.vocab_size
+
+    @classmethod
+    def batched(cls, rows: list[DFlashProposer]) -> DFlashBatchProposer | PerRowProposers:
+        """One proposer for a batch of these (models/dflash_batch.py: one block forward per round for all rows);
+        rows with different drafters or settings draft one after another instead."""
+        p0 = rows[0]
+        if any((p.drafter, p.k, p.sample_drafts) != (p0.drafter, p0.k, p0.sample_drafts) for p in rows):
+            return PerRowProposers(rows)
+        return DFlashBatchProposer(p0.drafter, p0.k, p0.sample_drafts)
 
     @torch.no_grad()
     def begin(self, tokens: Tensor, hidden: dict[int, Tensor], sampling: Sampling) -> None:
