@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from eval import decode, decode_batch
-from models.dflash import DFlashConfig, DFlashDrafter, DFlashProposer
-from models.dflash_batch import DFlashBatchProposer
+from models.dflash import DFlashBatchProposer, DFlashConfig, DFlashDrafter, DFlashProposer
 from models.ngram import NGramBatchProposer, NGramProposer
 from models.proposal import PerRowProposers, Sampling, batch_proposer
 from models.target import FrozenTarget
