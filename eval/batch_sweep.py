@@ -7,6 +7,7 @@ Split out of eval/benchmark.py for readability (no behaviour change); eval/bench
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,8 +17,9 @@ from tqdm.auto import tqdm
 from eval.bench_setup import BenchSettings, Method
 from eval.bench_stats import Pooled, first_diff, stats_of
 from eval.cost_model import crossover_batch_size
-from eval.decode import DecodeResult
 from eval.decode_batch import decode_ar_batch, speculative_decode_batch
+from eval.decode_result import DecodeResult
+from models.proposal import Sampling
 from models.target import FrozenTarget
 
 
@@ -31,6 +33,7 @@ def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Te
     Rows cycle through the prompts; every run at T=0 must reproduce batched AR row for row."""
     device = ids[0].device
     temp = s.batch_temperature
+    sampling = Sampling(temp, s.top_p, s.top_k)
     reps = range(s.repetitions)
     ar_tps: dict[int, list[float]] = {}
     per: dict[str, list[dict]] = {m.name: [] for m in chains}
@@ -40,13 +43,18 @@ def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Te
     def one(b: int, m: Method | None, k: int | None, rep: int | None) -> list[DecodeResult]:
         rows = [ids[i % len(ids)][0] for i in range(b)]
         gen = None if temp == 0 else seeded_generator(device, s.seed + 104729 * (rep or 0) + b)
+        samp = replace(sampling, generator=gen)
         if m is None:
-            return decode_ar_batch(target, rows, s.max_new_tokens, temp, s.top_p, s.top_k, gen, eos)
-        return speculative_decode_batch(target, [m.make(k) for _ in range(b)], rows, s.max_new_tokens, temp,
-                                        s.top_p, s.top_k, gen, eos)
+            return decode_ar_batch(target, rows, s.max_new_tokens, eos_id=eos, sampling=samp)
+        # one batched proposer for the b rows (a batched drafter drafts them all in one forward per round)
+        return speculative_decode_batch(target, [m.make(k) for _ in range(b)], rows, s.max_new_tokens, eos_id=eos,
+                                        sampling=samp)
 
     def tps(res: list[DecodeResult]) -> float:
         return sum(len(r.tokens) for r in res) / res[0].total_s  # timings are the batch's, shared by its rows
+
+    def draft_per_round(res: list[DecodeResult]) -> float:
+        return res[0].draft_s / max(max(r.rounds for r in res), 1)  # shared seconds / the batch's rounds
 
     for b in s.batch_sizes:
         configs: list[tuple[Method | None, int | None, str]] = [(None, None, "ar")]
@@ -59,6 +67,7 @@ def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Te
             for _ in range(s.warmup):
                 one(b, m, k, None)
         measured: dict[tuple[str, str], list[float]] = {}
+        drafting: dict[str, list[float]] = {}
         pools: dict[str, Pooled] = {}
         for rep in reps:
             ar_res = None
@@ -71,6 +80,7 @@ def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Te
                     continue
                 measured.setdefault((m.name, tag), []).append(tps(res))
                 if tag == "fixed":
+                    drafting.setdefault(m.name, []).append(draft_per_round(res))
                     for r in res:
                         pools.setdefault(m.name, Pooled()).add(r, None)
                 if temp == 0:
@@ -89,6 +99,7 @@ def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Te
                 "batch_size": b, "k": int(m.k), "tokens_per_s": stats_of(fixed),
                 "speedup": stats_of([f / a for f, a in zip(fixed, ar_b)]), "tau": pools[m.name].tau,
                 "predicted_speedup": pol["predicted_speedup"][b][int(m.k)],
+                "draft_s_per_round": stats_of(drafting[m.name]),
                 "dynamic": {"k": ks, "predicted_speedup": pol["predicted_speedup"][b][ks], "measured_as": dyn_src,
                             "tokens_per_s": stats_of(dyn), "speedup": stats_of([d / a for d, a in zip(dyn, ar_b)])},
             })

@@ -9,7 +9,8 @@ What is checked:
   through the per-row adapter;
 - sampled batched DFlash drafting keeps the target's exact distribution (χ²) for two prompts of different
   lengths in one batch;
-- trees batch too (per-row masks): greedy EAGLE-3 trees of 3 ragged rows equal per-row AR.
+- trees batch too (per-row masks): greedy EAGLE-3 / Medusa trees of 3 ragged rows equal per-row AR;
+- the draft-cost microbenchmark times one batched forward per round.
 """
 
 from __future__ import annotations
@@ -129,6 +130,21 @@ def test_one_drafter_forward_per_round_for_all_rows(target, monkeypatch):  # noq
     res = decode_batch.speculative_decode_batch(target, PerRowProposers([DFlashProposer(d) for _ in ps]), ps, N)
     assert len(calls) == sum(sum(x > 0 for x in r.drafted) for r in res) > 2 * len(drafting)  # one per row
     assert set(calls) == {1}
+
+
+def test_draft_cost_microbenchmark_times_one_batched_forward_per_round(target, monkeypatch):  # noqa: F811
+    """measure_draft_costs drives the same batched proposer as the engine: one block forward of all B rows per
+    timed round (reps + 1 rounds per (B, K)), so the policy's d_B(K) is a batched round, not B of them."""
+    from eval.cost_model import measure_draft_costs
+
+    d = drafter(target)
+    calls = []
+    blocks = d.blocks
+    monkeypatch.setattr(d, "blocks", lambda *a, **kw: (calls.append(a[0].shape[0]), blocks(*a, **kw))[1])
+    secs = measure_draft_costs(target, lambda k: DFlashProposer(d, k=k), ragged_prompts(target.vocab_size),
+                               [1, 3], [1, 2], reps=2)
+    assert set(secs) == {1, 3} and all(set(v) == {1, 2} and min(v.values()) > 0 for v in secs.values())
+    assert calls == [1] * 6 + [3] * 6  # (B=1: K=1, K=2) x 3 rounds, then B=3 likewise: one forward each
 
 
 def test_sampled_batched_dflash_reproduces_target_distribution():
