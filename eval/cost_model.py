@@ -104,8 +104,8 @@ def measure_draft_costs(target: FrozenTarget, make: Callable[[int | None], Any],
     """Seconds of one batched drafting round {B: {K: s}}: B rows (the prompts cycled, [T] each) begin on a
     prefilled target, then ``reps`` timed rounds of propose(K for every row) + accept(one token per row) through
     ``batch_proposer([make(K)] * B)`` — the same proposer object the batched engine drives. The fastest round
-    after an untimed one (noise only ever adds time). The hidden rows handed to accept are the prompts' own
-    (shapes, not values, set the cost)."""
+    after an untimed one (noise only ever adds time). Each accept hands every row its first draft + one more
+    token (a round that accepted one) and copies of a prompt's hidden row (shapes, not values, set the cost)."""
     device = target.model.device
     out: dict[int, dict[int, float]] = {}
     for b in sorted(set(batch_sizes)):
@@ -116,12 +116,14 @@ def measure_draft_costs(target: FrozenTarget, make: Callable[[int | None], Any],
             pre, _, logits = prefill(target, rows, new_cache(target), list(bp.layer_ids))
             first = logits.argmax(-1)
             bp.begin([torch.cat([r, first[i : i + 1]]) for i, r in enumerate(rows)], pre.hidden, Sampling())
-            one = {h: v[:, :1] for h, v in pre.hidden.items()}
             samples = []
             for r in range(reps + 1):
                 t = device_time(device)
                 props = bp.propose([k] * b)
-                bp.accept([p.tokens[:1] if p.size else first[i : i + 1] for i, p in enumerate(props)], one)
+                # as in a round: the first draft accepted (when there is one) + the target's next token
+                new = [torch.cat([p.tokens[:1].to(device), first[i : i + 1]]) for i, p in enumerate(props)]
+                width = max(x.shape[0] for x in new)
+                bp.accept(new, {h: v[:, :1].expand(-1, width, -1) for h, v in pre.hidden.items()})
                 if r:
                     samples.append(device_time(device) - t)
             out[b][k] = min(samples)
