@@ -106,6 +106,7 @@ from eval.cost_model import (
 )
 from eval.decode import DecodeResult, decode_ar, speculative_decode
 from eval.peers import hf_generate, peer_runs, peer_summaries
+from models.proposal import Sampling
 from models.target import FrozenTarget
 
 __all__ = [
@@ -130,10 +131,11 @@ __all__ = [
 # --------------------------------------------------------------------------------------------- the run
 def _decode_one(target: FrozenTarget, m: Method, proposer: Any, ids: Tensor, s: BenchSettings, temperature: float,
                 gen: torch.Generator | None, eos: int | None) -> DecodeResult:
+    sampling = Sampling(temperature, s.top_p, s.top_k, gen)
     if m.kind == "ar":
-        return decode_ar(target, ids, s.max_new_tokens, temperature, s.top_p, s.top_k, gen, eos)
+        return decode_ar(target, ids, s.max_new_tokens, eos_id=eos, sampling=sampling)
     fn = m.decode or speculative_decode
-    return fn(target, proposer, ids, s.max_new_tokens, temperature, s.top_p, s.top_k, gen, eos)
+    return fn(target, proposer, ids, s.max_new_tokens, eos_id=eos, sampling=sampling)
 
 
 def _env(threads: int, device: torch.device, target: FrozenTarget) -> dict:

@@ -220,8 +220,8 @@ def test_json_report_and_plots_are_written(full, tmp_path):
     assert "recommended_num_speculative_tokens=" in console_summary(full)
 
 
-def _perturb_last(target, proposer, ids, max_new, *args):
-    r = decode.speculative_decode(target, proposer, ids, max_new, *args)
+def _perturb_last(target, proposer, ids, max_new, **kw):
+    r = decode.speculative_decode(target, proposer, ids, max_new, **kw)
     r.tokens[-1] = (r.tokens[-1] + 1) % target.vocab_size
     return r
 
