@@ -7,8 +7,9 @@
             to the widest row; positions lens[a] + depth; a 4D mask when any row needs one (a tree, or a row
             whose cache holds padding past its valid prefix): row a sees its own valid prefix [0, lens[a]),
             its root, and its nodes' ancestors (chains: causal)
-        accept: models/verify.py — one row or trees: the B=1 rules per row (``accept_proposal``); chains of
-            several rows: the batched chain rules in one call (padding: see ``accept``)
+        accept: models/verify.py — chains of several rows: the batched chain rules in one call (padding: see
+            ``accept``); sampled trees sharing one topology: the batched tree rule in one call; otherwise (one
+            row, trees of different shapes, greedy trees) the B=1 rules per row (``accept_proposal``)
         commit_kv: per row, move [root, accepted nodes] to lens[a].. and crop to the longest row
         proposer.accept(new tokens, the target's hidden states for them); finished rows leave the batch
 
@@ -166,11 +167,15 @@ def accept(props: Sequence[Proposal], logits: Tensor, sampling: Sampling,
            pad_id: int = 0) -> list[tuple[list[int], int]]:
     """Per row (accepted node indices, next token) from logits [A, W, V].
 
-    One row, or any tree: ``accept_proposal`` per row on its unpadded logits. Chains of several rows: one call of
+    Sampled trees sharing one topology (same parents, all sampled or all deterministic drafts): one call of
+    ``speculative_sample_tree_batch``. One row, or other trees: ``accept_proposal`` per row on its unpadded
+    logits. Chains of several rows: one call of
     the batched chain rules on the drafts right-padded with ``pad_id`` (q = a point mass on the pad). A row whose
     pad at position k_a was accepted stops there: the pad *is* that position's token — a draw from p (accept
     w.p. p(pad), else the residual p − δ_pad) — so truncating keeps the output exact.
     """
+    if len(props) > 1 and shared_sampled_tree(props, sampling):
+        return accept_tree_batch(props, logits, sampling)
     if len(props) == 1 or not all(p.is_chain for p in props):
         return [accept_proposal(p, logits[a, : p.size + 1], sampling) for a, p in enumerate(props)]
     device = logits.device
@@ -188,6 +193,26 @@ def accept(props: Sequence[Proposal], logits: Tensor, sampling: Sampling,
         n, nxt = verify.speculative_sample_chain_batch(drafts, q, sampling.probs(logits), sampling.generator)
     last = torch.where(n > k, torch.full_like(nxt, pad_id), nxt)
     return [(list(range(na)), la) for na, la in zip(torch.minimum(n, k).tolist(), last.tolist())]
+
+
+def shared_sampled_tree(props: Sequence[Proposal], sampling: Sampling) -> bool:
+    """Whether the rows' proposals are sampled-mode trees of one topology the batched tree rule can take."""
+    p0 = props[0]
+    if sampling.greedy or p0.is_chain or p0.size == 0:
+        return False
+    return all(not p.is_chain and p.size == p0.size and (p.q is None) == (p0.q is None)
+               and torch.equal(p.parents.cpu(), p0.parents.cpu()) for p in props)
+
+
+def accept_tree_batch(props: Sequence[Proposal], logits: Tensor, sampling: Sampling) -> list[tuple[list[int], int]]:
+    """Trees of one topology, every row in one call of models/verify.py's batched tree rule."""
+    device = logits.device
+    toks = torch.stack([p.tokens.to(device) for p in props])
+    p = sampling.probs(logits)  # [A, N+1, V]
+    q = None if props[0].q is None else torch.stack([x.q.to(device=device, dtype=p.dtype) for x in props])
+    path, n, nxt = verify.speculative_sample_tree_batch(toks, props[0].parents, q, p, sampling.generator,
+                                                        deterministic=q is None)
+    return [(pa[:na], x) for pa, na, x in zip(path.tolist(), n.tolist(), nxt.tolist())]
 
 
 # --------------------------------------------------------------------------------------------- bookkeeping

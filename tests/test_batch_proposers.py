@@ -186,3 +186,57 @@ def test_trees_batch_with_per_row_masks():
         res = decode_batch.speculative_decode_batch(tgt, [make_proposer(name, tgt, dr) for _ in ps], ps, 17)
         assert [r.tokens for r in res] == [decode.decode_ar(tgt, p, 17).tokens for p in ps]
         assert sum(sum(r.accepted) for r in res) > 0, name  # the per-row tree compaction ran
+
+
+class FixedTreeProposer:
+    """Every row, every round: the tree parents [-1, -1, 0, 1] (two depth-2 paths), siblings sampled i.i.d.
+    from q0 or deterministic distinct tokens — one topology for all rows, so the batched tree rule takes them."""
+
+    layer_ids: list[int] = []
+
+    def __init__(self, q0: torch.Tensor, g: torch.Generator, sampled: bool):
+        self.q0, self.g, self.sampled = q0, g, sampled
+
+    def begin(self, tokens, hidden, sampling):
+        pass
+
+    def accept(self, tokens, hidden):
+        pass
+
+    def propose(self, max_depth: int):
+        from models.proposal import Proposal
+
+        parents = torch.tensor([-1, -1, 0, 1]) if max_depth >= 2 else torch.tensor([-1, -1])
+        n, v = parents.shape[0], self.q0.shape[0]
+        if self.sampled:
+            toks = torch.multinomial(self.q0, n, replacement=True, generator=self.g)
+            return Proposal(tokens=toks, parents=parents, q=self.q0.expand(n, v).clone())
+        first = torch.randperm(v, generator=self.g)[:2]
+        return Proposal(tokens=torch.cat([first, torch.randint(v, (n - 2,), generator=self.g)]), parents=parents)
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_batched_shared_topology_trees_reproduce_target_distribution(sampled, monkeypatch):
+    """8 rows whose trees share one topology are accepted by ONE call of the batched tree rule (the first round;
+    later rows with smaller budgets draft smaller trees, accepted row by row), and the first 4 tokens of each
+    row follow the target's exact joint (χ²)."""
+    from models import verify
+
+    calls = []
+    batched = verify.speculative_sample_tree_batch
+    monkeypatch.setattr(verify, "speculative_sample_tree_batch",
+                        lambda toks, *a, **kw: (calls.append(toks.shape[0]), batched(toks, *a, **kw))[1])
+    small = FrozenTarget(sharp_tiny_llama(5))
+    prompt = torch.tensor([0, 2, 1])
+    exact = exact_joint(small, prompt[None], 4, Sampling(1.0))
+    gen, g = torch.Generator().manual_seed(21), torch.Generator().manual_seed(22)
+    q0 = torch.tensor([0.4, 0.2, 0.4])
+    samples, accepted = [], 0
+    for _ in range(60):
+        res = decode_batch.speculative_decode_batch(small, [FixedTreeProposer(q0, g, sampled) for _ in range(8)],
+                                                    [prompt] * 8, 4, sampling=Sampling(1.0, generator=gen))
+        samples += [tuple(r.tokens) for r in res]
+        accepted += sum(sum(r.accepted) for r in res)
+    assert len(calls) >= 60 and calls[0] == 8  # every batch's first round: all 8 rows in one call
+    assert accepted > 100
+    assert chi2_pvalue(samples, exact) > 1e-3
