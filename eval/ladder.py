@@ -231,10 +231,11 @@ def commit_kv(cache: DynamicCache, lens: Tensor, start: int, paths: Sequence[lis
             src += s
             dst += range(n0, n0 + len(s))
     if rows:
-        r, s, d = (torch.tensor(x, dtype=torch.long, device=device) for x in (rows, src, dst))
+        idx = [torch.tensor(x, dtype=torch.long) for x in (rows, src, dst)]
         for layer in cache.layers:
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                 continue
+            r, s, d = (x.to(layer.keys.device) for x in idx)
             layer.keys[r, :, d] = layer.keys[r, :, s]  # the RHS is a copy: overlapping ranges are safe
             layer.values[r, :, d] = layer.values[r, :, s]
     keep = lens + 1 + torch.tensor([len(p) for p in paths], dtype=torch.long, device=device)
