@@ -37,7 +37,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from eval import ladder
-from eval.decode_result import DecodeResult, check_prompt, check_proposal, device_time
+from eval.decode_result import DecodeResult, check_prompt, check_proposal, device_time, resolve_sampling
 from eval.ladder import accept_proposal, new_cache, sample_token
 from models.proposal import MAX_TREE_NODES, PerRowProposers, Proposal, Proposer, Sampling
 from models.target import FrozenTarget, TargetOutput
@@ -117,7 +117,7 @@ def decode_ar(
     """Plain autoregressive decoding with a KV cache: one target forward per token (the baseline). Kept as its
     own lean loop (no proposer, one host sync per token only when an eos is given) so the baseline carries no
     engine overhead. ``sampling`` replaces the four scalars when given."""
-    sampling = sampling or Sampling(temperature, top_p, top_k, generator)
+    sampling = resolve_sampling(sampling, temperature, top_p, top_k, generator)
     prompt_ids = check_prompt(prompt_ids, max_new_tokens)
     device = prompt_ids.device
     res = DecodeResult(tokens=[])
@@ -163,7 +163,7 @@ def speculative_decode(
     Each round drafts at most ``max_new_tokens - generated - 1`` tokens deep (a round emits accepted + 1),
     so the run never overshoots and the last rounds may draft fewer tokens.
     """
-    sampling = sampling or Sampling(temperature, top_p, top_k, generator)
+    sampling = resolve_sampling(sampling, temperature, top_p, top_k, generator)
     prompt_ids = check_prompt(prompt_ids, max_new_tokens)
     return ladder.decode(target, PerRowProposers([proposer]), [prompt_ids[0]], max_new_tokens, sampling, eos_id,
                          max_nodes=max_nodes)[0]

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from eval import ladder
-from eval.decode_result import DecodeResult
+from eval.decode_result import DecodeResult, resolve_sampling
 from models.proposal import MAX_TREE_NODES, BatchProposer, Proposal, Proposer, Sampling, batch_proposer
 
 __all__ = ["NoDrafts", "speculative_decode_batch", "decode_ar_batch"]
@@ -57,7 +57,7 @@ def speculative_decode_batch(
     or one ``BatchProposer`` for all rows. ``sampling`` replaces the four scalars when given; drafts of
     different lengths are right-padded with ``pad_id`` (see ``ladder.accept``: exact even where the pad is a
     real token). Each row's result counts the rounds it took part in; timings are the batch's (shared)."""
-    sampling = sampling or Sampling(temperature, top_p, top_k, generator)
+    sampling = resolve_sampling(sampling, temperature, top_p, top_k, generator)
     if isinstance(proposers, Sequence):
         if len(proposers) != len(prompts) or not prompts:
             raise ValueError(f"need one proposer per prompt, got {len(proposers)} proposers for {len(prompts)} "
@@ -78,5 +78,5 @@ def decode_ar_batch(
     sampling: Sampling | None = None,
 ) -> list[DecodeResult]:
     """Batched autoregressive baseline: the batched engine with empty drafts (one token per row per forward)."""
-    sampling = sampling or Sampling(temperature, top_p, top_k, generator)
+    sampling = resolve_sampling(sampling, temperature, top_p, top_k, generator)
     return ladder.decode(target, NoDrafts(), prompts, max_new_tokens, sampling, eos_id)

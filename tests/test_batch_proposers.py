@@ -240,3 +240,18 @@ def test_batched_shared_topology_trees_reproduce_target_distribution(sampled, mo
     assert len(calls) >= 60 and calls[0] == 8  # every batch's first round: all 8 rows in one call
     assert accepted > 100
     assert chi2_pvalue(samples, exact) > 1e-3
+
+
+def test_sampling_object_or_scalars_not_both(target):  # noqa: F811
+    """The public decoders take a Sampling object (what the ladder passes) or the four scalars: the same run
+    either way, and a one-line error when both are given (a setting would otherwise be silently ignored)."""
+    p = ragged_prompts(target.vocab_size)[0]
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    for fn in (decode.decode_ar, lambda t, x, n, **kw: decode.speculative_decode(t, NGramProposer(), x, n, **kw),
+               lambda t, x, n, **kw: decode_batch.speculative_decode_batch(t, [NGramProposer()], [x], n, **kw)[0],
+               lambda t, x, n, **kw: decode_batch.decode_ar_batch(t, [x], n, **kw)[0]):
+        a = fn(target, p, 8, temperature=0.9, top_k=5, generator=g())
+        b = fn(target, p, 8, sampling=Sampling(0.9, top_k=5, generator=g()))
+        assert a.tokens == b.tokens
+        with pytest.raises(ValueError, match="not both"):
+            fn(target, p, 8, temperature=0.9, sampling=Sampling(0.9))
