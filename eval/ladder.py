@@ -236,6 +236,11 @@ def commit_kv(cache: DynamicCache, lens: Tensor, start: int, paths: Sequence[lis
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                 continue
             r, s, d = (x.to(layer.keys.device) for x in idx)
+            if len(paths) == 1:  # one row: a contiguous destination, one index_select per tensor (cheaper)
+                lo, hi = dst[0], dst[-1] + 1
+                layer.keys[..., lo:hi, :] = layer.keys.index_select(-2, s)
+                layer.values[..., lo:hi, :] = layer.values.index_select(-2, s)
+                continue
             layer.keys[r, :, d] = layer.keys[r, :, s]  # the RHS is a copy: overlapping ranges are safe
             layer.values[r, :, d] = layer.values[r, :, s]
     keep = lens + 1 + torch.tensor([len(p) for p in paths], dtype=torch.long, device=device)
