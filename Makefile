@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= $(shell nproc)
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install train test test-fast lint bench target-loss clean
+.PHONY: install train test test-fast lint bench gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -59,6 +59,10 @@ bench: install
 	fi
 	$(BIN)/python -m eval out_dir=bench/results $(BENCH_ARGS)
 	$(BIN)/python -m eval out_dir=bench/results_ood prompts=eval/prompts/ood_python.jsonl "batch_sizes=[]" $(BENCH_ARGS)
+
+# On a CUDA machine: every recipe a few bf16 steps, lossless decode, absolute tokens/s (scripts/gpu_check.py).
+gpu-check: install
+	$(BIN)/python scripts/gpu_check.py $(GPU_ARGS)
 
 # Recompute tiny-code's held-out loss (README numbers).
 target-loss: install

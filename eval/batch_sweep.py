@@ -16,9 +16,10 @@ from tqdm.auto import tqdm
 from eval.bench_setup import BenchSettings, Method
 from eval.bench_stats import Pooled, first_diff, stats_of
 from eval.cost_model import crossover_batch_size
-from eval.decode import DecodeResult
 from eval.decode_batch import decode_ar_batch, speculative_decode_batch
+from eval.decode_result import DecodeResult
 from eval.precision import Judge, failures
+from models.proposal import Sampling
 from models.target import FrozenTarget
 
 
@@ -27,88 +28,126 @@ def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Tensor], s: BenchSettings,
-                 policy: Mapping[str, dict], eos: int | None, mismatches: dict[str, list],
-                 judge: Judge | None = None) -> dict:
+                policy: Mapping[str, dict], eos: int | None, mismatches: dict[str, list],
+                judge: Judge | None = None) -> dict:
     """``speculative_decode_batch`` (fixed K and the policy's K*) vs ``decode_ar_batch`` per batch size.
-    Rows cycle through the prompts; every run at T=0 must reproduce batched AR row for row."""
-    device = ids[0].device
-    temp = s.batch_temperature
-    reps = range(s.repetitions)
+    Rows cycle through the prompts; every run at T=0 must reproduce batched AR row for row. The ladder: per batch
+    size ``configs`` → ``measure_batch`` (warmup, then every repetition of every config) → ``by_batch_row`` per
+    method; then ``method_summary`` per method."""
+    n_runs = sum(len(configs(b, chains, policy)) for b in s.batch_sizes)
+    bar = tqdm(total=n_runs * s.repetitions, desc="batch", disable=not s.progress, leave=False)
     ar_tps: dict[int, list[float]] = {}
     per: dict[str, list[dict]] = {m.name: [] for m in chains}
-    n_runs = sum(1 + sum(1 + (policy[m.name]["k_star"][b] not in (0, m.k)) for m in chains) for b in s.batch_sizes)
-    bar = tqdm(total=n_runs * s.repetitions, desc="batch", disable=not s.progress, leave=False)
-
-    def one(b: int, m: Method | None, k: int | None, rep: int | None) -> list[DecodeResult]:
-        rows = [ids[i % len(ids)][0] for i in range(b)]
-        gen = None if temp == 0 else seeded_generator(device, s.seed + 104729 * (rep or 0) + b)
-        if m is None:
-            return decode_ar_batch(target, rows, s.max_new_tokens, temp, s.top_p, s.top_k, gen, eos)
-        return speculative_decode_batch(target, [m.make(k) for _ in range(b)], rows, s.max_new_tokens, temp,
-                                        s.top_p, s.top_k, gen, eos)
-
-    def tps(res: list[DecodeResult]) -> float:
-        return sum(len(r.tokens) for r in res) / res[0].total_s  # timings are the batch's, shared by its rows
-
     for b in s.batch_sizes:
-        configs: list[tuple[Method | None, int | None, str]] = [(None, None, "ar")]
+        got = measure_batch(target, ids, s, b, configs(b, chains, policy), eos, mismatches, bar, judge)
+        ar_tps[b] = got["ar"]
         for m in chains:
-            configs.append((m, int(m.k), "fixed"))
-            ks = policy[m.name]["k_star"][b]
-            if ks not in (0, m.k):
-                configs.append((m, ks, "dynamic"))
-        for m, k, _ in configs:
-            for _ in range(s.warmup):
-                one(b, m, k, None)
-        measured: dict[tuple[str, str], list[float]] = {}
-        pools: dict[str, Pooled] = {}
-        for rep in reps:
-            ar_res = None
-            for m, k, tag in configs:
-                res = one(b, m, k, rep)
-                bar.update()
-                if m is None:
-                    ar_res = res
-                    ar_tps.setdefault(b, []).append(tps(res))
-                    continue
-                measured.setdefault((m.name, tag), []).append(tps(res))
-                if tag == "fixed":
-                    for r in res:
-                        pools.setdefault(m.name, Pooled()).add(r, None)
-                if temp == 0:
-                    for row, (a, r) in enumerate(zip(ar_res, res)):
-                        if a.tokens != r.tokens:
-                            d = (judge.divergence(row % len(ids), a.tokens, r.tokens) if judge is not None
-                                 else {"first_diff": first_diff(a.tokens, r.tokens)})
-                            mismatches[m.name].append({"where": "batch", "batch_size": b, "k": k, "rep": rep,
-                                                       "row": row, **d})
-        ar_b = ar_tps[b]
-        for m in chains:
-            pol = policy[m.name]
-            ks = pol["k_star"][b]
-            fixed = measured[(m.name, "fixed")]
-            dyn_src = "run" if ks not in (0, m.k) else ("ar" if ks == 0 else "fixed")
-            dyn = {"run": measured.get((m.name, "dynamic")), "ar": ar_b, "fixed": fixed}[dyn_src]
-            per[m.name].append({
-                "batch_size": b, "k": int(m.k), "tokens_per_s": stats_of(fixed),
-                "speedup": stats_of([f / a for f, a in zip(fixed, ar_b)]), "tau": pools[m.name].tau,
-                "predicted_speedup": pol["predicted_speedup"][b][int(m.k)],
-                "dynamic": {"k": ks, "predicted_speedup": pol["predicted_speedup"][b][ks], "measured_as": dyn_src,
-                            "tokens_per_s": stats_of(dyn), "speedup": stats_of([d / a for d, a in zip(dyn, ar_b)])},
-            })
+            per[m.name].append(by_batch_row(m, b, policy[m.name], got))
     bar.close()
-    out: dict[str, Any] = {"temperature": temp, "batch_sizes": list(s.batch_sizes),
-                           "ar_tokens_per_s": {b: stats_of(v) for b, v in ar_tps.items()}, "methods": {}}
-    for m in chains:
-        rows = per[m.name]
-        sizes = [r["batch_size"] for r in rows]
-        out["methods"][m.name] = {
-            "k_fixed": int(m.k), "by_batch": rows,
-            "crossover_batch_size": crossover_batch_size(sizes, [r["speedup"]["median"] for r in rows]),
-            "dynamic_crossover_batch_size": crossover_batch_size(sizes, [r["dynamic"]["speedup"]["median"]
-                                                                         for r in rows]),
-            "speculation_off_from_batch_size": next((b for b in sizes if policy[m.name]["k_star"][b] == 0), None),
-            "recommended_num_speculative_tokens": {b: policy[m.name]["k_star"][b] for b in sizes},
-            "lossless": not any(x["where"] == "batch" for x in failures(mismatches[m.name])),
-        }
+    out: dict[str, Any] = {"temperature": s.batch_temperature, "batch_sizes": list(s.batch_sizes),
+                           "ar_tokens_per_s": {b: stats_of(v) for b, v in ar_tps.items()},
+                           "methods": {m.name: method_summary(m, per[m.name], policy[m.name], mismatches[m.name])
+                                       for m in chains}}
     return out
+
+
+Run = tuple[Method | None, int | None, str]  # (method or None = AR, K, "ar" | "fixed" | "dynamic")
+
+
+def configs(b: int, chains: Sequence[Method], policy: Mapping[str, dict]) -> list[Run]:
+    """The runs at batch size b: AR, every method at its fixed K, and at the policy's K*(b) where that differs
+    (K* = 0 is AR, K* = K the fixed run: neither is run twice)."""
+    out: list[Run] = [(None, None, "ar")]
+    for m in chains:
+        out.append((m, int(m.k), "fixed"))
+        ks = policy[m.name]["k_star"][b]
+        if ks not in (0, m.k):
+            out.append((m, ks, "dynamic"))
+    return out
+
+
+def run_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings, b: int, m: Method | None,
+              k: int | None, rep: int | None, eos: int | None) -> list[DecodeResult]:
+    """One batched run: b rows cycling through the prompts, AR (m None) or method m at K = k."""
+    device = ids[0].device
+    rows = [ids[i % len(ids)][0] for i in range(b)]
+    gen = None if s.batch_temperature == 0 else seeded_generator(device, s.seed + 104729 * (rep or 0) + b)
+    sampling = Sampling(s.batch_temperature, s.top_p, s.top_k, gen)
+    if m is None:
+        return decode_ar_batch(target, rows, s.max_new_tokens, eos_id=eos, sampling=sampling)
+    # one batched proposer for the b rows (a batched drafter drafts them all in one forward per round)
+    return speculative_decode_batch(target, [m.make(k) for _ in range(b)], rows, s.max_new_tokens, eos_id=eos,
+                                    sampling=sampling)
+
+
+def tokens_per_s(res: list[DecodeResult]) -> float:
+    return sum(len(r.tokens) for r in res) / res[0].total_s  # timings are the batch's, shared by its rows
+
+
+def draft_per_round(res: list[DecodeResult]) -> float:
+    return res[0].draft_s / max(max(r.rounds for r in res), 1)  # shared seconds / the batch's rounds
+
+
+def measure_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings, b: int,
+                  runs: list[Run], eos: int | None, mismatches: dict[str, list],
+                  bar: Any, judge: Judge | None = None) -> dict:
+    """Warm up, then every repetition of every run at batch size b → {"ar": [tokens/s per rep],
+    (name, tag): [tokens/s per rep], ("draft", name): [fixed-K draft s per round], ("pool", name): Pooled}; T=0
+    runs that differ from batched AR are appended to ``mismatches``."""
+    for m, k, _ in runs:
+        for _ in range(s.warmup):
+            run_batch(target, ids, s, b, m, k, None, eos)
+    got: dict[Any, Any] = {"ar": []}
+    for rep in range(s.repetitions):
+        ar_res = None
+        for m, k, tag in runs:
+            res = run_batch(target, ids, s, b, m, k, rep, eos)
+            bar.update()
+            if m is None:
+                ar_res = res
+                got["ar"].append(tokens_per_s(res))
+                continue
+            got.setdefault((m.name, tag), []).append(tokens_per_s(res))
+            if tag == "fixed":
+                got.setdefault(("draft", m.name), []).append(draft_per_round(res))
+                for r in res:
+                    got.setdefault(("pool", m.name), Pooled()).add(r, None)
+            if s.batch_temperature == 0:
+                for row, (a, r) in enumerate(zip(ar_res, res)):
+                    if a.tokens != r.tokens:  # judged against the dtype's noise (eval/precision.py)
+                        d = (judge.divergence(row % len(ids), a.tokens, r.tokens) if judge is not None
+                             else {"first_diff": first_diff(a.tokens, r.tokens)})
+                        mismatches[m.name].append({"where": "batch", "batch_size": b, "k": k, "rep": rep,
+                                                   "row": row, **d})
+    return got
+
+
+def by_batch_row(m: Method, b: int, pol: dict, got: dict) -> dict:
+    """Method m's results at batch size b: fixed K measured, and the dynamic K* (measured as its own run, as
+    AR when K* = 0, or as the fixed run when K* = K)."""
+    ar_b = got["ar"]
+    ks = pol["k_star"][b]
+    fixed = got[(m.name, "fixed")]
+    dyn_src = "run" if ks not in (0, m.k) else ("ar" if ks == 0 else "fixed")
+    dyn = {"run": got.get((m.name, "dynamic")), "ar": ar_b, "fixed": fixed}[dyn_src]
+    return {
+        "batch_size": b, "k": int(m.k), "tokens_per_s": stats_of(fixed),
+        "speedup": stats_of([f / a for f, a in zip(fixed, ar_b)]), "tau": got[("pool", m.name)].tau,
+        "predicted_speedup": pol["predicted_speedup"][b][int(m.k)],
+        "draft_s_per_round": stats_of(got[("draft", m.name)]),
+        "dynamic": {"k": ks, "predicted_speedup": pol["predicted_speedup"][b][ks], "measured_as": dyn_src,
+                    "tokens_per_s": stats_of(dyn), "speedup": stats_of([d / a for d, a in zip(dyn, ar_b)])},
+    }
+
+
+def method_summary(m: Method, rows: list[dict], pol: dict, mismatches: list) -> dict:
+    """Method m over the batch sizes: crossovers (fixed and dynamic), where the policy turns speculation off."""
+    sizes = [r["batch_size"] for r in rows]
+    return {
+        "k_fixed": int(m.k), "by_batch": rows,
+        "crossover_batch_size": crossover_batch_size(sizes, [r["speedup"]["median"] for r in rows]),
+        "dynamic_crossover_batch_size": crossover_batch_size(sizes, [r["dynamic"]["speedup"]["median"] for r in rows]),
+        "speculation_off_from_batch_size": next((b for b in sizes if pol["k_star"][b] == 0), None),
+        "recommended_num_speculative_tokens": {b: pol["k_star"][b] for b in sizes},
+        "lossless": not any(x["where"] == "batch" for x in failures(mismatches)),
+    }

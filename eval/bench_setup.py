@@ -41,9 +41,10 @@ class Method:
 
     ``make(k)`` returns a fresh proposer (``k`` overrides the chain length; None = the method's own) — the
     batch engine needs one per row, and the dynamic policy other K. ``decode`` replaces
-    ``speculative_decode`` for one sequence (another engine measured by the same harness; the tests use it to
-    break a method on purpose). ``model`` is the module the proposer wraps (the HF draft model is also the
-    assisted-generation peer's assistant).
+    ``speculative_decode`` for one sequence, called as (target, proposer, ids, max_new_tokens, eos_id=...,
+    sampling=...) (another engine measured by the same harness; the tests use it to break a method on purpose).
+    ``model`` is the module the proposer wraps (the HF draft model is also the assisted-generation peer's
+    assistant).
     """
 
     name: str

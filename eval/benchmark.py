@@ -25,17 +25,20 @@ their tokens equal our AR's, and each of our methods' tokens/s relative to HF pr
 
 Batch sweep (chain methods; ``speculative_decode_batch`` vs ``decode_ar_batch``): tokens/s and speedup per
 batch size, the crossover batch size (the first with speedup < 1, else null), and a dynamic speculation
-policy: K*(B) = argmax_K E[tokens | K] · w_B(0) / (B·K·c + w_B(K)), with E from the measured per-position
-acceptance and w_B(K) the measured cost of a B-row, (K+1)-token verify forward (K* = 0: speculation off),
-measured against the fixed K. ``recommended_num_speculative_tokens`` (batch 1) is what train/export.py
-``--results`` reads.
+policy: K*(B) = argmax_K E[tokens | K] · w_B(0) / (d_B(K) + w_B(K)), with E from the measured per-position
+acceptance, w_B(K) the measured cost of a B-row, (K+1)-token verify forward and d_B(K) the measured cost of one
+batched drafting round for all B rows (``measure_draft_costs`` through the method's batched proposer, scaled to
+the in-situ K·c at B=1; not the B·K·c of B proposers drafting one after another) (K* = 0: speculation off),
+measured against the fixed K; each batch row records the drafting seconds per round it actually spent.
+``recommended_num_speculative_tokens`` (batch 1) is what train/export.py ``--results`` reads.
 
 Results schema (``run_benchmark``'s dict; ``write_json`` turns int keys into strings and NaN into null):
 
     schema_version 1, created_utc, env {python, torch, transformers, threads, interop_threads, cpu_count,
         machine, processor, device, dtype[, gpu]}, target {identity()..., dtype, params},
     settings {BenchSettings fields}, prompts {source, n, categories {cat: n}, tokens {mean, min, max}, labels},
-    cost_model {prefix_len, reps, t_target_s, t_ar_step_s {T: s}, verify {K: v(K)}, batch {B: {K: w_B(K)}}},
+    cost_model {prefix_len, reps, t_target_s, t_ar_step_s {T: s}, verify {K: v(K)}, batch {B: {K: w_B(K)}},
+        draft_s_per_round {chain method: {B: {K: s}}}},
     precision {dtype, exact, noise, threshold, slack, noise_positions, noise_width} (eval/precision.py),
     methods {name: {kind, k, chain, checkpoint, options, lossless, mismatches [..20], n_mismatches, n_tolerated,
         divergences [{where, rep, prompt|row.., first_diff, ar_token, token, gap, top2_gap, noise, threshold,
@@ -49,10 +52,11 @@ Results schema (``run_benchmark``'s dict; ``write_json`` turns int keys into str
         vs_hf_prompt_lookup (T=0), by_category {cat: {n_prompts, tau, acceptance_by_pos, tokens_per_s, speedup}}}],
     peers {hf_greedy | hf_prompt_lookup | hf_assisted: {temperature 0, settings, tokens_per_s, speedup_vs_ar,
         matches_ar}},
-    policy {chain method: {acceptance_by_pos, c, k_max, k_star {B: K*}, predicted_speedup {B: {K: s}},
-        k_star_positive_b1}},
+    policy {chain method: {acceptance_by_pos, c, k_max, draft_per_round {B: {K: d_B(K)}}, k_star {B: K*},
+        predicted_speedup {B: {K: s}}, k_star_positive_b1}},
     batch null | {temperature, batch_sizes, ar_tokens_per_s {B: stats}, methods {name: {k_fixed,
-        by_batch [{batch_size, k, tokens_per_s, speedup, tau, predicted_speedup, dynamic {k, predicted_speedup,
+        by_batch [{batch_size, k, tokens_per_s, speedup, tau, predicted_speedup, draft_s_per_round (stats over
+        repetitions of the fixed-K runs' drafting seconds per batch round), dynamic {k, predicted_speedup,
         measured_as run|fixed|ar, tokens_per_s, speedup}}], crossover_batch_size, dynamic_crossover_batch_size,
         speculation_off_from_batch_size, recommended_num_speculative_tokens {B: K*}, lossless}}},
     recommended_for, recommended_num_speculative_tokens (K* at batch 1, 0 = AR is faster; for the exporter),
@@ -95,10 +99,20 @@ from eval.bench_setup import (
     load_prompts,
 )
 from eval.bench_stats import Pooled, lossless_single, summaries
-from eval.cost_model import choose_k, crossover_batch_size, expected_tokens, interp, measure_costs, predicted_speedup
+from eval.cost_model import (
+    choose_k,
+    crossover_batch_size,
+    draft_round_costs,
+    expected_tokens,
+    interp,
+    measure_costs,
+    measure_draft_costs,
+    predicted_speedup,
+)
 from eval.decode import DecodeResult, decode_ar, speculative_decode
 from eval.peers import hf_generate, peer_runs, peer_summaries
 from eval.precision import Judge, failures
+from models.proposal import Sampling
 from models.target import FrozenTarget
 
 __all__ = [
@@ -108,6 +122,8 @@ __all__ = [
     "load_prompts",
     "build_methods",
     "measure_costs",
+    "measure_draft_costs",
+    "draft_round_costs",
     "expected_tokens",
     "predicted_speedup",
     "choose_k",
@@ -121,10 +137,11 @@ __all__ = [
 # --------------------------------------------------------------------------------------------- the run
 def _decode_one(target: FrozenTarget, m: Method, proposer: Any, ids: Tensor, s: BenchSettings, temperature: float,
                 gen: torch.Generator | None, eos: int | None) -> DecodeResult:
+    sampling = Sampling(temperature, s.top_p, s.top_k, gen)
     if m.kind == "ar":
-        return decode_ar(target, ids, s.max_new_tokens, temperature, s.top_p, s.top_k, gen, eos)
+        return decode_ar(target, ids, s.max_new_tokens, eos_id=eos, sampling=sampling)
     fn = m.decode or speculative_decode
-    return fn(target, proposer, ids, s.max_new_tokens, temperature, s.top_p, s.top_k, gen, eos)
+    return fn(target, proposer, ids, s.max_new_tokens, eos_id=eos, sampling=sampling)
 
 
 def _env(threads: int, device: torch.device, target: FrozenTarget) -> dict:
@@ -173,6 +190,30 @@ def run_benchmark(
         hf_logging.set_verbosity(verbosity)
 
 
+def dynamic_policy(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Tensor], s: BenchSettings,
+                   single: dict, costs: dict) -> dict:
+    """Per chain method: acceptance and c from the batch temperature's B=1 runs, the drafting cost per round
+    d_B(K) measured for every batch size (``measure_draft_costs``, recorded in ``costs["draft_s_per_round"]``),
+    and K*(B) = the argmax of the predicted speedup."""
+    policy = {}
+    sizes = sorted(costs["batch"])
+    costs["draft_s_per_round"] = {}
+    for m in chains:
+        pool = single["pools"][(m.name, s.batch_temperature)]
+        c = pool.draft_s / costs["t_ar_step_s"][s.batch_temperature] / pool.drafted if pool.drafted else 0.0
+        acc = pool.acceptance
+        seconds = measure_draft_costs(target, m.make, ids, sizes, range(1, int(m.k) + 1), s.cost_reps)
+        costs["draft_s_per_round"][m.name] = seconds
+        draft = draft_round_costs(c, int(m.k), seconds)
+        by_b = {b: choose_k(acc, c, costs["batch"][b], b, int(m.k), draft=draft[b]) for b in sizes}
+        policy[m.name] = {"acceptance_by_pos": acc, "c": c, "k_max": int(m.k), "draft_per_round": draft,
+                          "k_star": {b: k for b, (k, _) in by_b.items()},
+                          "predicted_speedup": {b: pred for b, (_, pred) in by_b.items()},
+                          "k_star_positive_b1": choose_k(acc, c, costs["batch"][1], 1, int(m.k), k_min=1,
+                                                         draft=draft[1])[0]}
+    return policy
+
+
 def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSettings,
          skipped: Mapping[str, str] | None, prompt_source: str | None) -> dict:
     device = target.model.device
@@ -203,22 +244,7 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
     mismatches = lossless_single(single["tokens0"], [m.name for m in methods], judge)
     runs = summaries(methods, prompts, s, single, costs, mismatches)
 
-    # ---- dynamic policy (per chain method: acceptance and c from the batch temperature's B=1 runs)
-    policy = {}
-    for m in chains:
-        pool = single["pools"][(m.name, s.batch_temperature)]
-        # c per drafted token, or per round for drafters that write the whole chain in one forward (DFlash)
-        per_round = m.proposer_spec() is not None and m.proposer_spec().draft_cost == "per_round"
-        units = pool.rounds if per_round else pool.drafted
-        c = pool.draft_s / costs["t_ar_step_s"][s.batch_temperature] / units if units else 0.0
-        acc = pool.acceptance
-        by_b = {b: choose_k(acc, c, costs["batch"][b], b, int(m.k), per_round=per_round)
-                for b in sorted(costs["batch"])}
-        policy[m.name] = {"acceptance_by_pos": acc, "c": c, "c_unit": "round" if per_round else "token",
-                          "k_max": int(m.k), "k_star": {b: k for b, (k, _) in by_b.items()},
-                          "predicted_speedup": {b: pred for b, (_, pred) in by_b.items()},
-                          "k_star_positive_b1": choose_k(acc, c, costs["batch"][1], 1, int(m.k), k_min=1,
-                                                         per_round=per_round)[0]}
+    policy = dynamic_policy(target, chains, ids, s, single, costs)
     batch = (batch_sweep(target, chains, ids, s, policy, eos, mismatches, judge)
              if s.batch_sizes and chains else None)
 

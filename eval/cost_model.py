@@ -2,21 +2,26 @@
 
 ``measure_costs`` times v(K) (a (K+1)-token verify forward) and w_B(K) (a B-row one) in units of one single-token
 forward; ``expected_tokens`` / ``predicted_speedup`` / ``choose_k`` turn per-position acceptance and the draft
-cost c into K*(B); ``crossover_batch_size`` finds where speculation stops paying (formulas: eval/benchmark.py's
-docstring). Split out of eval/benchmark.py for readability (no behaviour change); eval/benchmark.py re-exports
-every name.
+cost into K*(B); ``crossover_batch_size`` finds where speculation stops paying (formulas: eval/benchmark.py's
+docstring). ``measure_draft_costs`` times one batched drafting round (propose + accept for all B rows, through
+the method's batched proposer) per B and K, so the policy uses the measured cost of drafting a batch instead of
+assuming B·K·c (B proposers one after another; a batched drafter such as DFlash costs about one forward).
+eval/benchmark.py re-exports every name.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
+from torch import Tensor
 
-from eval.decode import device_time, new_cache
-from eval.decode_batch import batch_mask
+from eval.decode_result import device_time
+from eval.ladder import batch_mask, new_cache, prefill
 from eval.window import apply_window, batch_key_positions
+from models.proposal import Sampling, batch_proposer
 from models.target import FrozenTarget
 
 
@@ -93,6 +98,38 @@ def interp(table: Mapping[int, float], x: float) -> float:
     return table[b] + (table[b] - table[a]) * (x - b) / (b - a)
 
 
+@torch.no_grad()
+def measure_draft_costs(target: FrozenTarget, make: Callable[[int | None], Any], prompts: Sequence[Tensor],
+                        batch_sizes: Sequence[int], ks: Sequence[int], reps: int = 3) -> dict[int, dict[int, float]]:
+    """Seconds of one batched drafting round {B: {K: s}}: B rows (the prompts cycled, [T] each) begin on a
+    prefilled target, then ``reps`` timed rounds of propose(K for every row) + accept(one token per row) through
+    ``batch_proposer([make(K)] * B)`` — the same proposer object the batched engine drives. The fastest round
+    after an untimed one (noise only ever adds time). Each accept hands every row its first draft + one more
+    token (a round that accepted one) and copies of a prompt's hidden row (shapes, not values, set the cost)."""
+    device = target.model.device
+    out: dict[int, dict[int, float]] = {}
+    for b in sorted(set(batch_sizes)):
+        rows = [prompts[i % len(prompts)].reshape(-1) for i in range(b)]
+        out[b] = {}
+        for k in sorted(set(ks)):
+            bp = batch_proposer([make(k) for _ in range(b)])
+            pre, _, logits = prefill(target, rows, new_cache(target), list(bp.layer_ids))
+            first = logits.argmax(-1)
+            bp.begin([torch.cat([r, first[i : i + 1]]) for i, r in enumerate(rows)], pre.hidden, Sampling())
+            samples = []
+            for r in range(reps + 1):
+                t = device_time(device)
+                props = bp.propose([k] * b)
+                # as in a round: the first draft accepted (when there is one) + the target's next token
+                new = [torch.cat([p.tokens[:1].to(device), first[i : i + 1]]) for i, p in enumerate(props)]
+                width = max(x.shape[0] for x in new)
+                bp.accept(new, {h: v[:, :1].expand(-1, width, -1) for h, v in pre.hidden.items()})
+                if r:
+                    samples.append(device_time(device) - t)
+            out[b][k] = min(samples)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- policy
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     """E[tokens per round] of a K-token chain: 1 + Σ_{j≤K} Π_{i≤j} α_i (α_i = P(accept depth i | reached it);
@@ -107,26 +144,34 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 
 
 def predicted_speedup(acceptance: Sequence[float], c: float, w: Mapping[int, float], batch_size: int, k: int,
-                      per_round: bool = False) -> float:
+                      draft: Mapping[int, float] | None = None) -> float:
     """Throughput of K-token chains over batched AR at batch B (cost model; w in units of one single-token
-    forward): E(K) · w_B(0) / (B·K·c + w_B(K)), c per drafted token — or, for a drafter that writes the whole
-    chain in one forward (``per_round``: DFlash), E(K) · w_B(0) / (B·c + w_B(K)) with c per round. The B
-    proposers draft one after another, hence the factor B. K = 0 → 1."""
+    forward): E(K) · w_B(0) / (d_B(K) + w_B(K)), d_B(K) the cost of drafting one round for all B rows — the
+    measured ``draft`` {K: d_B(K)} (same units) when given, else B·K·c (c per drafted token, the B proposers one
+    after another). K = 0 → 1."""
     if k == 0:
         return 1.0
-    draft = batch_size * c * (1 if per_round else k)
-    return expected_tokens(acceptance, k) * interp(w, 0) / (draft + interp(w, k))
+    d = interp(draft, k) if draft else batch_size * k * c
+    return expected_tokens(acceptance, k) * interp(w, 0) / (d + interp(w, k))
 
 
 def choose_k(
     acceptance: Sequence[float], c: float, w: Mapping[int, float], batch_size: int, k_max: int, k_min: int = 0,
-    per_round: bool = False,
+    draft: Mapping[int, float] | None = None,
 ) -> tuple[int, dict[int, float]]:
     """K* = argmax over K in k_min..k_max of ``predicted_speedup`` (K = 0: speculation off; ties → smaller K).
     Returns (K*, {K: predicted speedup})."""
-    pred = {k: predicted_speedup(acceptance, c, w, batch_size, k, per_round) for k in range(k_min, k_max + 1)}
+    pred = {k: predicted_speedup(acceptance, c, w, batch_size, k, draft) for k in range(k_min, k_max + 1)}
     best = max(pred, key=lambda k: (pred[k], -k))
     return best, pred
+
+
+def draft_round_costs(c: float, k_ref: int, seconds: Mapping[int, Mapping[int, float]]) -> dict[int, dict[int, float]]:
+    """{B: {K: d_B(K)}} in the units of c: the in-situ B=1 cost of a K_ref round (K_ref·c, measured while
+    decoding) scaled by the microbenchmark's d_B(K) / d_1(K_ref) — so the shape over B and K is measured and the
+    level is the real engine's (B=1, K_ref reproduces K_ref·c exactly)."""
+    ref = seconds[1][k_ref]
+    return {b: {k: k_ref * c * s / ref if ref > 0 else 0.0 for k, s in by_k.items()} for b, by_k in seconds.items()}
 
 
 def crossover_batch_size(batch_sizes: Sequence[int], speedups: Sequence[float]) -> int | None:

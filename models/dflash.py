@@ -40,7 +40,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
 from models.drafter import simulated_tau
-from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
+from models.proposal import PerRowProposers, Proposal, Sampling, chain_proposal, check_k, pick_token
+from models.ragged import RaggedKV
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget, validate_layer_ids
@@ -423,6 +424,15 @@ class DFlashProposer:
         self.vocab_ids = drafter.draft_ids
         self.vocab_size = drafter.vocab_size
 
+    @classmethod
+    def batched(cls, rows: list[DFlashProposer]) -> DFlashBatchProposer | PerRowProposers:
+        """One proposer for a batch of these (models/dflash_batch.py: one block forward per round for all rows);
+        rows with different drafters or settings draft one after another instead."""
+        p0 = rows[0]
+        if any((p.drafter, p.k, p.sample_drafts) != (p0.drafter, p0.k, p0.sample_drafts) for p in rows):
+            return PerRowProposers(rows)
+        return DFlashBatchProposer(p0.drafter, p0.k, p0.sample_drafts)
+
     @torch.no_grad()
     def begin(self, tokens: Tensor, hidden: dict[int, Tensor], sampling: Sampling) -> None:
         self.sampling = sampling
@@ -462,6 +472,64 @@ class DFlashProposer:
             toks.append(tok)
             qs.append(q)
         return chain_proposal(toks, qs, self.anchor.device)
+
+
+class DFlashBatchProposer:
+    """``BatchProposer`` (models/proposal.py) for a DFlash drafter: ONE block forward per round for all rows.
+
+    Rows differ in context length n_a, so the draft cache is ragged (models/ragged.py): ``propose`` runs every
+    row's block at its own positions n_a..n_a+B−1 in one ``blocks`` call with a mask hiding each row's cache
+    padding (none when all rows have the same length); ``accept`` projects all rows' new context features in
+    one ``context`` / ``context_kv`` call. Drafts equal the B=1 ``DFlashProposer``'s up to float rounding."""
+
+    def __init__(self, drafter: DFlashDrafter, k: int, sample_drafts: bool = True):
+        self.drafter = drafter.eval()
+        self.layer_ids = list(drafter.layer_ids)
+        self.k, self.sample_drafts = int(k), sample_drafts
+        self.vocab_ids, self.vocab_size = drafter.draft_ids, drafter.vocab_size
+
+    @torch.no_grad()
+    def begin(self, tokens: list[Tensor], hidden: dict[int, Tensor], sampling: Sampling) -> None:
+        self.sampling = sampling
+        self.cache = RaggedKV(len(tokens), tokens[0].device)
+        self.accept([t[:-1] for t in tokens], hidden)  # the prompts' states, then the first token as anchor
+        self.anchor = torch.stack([t[-1] for t in tokens]).long()
+
+    @torch.no_grad()
+    def accept(self, tokens: list[Tensor], hidden: dict[int, Tensor]) -> None:
+        device = self.cache.n.device
+        self.anchor = torch.stack([t[-1] for t in tokens]).long().to(device)
+        r = torch.tensor([t.shape[0] for t in tokens], dtype=torch.long, device=device)
+        ctx = self.drafter.context({k: hidden[k] for k in self.layer_ids})  # [A, R, H], all rows at once
+        pos = self.cache.n[:, None] + torch.arange(ctx.shape[1], device=device)
+        self.cache.extend(self.drafter.context_kv(ctx, pos), r)
+
+    def retain(self, rows: list[int]) -> None:
+        self.cache.retain(rows)
+        self.anchor = self.anchor[torch.tensor(rows, dtype=torch.long, device=self.anchor.device)]
+
+    @torch.no_grad()
+    def propose(self, max_depth: list[int]) -> list[Proposal]:
+        dr, device = self.drafter, self.anchor.device
+        ks = [min(self.k, d) for d in max_depth]
+        kmax, blk = max(ks, default=0), dr.block_size
+        if kmax == 0:
+            return [Proposal.empty(device) for _ in ks]
+        mask = self.cache.visible()  # row a sees its own context 0..n_a−1 and its whole block
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], blk)], 1)[:, None, None].expand(-1, 1, blk, -1)
+        pos = self.cache.n[:, None] + torch.arange(blk, device=device)
+        logits = dr.logits(dr.blocks(self.anchor[:, None], self.cache.kv, pos, mask)[:, 1 : kmax + 1])
+        ids = self.vocab_ids.to(device)
+        if self.sampling.greedy or not self.sample_drafts:
+            toks, q = ids[logits.argmax(-1)], None
+        else:  # every row's every slot from its own q, one draw call
+            probs = self.sampling.probs(logits)  # [A, kmax, V']
+            idx = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=self.sampling.generator)
+            toks = ids[idx.view(probs.shape[:2])]
+            q = probs.new_zeros(*probs.shape[:2], self.vocab_size).index_copy_(2, ids, probs)
+        return [Proposal(tokens=toks[a, :k].clone(), q=None if q is None else q[a, :k].clone()) if k
+                else Proposal.empty(device) for a, k in enumerate(ks)]
 
 
 # --------------------------------------------------------------------------------------------- the method
@@ -515,5 +583,5 @@ SPEC = MethodSpec(
     export_formats=("dflash_speculators", "dflash_zlab"),
     # k: null → the whole block (B-1); auto → sized by the cost model from the held-out slot agreement
     proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o), {"k": None},
-                            prepare=_prepare_k, size=_size_k, draft_cost="per_round"),),
+                            prepare=_prepare_k, size=_size_k),),
 )

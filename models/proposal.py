@@ -124,3 +124,77 @@ def chain_proposal(tokens: list[Tensor], qs: list[Tensor | None], device: torch.
         return Proposal.empty(device)
     q = None if qs[0] is None else torch.stack(qs)
     return Proposal(tokens=torch.cat(tokens).long(), q=q)
+
+
+# --------------------------------------------------------------------------------------------- batched
+class BatchProposer(Protocol):
+    """The batched form the engine drives (eval/ladder.py): one object drafts for every active row of a batch.
+
+    Rows are ragged: ``begin`` gets each row's prompt + first token and the prompts' hidden states right-padded
+    into one tensor; each round ``propose`` gets one depth budget per active row and returns one ``Proposal``
+    per row; ``accept`` gets each row's new tokens and their hidden states (right-padded, as for ``begin``);
+    ``retain`` drops the rows that finished. A real batched proposer runs ONE drafter forward per round for
+    all rows; ``PerRowProposers`` adapts any B=1 ``Proposer`` (one forward per row).
+    """
+
+    layer_ids: list[int]
+
+    def begin(self, tokens: list[Tensor], hidden: dict[int, Tensor], sampling: Sampling) -> None:
+        """tokens[b] [P_b+1] = row b's prompt + first generated token; hidden {id: [B, T, H]}, row b's first P_b
+        rows are its prompt's states (the rest padding)."""
+
+    def propose(self, max_depth: list[int]) -> list[Proposal]:
+        """One proposal per active row, at most max_depth[a] tokens deep (0 → an empty proposal)."""
+
+    def accept(self, tokens: list[Tensor], hidden: dict[int, Tensor]) -> None:
+        """tokens[a] [r_a] row a's new tokens; hidden {id: [A, R, H]}: row a's first r_a rows are the target's
+        states for the r_a tokens before them (the rest padding)."""
+
+    def retain(self, rows: list[int]) -> None:
+        """Keep only these active rows (ascending indices into the current batch): finished rows leave."""
+
+
+class PerRowProposers:
+    """The batched protocol over one B=1 ``Proposer`` per row: each row drafts on its own, one after another
+    (so any method works batched; at B=1 it hands the proposer exactly what the B=1 engine always did)."""
+
+    def __init__(self, rows: list[Proposer]):
+        self.rows = list(rows)
+        self.layer_ids = sorted({k for p in self.rows for k in p.layer_ids})
+
+    def begin(self, tokens: list[Tensor], hidden: dict[int, Tensor], sampling: Sampling) -> None:
+        for b, (p, t) in enumerate(zip(self.rows, tokens)):
+            n = t.shape[0] - 1
+            p.begin(t[None], {k: v[b : b + 1, :n] for k, v in hidden.items()}, sampling)
+
+    def propose(self, max_depth: list[int]) -> list[Proposal]:
+        return [p.propose(d) if d > 0 else Proposal.empty() for p, d in zip(self.rows, max_depth)]
+
+    def accept(self, tokens: list[Tensor], hidden: dict[int, Tensor]) -> None:
+        for a, (p, t) in enumerate(zip(self.rows, tokens)):
+            r = t.shape[0]
+            p.accept(t[None], {k: v[a : a + 1, :r] for k, v in hidden.items()})
+
+    def retain(self, rows: list[int]) -> None:
+        self.rows = [self.rows[a] for a in rows]
+
+
+def batch_proposer(proposers: list[Proposer]) -> BatchProposer:
+    """One batched proposer for these per-row ones: their class's own batched form (``cls.batched(rows)``,
+    one drafter forward per round for all rows) when every row is of one class that has it, else
+    ``PerRowProposers``."""
+    cls = type(proposers[0]) if proposers else None
+    make = getattr(cls, "batched", None)
+    if make is not None and all(type(p) is cls for p in proposers):
+        return make(list(proposers))
+    return PerRowProposers(list(proposers))
+
+
+def right_pad(rows: list[Tensor], fill: int) -> tuple[Tensor, Tensor]:
+    """rows [n_b] → (padded [B, max n_b] filled with ``fill``, lengths [B])."""
+    device = rows[0].device
+    lens = torch.tensor([r.shape[0] for r in rows], dtype=torch.long, device=device)
+    out = torch.full((len(rows), int(lens.max()) if rows else 0), fill, dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r
+    return out, lens

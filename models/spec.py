@@ -44,9 +44,6 @@ class ProposerSpec:
     prepare: Callable[[Any, str | None, dict], dict] | None = None
     size: Callable[..., dict | None] | None = None  # (drafter, checkpoint_dir, options, v) → options
     nodes: Callable[[dict], int] | None = None
-    # how drafting cost scales: "per_token" (one drafter call per drafted token: EAGLE-3, MTP, a draft model) or
-    # "per_round" (one call drafts the whole chain: DFlash's block); the cost model's K-policy reads it
-    draft_cost: str = "per_token"
 
     def options(self, overrides: Mapping[str, Any] | None = None) -> dict:
         """The defaults with ``overrides`` applied; an unknown key is a one-line error listing the known ones."""

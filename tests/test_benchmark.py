@@ -27,7 +27,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from eval import decode
+from eval import decode, ladder
 from eval.benchmark import (
     BenchSettings,
     Method,
@@ -36,6 +36,7 @@ from eval.benchmark import (
     build_methods,
     choose_k,
     crossover_batch_size,
+    draft_round_costs,
     expected_tokens,
     load_prompts,
     predicted_speedup,
@@ -175,6 +176,14 @@ def test_batch_sweep_and_recommendation(full):
             # K* really is the argmax of the policy's own predictions
             pred = pol["predicted_speedup"][x["batch_size"]]
             assert pred[kstar] == max(pred.values()) and pred[0] == 1.0
+            # ...with the measured batched drafting cost per round, recorded with what the runs spent
+            draft = pol["draft_per_round"][x["batch_size"]]
+            assert set(draft) == set(range(1, m["k_fixed"] + 1)) and all(v > 0 for v in draft.values())
+            w = full["cost_model"]["batch"][x["batch_size"]]
+            assert pred == pytest.approx(choose_k(pol["acceptance_by_pos"], pol["c"], w, x["batch_size"],
+                                                  m["k_fixed"], draft=draft)[1])
+            assert set(full["cost_model"]["draft_s_per_round"][name][x["batch_size"]]) == set(draft)
+            assert x["draft_s_per_round"]["median"] > 0 and len(x["draft_s_per_round"]["values"]) == 2
             assert x["dynamic"]["measured_as"] == ("ar" if kstar == 0 else "fixed" if kstar == x["k"] else "run")
             if kstar == 0:
                 assert x["dynamic"]["speedup"]["values"] == [1.0, 1.0]
@@ -211,8 +220,8 @@ def test_json_report_and_plots_are_written(full, tmp_path):
     assert "recommended_num_speculative_tokens=" in console_summary(full)
 
 
-def _perturb_last(target, proposer, ids, max_new, *args):
-    r = decode.speculative_decode(target, proposer, ids, max_new, *args)
+def _perturb_last(target, proposer, ids, max_new, **kw):
+    r = decode.speculative_decode(target, proposer, ids, max_new, **kw)
     r.tokens[-1] = (r.tokens[-1] + 1) % target.vocab_size
     return r
 
@@ -238,7 +247,7 @@ def _accept_everything(proposal, logits, sampling):
 
 def test_lossless_check_catches_a_broken_verifier(env, monkeypatch):
     methods, _ = build_methods(env.target, ["eagle3"], env.ckpts, options=OPTIONS)
-    monkeypatch.setattr(decode, "accept_proposal", _accept_everything)
+    monkeypatch.setattr(ladder, "accept_proposal", _accept_everything)
     r = run_benchmark(env.target, methods, env.prompts, settings(temperatures=[0], repetitions=1, batch_sizes=[],
                                                                  peers=False))
     assert r["methods"]["ar"]["lossless"] is True  # AR never verifies
@@ -275,9 +284,15 @@ def test_dynamic_k_policy_on_hand_made_tables():
                                             ((1, w1), (2, w2), (8, w8))]) == 8
     # unmeasured K are interpolated: v(1) between v(0) = 1.0 and v(2) = 1.2
     assert predicted_speedup(acc, c, {0: 1.0, 2: 1.2}, 1, 1) == pytest.approx(1.8 / (0.1 + 1.1))
-    # a block drafter (DFlash) pays c once per round whatever K: B=1, K=3 → 2.28/(0.1 + 1.3), not /(0.3 + 1.3)
-    k, pred = choose_k(acc, c, w1, 1, 3, per_round=True)
-    assert k == 2 and pred == pytest.approx({0: 1.0, 1: 1.8 / 1.2, 2: 2.2 / 1.3, 3: 2.28 / 1.4})
+    # a measured batched drafting cost d_B(K) replaces B·K·c: a drafter costing 0.05 per round for all 8 rows
+    # (one forward for the batch) keeps speculation on at B=8 (K=1: 3.6/3.55) where B·K·c = 0.8 turned it off
+    flat = {1: 0.05, 2: 0.05, 3: 0.05}
+    assert predicted_speedup(acc, c, w8, 8, 1, draft=flat) == pytest.approx(1.8 * 2.0 / (0.05 + 3.5))
+    assert choose_k(acc, c, w8, 8, 3, draft=flat)[0] == 1
+    assert choose_k(acc, c, w2, 2, 3, draft={1: 0.2, 2: 0.4, 3: 0.6})[1] == pytest.approx(choose_k(acc, c, w2, 2, 3)[1])
+    # the microbenchmark's shape, the in-situ level: B=1 at K_ref is exactly K_ref·c
+    d = draft_round_costs(0.05, 2, {1: {1: 1e-3, 2: 2e-3}, 4: {1: 1e-3, 2: 3e-3}})
+    assert d[1] == pytest.approx({1: 0.05, 2: 0.1}) and d[4] == pytest.approx({1: 0.05, 2: 0.15})
 
 
 def test_conversation_prompts_by_category(env, tmp_path):
@@ -411,7 +426,7 @@ def test_cli_exit_status(env, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: top_p")
     # a verifier that accepts every draft: the harness notices and the CLI fails
-    monkeypatch.setattr(decode, "accept_proposal", _accept_everything)
+    monkeypatch.setattr(ladder, "accept_proposal", _accept_everything)
     argv = _cli_overrides(env, tmp_path, "methods=[ar,eagle3]", "batch_sizes=[]", "temperatures=[0]", "peers=false")
     assert _main_exit(monkeypatch, argv) == 1
     assert "lossless check failed for eagle3" in capsys.readouterr().err

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("train", "models", "data", "eval")
 
 CORE = {"models.target", "models.target_view", "models.vocab", "models.tokenizer", "models.verify", "models.proposal",
-        "models.spec", "models.checkpoint", "models.drafter", "models.rope", "models.tree", "models.losses"}
+        "models.spec", "models.checkpoint", "models.drafter", "models.rope", "models.tree", "models.losses",
+        "models.ragged"}
 METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model"}
 # rank of each layer; train and eval share the top rank but are separate groups
 RANK = {"core": 0, "methods": 1, "registry": 2, "data": 3, "export": 4, "train": 5, "eval": 5}

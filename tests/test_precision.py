@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from eval import decode
+from eval import decode, ladder
 from eval.benchmark import BenchSettings, Method, Prompt, all_lossless, build_methods, run_benchmark, write_json
 from eval.precision import measure_noise
 from eval.report import console_summary, markdown
@@ -51,8 +51,8 @@ def _build(tok, dtype: torch.dtype):
 def _swap(a: int, twin: int):
     """A method exact up to the tie: its tokens are speculative decoding's, with the first ``a`` emitted as
     ``twin`` (the other side of an exact tie)."""
-    def run(target, proposer, ids, max_new, *args):
-        r = decode.speculative_decode(target, proposer, ids, max_new, *args)
+    def run(target, proposer, ids, max_new, *args, **kw):
+        r = decode.speculative_decode(target, proposer, ids, max_new, *args, **kw)
         if a in r.tokens:
             r.tokens[r.tokens.index(a)] = twin
         return r
@@ -109,8 +109,8 @@ def _accept_everything(proposal, logits, sampling):
     return list(range(n)), int(logits[n].argmax())
 
 
-def _perturb_last(target, proposer, ids, max_new, *args):
-    r = decode.speculative_decode(target, proposer, ids, max_new, *args)
+def _perturb_last(target, proposer, ids, max_new, *args, **kw):
+    r = decode.speculative_decode(target, proposer, ids, max_new, *args, **kw)
     r.tokens[-1] = (r.tokens[-1] + 1) % target.vocab_size
     return r
 
@@ -120,7 +120,7 @@ def test_bf16_still_flags_a_broken_verifier_and_a_wrong_token(tiny_tokenizer, mo
     methods = _methods(t, a, twin)[:2]
     ng = methods[1]
     methods.append(Method("perturbed", "ngram", ng.make, k=ng.k, options=ng.options, decode=_perturb_last))
-    monkeypatch.setattr(decode, "accept_proposal", _accept_everything)
+    monkeypatch.setattr(ladder, "accept_proposal", _accept_everything)
     r = run_benchmark(t, methods, prompts, _settings())
     assert r["methods"]["ar"]["lossless"] is True  # AR never verifies
     for name in ("ngram", "perturbed"):

@@ -11,7 +11,9 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,170 +122,234 @@ def run(cfg: DictConfig) -> dict:
         return _train(cfg)
 
 
+@dataclasses.dataclass
+class Training:
+    """What the steps of one training run share (built by ``_train``'s first steps, used by the later ones)."""
+
+    cfg: DictConfig
+    d: Dist
+    log: Callable[..., None]
+    out_dir: Path
+    ck_root: Path
+    target: FrozenTarget | None = None
+    train_rows: list[dict] = dataclasses.field(default_factory=list)
+    val_rows: list[dict] = dataclasses.field(default_factory=list)
+    drafter: torch.nn.Module | None = None
+    meta: dict = dataclasses.field(default_factory=dict)
+    trainable: list[torch.nn.Parameter] = dataclasses.field(default_factory=list)
+    optimizer: Any = None
+    sched: Any = None
+    engine: Any = None  # DeepSpeed's, when enabled
+    forward: Any = None  # the step module, DDP- or DeepSpeed-wrapped
+    cache: FeatureCache | None = None  # offline mode's target features
+    pad_id: int = 0
+    tracker: Any = None
+    metrics_file: Any = None  # rank 0's metrics.jsonl, open while the steps run
+
+
 def _train(cfg: DictConfig) -> dict:
+    """The recipe as a ladder of named steps (each documented where it is defined)."""
     d = init_distributed(cfg.target.device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.output_dir)
-    ck_root = out_dir / "checkpoints"
     log = (lambda *a: print(*a, flush=True)) if d.is_main else (lambda *a: None)
+    t = Training(cfg, d, log, out_dir, out_dir / "checkpoints")
+    load_target_and_data(t)
+    build_drafter_and_meta(t)
+    build_optimizer(t)
+    start = resume(t)
+    build_feature_cache(t)
+    stopped = train_steps(t, start)
+    return stopped if stopped is not None else finish(t)
 
-    # 1. The frozen target and the data (rank 0 regenerates first; the others then read its cache).
-    target: FrozenTarget = instantiate(cfg.target)
-    tok = target.tokenizer
+
+def load_target_and_data(t: Training) -> None:
+    """1. The frozen target and the data (rank 0 regenerates first; the others then read its cache)."""
+    cfg, d = t.cfg, t.d
+    t.target = instantiate(cfg.target)
+    tok = t.target.tokenizer
     data_cfg = instantiate(cfg.data)
     if not d.is_main:
         d.barrier()
-    train_rows, val_rows = build_rows(data_cfg, tok, target.model)
+    t.train_rows, val_rows = build_rows(data_cfg, tok, t.target.model)
     if d.is_main:
         d.barrier()
-    val_rows = val_rows[: cfg.train.eval_rows]
-    n_tok = sum(sum(r["loss_mask"]) for r in train_rows)
-    log(f"data: {len(train_rows)} train rows ({n_tok} target tokens), {len(val_rows)} val rows")
+    t.val_rows = val_rows[: cfg.train.eval_rows]
+    t.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    n_tok = sum(sum(r["loss_mask"]) for r in t.train_rows)
+    t.log(f"data: {len(t.train_rows)} train rows ({n_tok} target tokens), {len(t.val_rows)} val rows")
 
-    # 2. The drafter, and what a checkpoint must match to be resumed or evaluated.
-    drafter = build_drafter(cfg.draft, target, train_rows)
-    meta = {"method": cfg.draft.method, "target": target.identity(), "draft": drafter.config_dict(),
-            "layer_ids": list(drafter.layer_ids), "layer_id_convention": "hf_output_hidden_states_index"}
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    log(f"drafter: {cfg.draft.method}, {sum(p.numel() for p in trainable) / 1e6:.2f} M trainable params, "
-        f"layer ids {list(drafter.layer_ids)} of {target.num_layers}")
 
-    # 3. Optimizer and schedule (torch AdamW; DeepSpeed wraps the same objects).
-    optimizer = instantiate(cfg.optim.optimizer)(params=trainable)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio))
-    step_module = TrainStep(drafter)
-    engine = None
+def build_drafter_and_meta(t: Training) -> None:
+    """2. The drafter, and what a checkpoint must match to be resumed or evaluated."""
+    cfg, target = t.cfg, t.target
+    t.drafter = build_drafter(cfg.draft, target, t.train_rows)
+    t.meta = {"method": cfg.draft.method, "target": target.identity(), "draft": t.drafter.config_dict(),
+              "layer_ids": list(t.drafter.layer_ids), "layer_id_convention": "hf_output_hidden_states_index"}
+    t.trainable = [p for p in t.drafter.parameters() if p.requires_grad]
+    t.log(f"drafter: {cfg.draft.method}, {sum(p.numel() for p in t.trainable) / 1e6:.2f} M trainable params, "
+          f"layer ids {list(t.drafter.layer_ids)} of {target.num_layers}")
+
+
+def build_optimizer(t: Training) -> None:
+    """3. Optimizer and schedule (torch AdamW; DeepSpeed wraps the same objects)."""
+    cfg, d = t.cfg, t.d
+    t.optimizer = instantiate(cfg.optim.optimizer)(params=t.trainable)
+    t.sched = torch.optim.lr_scheduler.LambdaLR(
+        t.optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio))
+    step_module = TrainStep(t.drafter)
     if cfg.deepspeed.enabled:
         ds_cfg = OmegaConf.to_container(cfg.deepspeed.config, resolve=True)
-        engine = deepspeed_engine(step_module, optimizer, sched, ds_cfg, cfg.train.batch_size,
-                                  cfg.train.grad_accum, d.world_size, cfg.target.device)
-        forward = engine
+        t.engine = deepspeed_engine(step_module, t.optimizer, t.sched, ds_cfg, cfg.train.batch_size,
+                                    cfg.train.grad_accum, d.world_size, cfg.target.device)
+        t.forward = t.engine
     elif d.world_size > 1:
-        forward = torch.nn.parallel.DistributedDataParallel(step_module)
+        t.forward = torch.nn.parallel.DistributedDataParallel(step_module)
     else:
-        forward = step_module
+        t.forward = step_module
 
-    # 4. Resume from the newest complete checkpoint.
-    start = 0
+
+def resume(t: Training) -> int:
+    """4. Resume from the newest complete checkpoint → the step to start from (0: a fresh run)."""
+    cfg, d = t.cfg, t.d
     if not cfg.train.resume and d.is_main:
-        aside = ckpt.set_aside_previous_run(out_dir, ck_root)
+        aside = ckpt.set_aside_previous_run(t.out_dir, t.ck_root)
         if aside:
-            log(f"train.resume=false: moved the previous run's checkpoints and metrics to {aside}")
+            t.log(f"train.resume=false: moved the previous run's checkpoints and metrics to {aside}")
     d.barrier()
-    last = ckpt.latest_checkpoint(ck_root) if cfg.train.resume else None
-    if last is not None:
-        ckpt.check_compatible(ckpt.read_meta(last), meta, last)
-        ckpt.load_trainable_state(drafter, last / ckpt.WEIGHTS)
-        state = ckpt.load_trainer_state(last)
-        if engine is not None:
-            engine.load_checkpoint(str(last / "ds"), tag="ds", load_module_strict=False,
-                                   load_optimizer_states=True, load_lr_scheduler_states=True)
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
-        ckpt.set_rng_state(state["rng"])
-        start = state["step"]
-        check_resume_step(start, cfg.train.steps, last)
-        log(f"resumed from {last} at step {start}")
+    last = ckpt.latest_checkpoint(t.ck_root) if cfg.train.resume else None
+    if last is None:
+        return 0
+    ckpt.check_compatible(ckpt.read_meta(last), t.meta, last)
+    ckpt.load_trainable_state(t.drafter, last / ckpt.WEIGHTS)
+    state = ckpt.load_trainer_state(last)
+    if t.engine is not None:
+        t.engine.load_checkpoint(str(last / "ds"), tag="ds", load_module_strict=False,
+                                 load_optimizer_states=True, load_lr_scheduler_states=True)
+    else:
+        t.optimizer.load_state_dict(state["optimizer"])
+        t.sched.load_state_dict(state["scheduler"])
+    ckpt.set_rng_state(state["rng"])
+    start = state["step"]
+    check_resume_step(start, cfg.train.steps, last)
+    t.log(f"resumed from {last} at step {start}")
+    return start
 
-    # 5. Offline mode: the target's features once, to disk (resumable), then train from them.
-    cache = None
+
+def build_feature_cache(t: Training) -> None:
+    """5. Offline mode: the target's features once, to disk (resumable), then train from them."""
+    cfg, d = t.cfg, t.d
     if cfg.train.mode == "offline":
-        cache = FeatureCache(Path(cfg.train.feature_cache), target, train_rows, list(drafter.layer_ids),
-                             dtype=cfg.train.feature_dtype)
+        t.cache = FeatureCache(Path(cfg.train.feature_cache), t.target, t.train_rows, list(t.drafter.layer_ids),
+                               dtype=cfg.train.feature_dtype)
         if d.is_main:
-            m = cache.build()
-            log(f"feature cache: {m['bytes'] / 1e6:.1f} MB, {m['bytes_per_token']:.0f} bytes/token")
+            m = t.cache.build()
+            t.log(f"feature cache: {m['bytes'] / 1e6:.1f} MB, {m['bytes_per_token']:.0f} bytes/token")
         d.barrier()
     elif cfg.train.mode != "online":
         raise ValueError(f"train.mode={cfg.train.mode!r}: use 'online' or 'offline'")
 
-    # 6. The steps.
-    tracker = instantiate(cfg.tracking)
+
+def train_steps(t: Training, start: int) -> dict | None:
+    """6. The steps: each one ``optimizer_step``, then logging, periodic validation and checkpoints. Returns the
+    early-stop summary when train.stop_after ends the run before its last step, else None."""
+    cfg, d = t.cfg, t.d
+    t.tracker = tracker = instantiate(cfg.tracking)
     tracker.start(OmegaConf.to_container(cfg, resolve=True), d.rank)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    out_dir.mkdir(parents=True, exist_ok=True)
+    t.out_dir.mkdir(parents=True, exist_ok=True)
     if d.is_main:
-        ckpt.truncate_metrics(out_dir / "metrics.jsonl", start)  # a killed run's records past `start` are redone
-    metrics_file = open(out_dir / "metrics.jsonl", "a") if d.is_main else None
+        ckpt.truncate_metrics(t.out_dir / "metrics.jsonl", start)  # a killed run's records past `start` are redone
+    t.metrics_file = open(t.out_dir / "metrics.jsonl", "a") if d.is_main else None
     stop = cfg.train.stop_after
     bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps, desc=cfg.draft.method,
                disable=not d.is_main, mininterval=5)
     t0, toks = time.time(), 0
-    drafter.train()
+    t.drafter.train()
     for step in bar:
-        agg: dict[str, float] = {}
-        for micro in range(cfg.train.grad_accum):
-            idx = batch_indices(len(train_rows), step, micro, cfg.train.batch_size, cfg.train.grad_accum, d, cfg.seed)
-            ids, mask = collate([train_rows[i] for i in idx], pad_id)
-            hidden, logits = target_features(target, list(drafter.layer_ids), ids, idx, cache)
-            loss, m = forward(ids, mask, hidden, logits)
-            if engine is not None:
-                engine.backward(loss)
-            else:
-                (loss / cfg.train.grad_accum).backward()
-            toks += int(mask.sum())
-            m = {**m, "loss": loss.item()}  # the optimised total, whatever the method reports
-            for k, v in m.items():
-                agg[k] = agg.get(k, 0.0) + float(v) / cfg.train.grad_accum
-        if engine is not None:
-            check_step_finite(step + 1, agg["loss"], None)
-            engine.step()  # clips, steps optimizer and scheduler
-        else:
-            if d.world_size > 1 and not isinstance(forward, torch.nn.parallel.DistributedDataParallel):
-                raise RuntimeError("multi-process training needs DDP or DeepSpeed")
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.grad_clip)
-            check_step_finite(step + 1, agg["loss"], grad_norm)
-            optimizer.step()
-            check_weights_finite(step + 1, trainable)
-            sched.step()
-            optimizer.zero_grad(set_to_none=True)
+        agg, n = optimizer_step(t, step)
+        toks += n
         done = step + 1
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            rec = {"step": done, "lr": sched.get_last_lr()[0], "tok_per_s": toks * d.world_size / (time.time() - t0),
+            rec = {"step": done, "lr": t.sched.get_last_lr()[0], "tok_per_s": toks * d.world_size / (time.time() - t0),
                    **{f"train/{k}": v for k, v in agg.items() if not k.startswith("n_")}}
             tracker.log(rec, done)
-            if metrics_file:
-                metrics_file.write(json.dumps({k: ckpt.finite_or_none(v) for k, v in rec.items()}, allow_nan=False)
-                                   + "\n")
-                metrics_file.flush()
+            if t.metrics_file:
+                t.metrics_file.write(json.dumps({k: ckpt.finite_or_none(v) for k, v in rec.items()}, allow_nan=False)
+                                     + "\n")
+                t.metrics_file.flush()
             bar.set_postfix(loss=f"{agg['loss']:.3f}", acc0=f"{agg.get('acc_0', 0):.2f}")
-        if d.is_main and val_rows and done % cfg.train.eval_every == 0 and done != cfg.train.steps:
-            ev = evaluate(drafter, target, val_rows, cfg.train.batch_size, pad_id)
+        if d.is_main and t.val_rows and done % cfg.train.eval_every == 0 and done != cfg.train.steps:
+            ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id)
             tracker.log({f"val/{k}": v for k, v in ev.items()}, done)
         if done % cfg.train.ckpt_every == 0 or done == cfg.train.steps:
-            trainer_state = {} if engine is not None else {"optimizer": optimizer.state_dict(),
-                                                          "scheduler": sched.state_dict()}
-            ckpt.save_checkpoint(ck_root, done, drafter, meta, trainer_state, engine=engine, rank=d.rank,
+            trainer_state = {} if t.engine is not None else {"optimizer": t.optimizer.state_dict(),
+                                                            "scheduler": t.sched.state_dict()}
+            ckpt.save_checkpoint(t.ck_root, done, t.drafter, t.meta, trainer_state, engine=t.engine, rank=d.rank,
                                  barrier=d.barrier, keep=cfg.train.keep_ckpts)
         if stop is not None and done >= stop and done < cfg.train.steps:
-            log(f"stopping after step {done} (train.stop_after)")
+            t.log(f"stopping after step {done} (train.stop_after)")
             tracker.finish()
-            return {"stopped_at": done, "output_dir": str(out_dir)}
+            return {"stopped_at": done, "output_dir": str(t.out_dir)}
+    return None
 
-    # 7. The final, self-describing drafter directory and its held-out numbers.
+
+def optimizer_step(t: Training, step: int) -> tuple[dict[str, float], int]:
+    """One optimizer step over train.grad_accum micro-batches → (metrics averaged over them, tokens seen)."""
+    cfg, d = t.cfg, t.d
+    agg: dict[str, float] = {}
+    toks = 0
+    for micro in range(cfg.train.grad_accum):
+        idx = batch_indices(len(t.train_rows), step, micro, cfg.train.batch_size, cfg.train.grad_accum, d, cfg.seed)
+        ids, mask = collate([t.train_rows[i] for i in idx], t.pad_id)
+        hidden, logits = target_features(t.target, list(t.drafter.layer_ids), ids, idx, t.cache)
+        loss, m = t.forward(ids, mask, hidden, logits)
+        if t.engine is not None:
+            t.engine.backward(loss)
+        else:
+            (loss / cfg.train.grad_accum).backward()
+        toks += int(mask.sum())
+        m = {**m, "loss": loss.item()}  # the optimised total, whatever the method reports
+        for k, v in m.items():
+            agg[k] = agg.get(k, 0.0) + float(v) / cfg.train.grad_accum
+    if t.engine is not None:
+        check_step_finite(step + 1, agg["loss"], None)
+        t.engine.step()  # clips, steps optimizer and scheduler
+    else:
+        if d.world_size > 1 and not isinstance(t.forward, torch.nn.parallel.DistributedDataParallel):
+            raise RuntimeError("multi-process training needs DDP or DeepSpeed")
+        grad_norm = torch.nn.utils.clip_grad_norm_(t.trainable, cfg.optim.grad_clip)
+        check_step_finite(step + 1, agg["loss"], grad_norm)
+        t.optimizer.step()
+        check_weights_finite(step + 1, t.trainable)
+        t.sched.step()
+        t.optimizer.zero_grad(set_to_none=True)
+    return agg, toks
+
+
+def finish(t: Training) -> dict:
+    """7. The final, self-describing drafter directory and its held-out numbers."""
+    cfg, d, out_dir = t.cfg, t.d, t.out_dir
     summary: dict = {"output_dir": str(out_dir), "steps": cfg.train.steps, "method": cfg.draft.method}
     if d.is_main:
-        ckpt.save_final(out_dir / "final", drafter, {**meta, "step": cfg.train.steps})
-        if val_rows:
-            ev = evaluate(drafter, target, val_rows, cfg.train.batch_size, pad_id)
+        ckpt.save_final(out_dir / "final", t.drafter, {**t.meta, "step": cfg.train.steps})
+        if t.val_rows:
+            ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id)
             summary["val"] = ev
-            tracker.log({f"val/{k}": v for k, v in ev.items()}, cfg.train.steps)
+            t.tracker.log({f"val/{k}": v for k, v in ev.items()}, cfg.train.steps)
             (out_dir / "final" / "eval.json").write_text(json.dumps(ev, indent=1))
             accs = [f"{ev[f'acc_{i}']:.3f}" for i in range(64) if f"acc_{i}" in ev]
-            log(f"held-out top-1 agreement with the target by position: {' '.join(accs)}")
-            log(f"held-out simulated tau (greedy chain): {ev['sim_tau']:.2f}")
+            t.log(f"held-out top-1 agreement with the target by position: {' '.join(accs)}")
+            t.log(f"held-out simulated tau (greedy chain): {ev['sim_tau']:.2f}")
             # e.g. Medusa builds its static draft tree from these held-out numbers
             after = registry.method(cfg.draft.method).after_training
-            made = after(drafter, out_dir / "final", ev) if after is not None else None
+            made = after(t.drafter, out_dir / "final", ev) if after is not None else None
             if made is not None:
-                log(f"{cfg.draft.method}: wrote {made} from the held-out metrics")
-        log(f"drafter written to {out_dir / 'final'}")
-    tracker.finish()
-    if metrics_file:
-        metrics_file.close()
+                t.log(f"{cfg.draft.method}: wrote {made} from the held-out metrics")
+        t.log(f"drafter written to {out_dir / 'final'}")
+    t.tracker.finish()
+    if t.metrics_file:
+        t.metrics_file.close()
     d.barrier()
     return summary
