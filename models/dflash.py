@@ -582,6 +582,6 @@ SPEC = MethodSpec(
     name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
     export_formats=("dflash_speculators", "dflash_zlab"),
     # k: null → the whole block (B-1); auto → sized by the cost model from the held-out slot agreement
-    proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o), {"k": None},
+    proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o), {"k": "auto"},
                             prepare=_prepare_k, size=_size_k),),
 )

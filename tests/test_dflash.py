@@ -193,7 +193,7 @@ def test_k_auto_is_sized_from_heldout_agreement_and_verify_cost(target, tmp_path
     assert o["k"] == 3 and o["auto_size"]
     sized = p.size(d, str(tmp_path), o, lambda k: 1 + 0.1 * k)  # E(1)/v(1) = 1.9/1.1 beats 1.99/1.2
     assert sized["k"] == 1 and sized["k_sized"]["predicted_bound"][2] == pytest.approx(1.99 / 1.2, abs=1e-3)
-    assert p.size(d, str(tmp_path), p.prepare(d, str(tmp_path), p.options()), lambda k: 1.0) is None  # k: null
+    assert p.size(d, str(tmp_path), p.prepare(d, str(tmp_path), p.options({"k": None})), lambda k: 1.0) is None
 
 
 def test_bad_settings_are_one_line_errors(target):
