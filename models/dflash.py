@@ -426,7 +426,7 @@ class DFlashProposer:
 
     @classmethod
     def batched(cls, rows: list[DFlashProposer]) -> DFlashBatchProposer | PerRowProposers:
-        """One proposer for a batch of these (models/dflash_batch.py: one block forward per round for all rows);
+        """One proposer for a batch of these (``DFlashBatchProposer``: one block forward per round for all rows);
         rows with different drafters or settings draft one after another instead."""
         p0 = rows[0]
         if any((p.drafter, p.k, p.sample_drafts) != (p0.drafter, p0.k, p0.sample_drafts) for p in rows):

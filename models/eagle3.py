@@ -40,7 +40,17 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from models.drafter import simulated_tau
-from models.proposal import MAX_TREE_NODES, Proposal, Sampling, chain_proposal, check_k, pick_token
+from models.proposal import (
+    MAX_TREE_NODES,
+    PerRowProposers,
+    Proposal,
+    Sampling,
+    chain_proposal,
+    check_k,
+    pick_token,
+    right_pad,
+)
+from models.ragged import RaggedKV
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget, validate_layer_ids
@@ -517,6 +527,44 @@ def rope_at(drafter: Eagle3Drafter, positions: torch.Tensor) -> tuple[torch.Tens
     return w["cos"][idx], w["sin"][idx]
 
 
+def entry_qkv(drafter: Eagle3Drafter, token_ids: Tensor, h: Tensor, positions: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The first half of a midlayer pass for M new entries: (q, k, v, residual).
+
+    ``token_ids`` [B, M], ``h`` [B, M, H] (see ``cached_step``); ``positions`` [M] (shared by every row) or
+    [B, M] (per row: the batched proposer's rows sit at different lengths). q [B, nh, M, d]; k, v RoPE'd and
+    GQA-expanded to [B, nh, M, d]; residual [B, M, H]. q/k/v come from one fused matmul."""
+    layer, attn = drafter.midlayer, drafter.midlayer.self_attn
+    w = _inference_weights(drafter)
+    g = h.to(drafter.fc.weight.dtype)
+    emb = drafter.embed_tokens(token_ids).to(g.dtype)
+    x, residual = layer.pre(emb, g)
+    B, M, _ = x.shape
+    nq, nkv, d = attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.head_dim
+    qkv = F.linear(x, w["qkv"], w["qkv_bias"])  # [B, M, nq + 2 nkv]
+    cos, sin = rope_at(drafter, positions)
+    if positions.dim() == 2:  # [B, M, d] → broadcast over heads
+        cos, sin = cos[:, None], sin[:, None]
+    q = apply_rope(qkv[..., :nq].view(B, M, attn.heads, d).transpose(1, 2), cos, sin)
+    k = apply_rope(qkv[..., nq : nq + nkv].view(B, M, attn.kv_heads, d).transpose(1, 2), cos, sin)
+    v = qkv[..., nq + nkv :].view(B, M, attn.kv_heads, d).transpose(1, 2)
+    n_rep = attn.heads // attn.kv_heads
+    return q, _expand_kv(k, n_rep), _expand_kv(v, n_rep), residual
+
+
+def entry_out(drafter: Eagle3Drafter, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None,
+              residual: Tensor) -> Tensor:
+    """The second half: attention of q over keys/values [B, nh, C, d] (``mask`` bool, True = attend, broadcast
+    to [B, nh, M, C]; None = all), o_proj, residual, SwiGLU (gate/up fused) → ``drafter.carry(a)`` [B, M, H]."""
+    layer, attn, mlp = drafter.midlayer, drafter.midlayer.self_attn, drafter.midlayer.mlp
+    w = _inference_weights(drafter)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(attn.head_dim))
+    a = residual + attn.out(o)
+    gu = F.linear(layer.post_attention_layernorm(a), w["gate_up"])
+    inter = gu.shape[-1] // 2
+    return drafter.carry(a + mlp.down_proj(mlp.act(gu[..., :inter]) * gu[..., inter:]))
+
+
 @torch.no_grad()
 def cached_step(
     drafter: Eagle3Drafter,
@@ -536,28 +584,13 @@ def cached_step(
     among the new ones. Returns ``drafter.carry(a)`` [B, M, H] (``drafter.logits`` of it scores the next token).
     Same maths as the training forward, with q/k/v and gate/up each fused into one matmul.
     """
-    layer, attn, mlp = drafter.midlayer, drafter.midlayer.self_attn, drafter.midlayer.mlp
-    w = _inference_weights(drafter)
-    g = h.to(drafter.fc.weight.dtype)
-    emb = drafter.embed_tokens(token_ids).to(g.dtype)
-    x, residual = layer.pre(emb, g)
-    B, M, _ = x.shape
-    nq, nkv, d = attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.head_dim
-    qkv = F.linear(x, w["qkv"], w["qkv_bias"])  # [B, M, nq + 2 nkv]
-    cos, sin = rope_at(drafter, positions)
-    q = apply_rope(qkv[..., :nq].view(B, M, attn.heads, d).transpose(1, 2), cos, sin)
-    k = apply_rope(qkv[..., nq : nq + nkv].view(B, M, attn.kv_heads, d).transpose(1, 2), cos, sin)
-    v = qkv[..., nq + nkv :].view(B, M, attn.kv_heads, d).transpose(1, 2)
-    n_rep = attn.heads // attn.kv_heads
-    keys, values = kv.write(start, _expand_kv(k, n_rep), _expand_kv(v, n_rep))
+    q, k, v, residual = entry_qkv(drafter, token_ids, h, positions)
+    M = q.shape[2]
+    keys, values = kv.write(start, k, v)
     if mask is None and M > 1:
         total = start + M
         mask = torch.ones(M, total, dtype=torch.bool, device=q.device).tril(total - M)  # causal, past all visible
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(d))
-    a = residual + attn.out(o)
-    gu = F.linear(layer.post_attention_layernorm(a), w["gate_up"])
-    inter = gu.shape[-1] // 2
-    return drafter.carry(a + mlp.down_proj(mlp.act(gu[..., :inter]) * gu[..., inter:]))
+    return entry_out(drafter, q, keys, values, mask, residual)
 
 
 # --------------------------------------------------------------------------------------------- proposers
@@ -607,6 +640,15 @@ class Eagle3ChainProposer(_Eagle3Base):
         self.k = check_k("k", k)
         self.sample_drafts = sample_drafts
 
+    @classmethod
+    def batched(cls, rows: list[Eagle3ChainProposer]) -> Eagle3ChainBatchProposer | PerRowProposers:
+        """One proposer for a batch of these (one midlayer pass per drafting step for all rows); rows with
+        different drafters or settings draft one after another instead."""
+        p0 = rows[0]
+        if any((p.drafter, p.k, p.sample_drafts) != (p0.drafter, p0.k, p0.sample_drafts) for p in rows):
+            return PerRowProposers(rows)
+        return Eagle3ChainBatchProposer(p0.drafter, p0.k, p0.sample_drafts)
+
     @torch.no_grad()
     def propose(self, max_depth: int) -> Proposal:
         k = min(self.k, max_depth)
@@ -622,6 +664,101 @@ class Eagle3ChainProposer(_Eagle3Base):
                 pos = torch.tensor([last + s], device=a.device)
                 a = cached_step(self.drafter, tok[None], a[:, None], pos, self.kv, self.n_real + s - 1)[:, -1]
         return chain_proposal(toks, qs, a.device)
+
+
+class Eagle3ChainBatchProposer:
+    """``BatchProposer`` (models/proposal.py) for EAGLE-3 chains: each drafting step is ONE midlayer pass for
+    every active row (k+1 passes a round for the whole batch, instead of k+1 per row).
+
+    Rows sit at different lengths n_a, so the real entries live in a ragged cache (models/ragged.py): a round
+    first adds every row's pending real entries in one pass (row a's new entry j at RoPE position n_a + j sees
+    its own entries 0..n_a + j), then drafts kmax = max budget steps; draft s of row a reads (emb(d_s), a of
+    the previous entry) at position n_a − 1 + s and sees row a's real entries and its earlier drafts, which
+    are scratch K/V appended after the cache and dropped with the round. Drafts equal the B=1
+    ``Eagle3ChainProposer``'s up to float rounding (greedy: the same tokens, tested)."""
+
+    def __init__(self, drafter: Eagle3Drafter, k: int, sample_drafts: bool = True):
+        self.drafter = drafter.eval()
+        self.layer_ids = list(drafter.layer_ids)
+        self.k, self.sample_drafts = check_k("k", k), sample_drafts
+        self.vocab_ids, self.vocab_size = drafter.draft_ids, drafter.vocab_size
+
+    @torch.no_grad()
+    def begin(self, tokens: list[Tensor], hidden: dict[int, Tensor], sampling: Sampling) -> None:
+        self.sampling = sampling
+        self.cache = RaggedKV(len(tokens), tokens[0].device)
+        g = self.drafter.fuse(hidden)  # [B, T, H]: row b's first P_b rows are its prompt's
+        self.pending_ids = [t[1:].long() for t in tokens]  # entry i reads (emb(x_{i+1}), g_i)
+        self.pending_g = [g[b, : t.shape[0] - 1] for b, t in enumerate(tokens)]
+
+    @torch.no_grad()
+    def accept(self, tokens: list[Tensor], hidden: dict[int, Tensor]) -> None:
+        g = self.drafter.fuse(hidden)  # [A, R, H], all rows in one fc
+        for a, t in enumerate(tokens):
+            self.pending_ids[a] = torch.cat([self.pending_ids[a], t.long()])
+            self.pending_g[a] = torch.cat([self.pending_g[a], g[a, : t.shape[0]]])
+
+    def retain(self, rows: list[int]) -> None:
+        self.cache.retain(rows)
+        self.pending_ids = [self.pending_ids[a] for a in rows]
+        self.pending_g = [self.pending_g[a] for a in rows]
+
+    def _extend(self) -> Tensor:
+        """Add every row's pending real entries (ragged counts r_a) in one pass; return each row's newest entry's
+        output a [A, H] (it scores the token after the row's newest context token)."""
+        dr, n0 = self.drafter, self.cache.n
+        ids, r = right_pad(self.pending_ids, 0)  # [A, R]
+        R = ids.shape[1]
+        g = torch.stack([torch.cat([x, x.new_zeros(R - x.shape[0], x.shape[1])]) for x in self.pending_g])
+        pos = n0[:, None] + torch.arange(R, device=ids.device)  # [A, R]
+        q, k, v, residual = entry_qkv(dr, ids, g, pos)
+        self.cache.extend([(k, v)], r)
+        keys, values = self.cache.kv[0]
+        # new entry j of row a sees the row's entries c <= n0_a + j (its own earlier ones and itself)
+        mask = torch.arange(keys.shape[2], device=ids.device)[None, None] <= pos[:, :, None]  # [A, R, C]
+        out = entry_out(dr, q, keys, values, mask[:, None], residual)
+        self.pending_ids = [x[:0] for x in self.pending_ids]
+        self.pending_g = [x[:0] for x in self.pending_g]
+        return out[torch.arange(out.shape[0], device=out.device), (r - 1).clamp_min(0)]
+
+    def _pick(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+        """[A, Vd] → (target ids [A], q [A, V] or None): every row's draft in one argmax / one draw call."""
+        ids = self.vocab_ids.to(logits.device)
+        if self.sampling.greedy or not self.sample_drafts:
+            return ids[logits.argmax(-1)], None
+        probs = self.sampling.probs(logits)
+        idx = torch.multinomial(probs, 1, generator=self.sampling.generator)[:, 0]
+        return ids[idx], probs.new_zeros(probs.shape[0], self.vocab_size).index_copy_(1, ids, probs)
+
+    @torch.no_grad()
+    def propose(self, max_depth: list[int]) -> list[Proposal]:
+        dr = self.drafter
+        ks = [min(self.k, d) for d in max_depth]
+        kmax = max(ks, default=0)
+        device = self.cache.n.device
+        if kmax == 0:
+            return [Proposal.empty(device) for _ in ks]
+        a = self._extend()  # [A, H]
+        keys, values = self.cache.kv[0]
+        seen = self.cache.visible()  # [A, C] row a's real entries, None when no row has padding
+        last = self.cache.n - 1
+        toks, qs = [], []
+        for s in range(1, kmax + 1):
+            tok, q = self._pick(dr.logits(a))
+            toks.append(tok)
+            qs.append(q)
+            if s < kmax:  # draft s enters as scratch after the cache, RoPE position last_a + s
+                qd, kd, vd, res = entry_qkv(dr, tok[:, None], a[:, None], (last + s)[:, None])
+                keys, values = torch.cat([keys, kd], 2), torch.cat([values, vd], 2)
+                mask = None
+                if seen is not None:
+                    seen = torch.cat([seen, seen.new_ones(seen.shape[0], 1)], 1)
+                    mask = seen[:, None, None]
+                a = entry_out(dr, qd, keys, values, mask, res)[:, 0]
+        tok_all = torch.stack(toks, 1)  # [A, kmax]
+        q_all = None if qs[0] is None else torch.stack(qs, 1)
+        return [Proposal(tokens=tok_all[i, :k].clone(), q=None if q_all is None else q_all[i, :k].clone())
+                if k else Proposal.empty(device) for i, k in enumerate(ks)]
 
 
 class Eagle3TreeProposer(_Eagle3Base):

@@ -255,3 +255,87 @@ def test_sampling_object_or_scalars_not_both(target):  # noqa: F811
         assert a.tokens == b.tokens
         with pytest.raises(ValueError, match="not both"):
             fn(target, p, 8, temperature=0.9, sampling=Sampling(0.9))
+
+
+def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
+    """EAGLE-3 chains of 3 ragged rows: one ``Eagle3ChainBatchProposer`` whose every midlayer pass carries all
+    active rows; greedy output equals per-row AR and every row's drafts equal the B=1 proposer's, round for round
+    (the ragged cache, per-row RoPE positions and the scratch drafts are where a bug would show)."""
+    import models.eagle3 as e3
+    from tests.test_decode import drafters, prompts
+    from tests.test_decode import target as target_fixture
+
+    tgt = target_fixture.__wrapped__()
+    dr = drafters.__wrapped__(tgt)["eagle"]
+    ps = [p[0] for p in prompts(3)]
+    ps[1] = ps[1][:5]  # ragged lengths
+    make = lambda: e3.Eagle3ChainProposer(dr, k=4)  # noqa: E731
+    bp = batch_proposer([make() for _ in ps])
+    assert isinstance(bp, e3.Eagle3ChainBatchProposer)
+    calls = []
+    qkv = e3.entry_qkv
+    monkeypatch.setattr(e3, "entry_qkv", lambda d, ids, *a: (calls.append(ids.shape[0]), qkv(d, ids, *a))[1])
+    batch_logs: list[list] = [[] for _ in ps]
+    log_batch(bp, batch_logs)
+    got = decode_batch.speculative_decode_batch(tgt, bp, ps, N)
+    assert [r.tokens for r in got] == [decode.decode_ar(tgt, p, N).tokens for p in ps]
+    rounds = max(r.rounds for r in got)
+    assert calls[0] == len(ps) and len(calls) <= 4 * rounds  # <= k passes per round for the whole batch
+    calls.clear()
+    rows = [make() for _ in ps]
+    row_logs: list[list] = [[] for _ in ps]
+    for p, log in zip(rows, row_logs):
+        p.propose = logged(p.propose, log)
+    decode_batch.speculative_decode_batch(tgt, PerRowProposers(rows), ps, N)
+    assert set(calls) == {1} and len(calls) > 2 * rounds  # the adapter: one pass per row per step
+    assert batch_logs == row_logs
+
+
+def test_sampled_batched_eagle3_chains_reproduce_target_distribution():
+    """Sampled EAGLE-3 chain drafts of rows with prompts of two lengths in one batch (padded ragged cache): each
+    row's first 4 tokens follow the target's exact joint for its prompt (χ²)."""
+    from models.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter
+    from tests.test_decode import make_tiny_llama
+
+    m = make_tiny_llama(3, layers=2, hidden=16, seed=5)  # sharp_tiny_llama's recipe with the 2 layers EAGLE-3 fuses
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 3 / p.shape[1] ** 0.5)
+        m.model.embed_tokens.weight.mul_(16**0.5)
+    small = FrozenTarget(m)
+    tc = small.model.config
+    torch.manual_seed(2)
+    d = Eagle3Drafter(Eagle3Config(layer_ids=[0, 1, 2], draft_vocab_size=tc.vocab_size, ttt_steps=2), tc,
+                      small.embed.weight * 3).eval()
+    with torch.no_grad():  # sharp drafts too: a q that is not the distribution drafts were sampled from shows
+        for name, w in d.named_parameters():
+            if w.dim() == 2 and "embed" not in name:
+                w.copy_(torch.randn(w.shape, generator=g) * 1 / w.shape[1] ** 0.5)
+    prompts = [torch.tensor([0, 2, 1]), torch.tensor([1, 1, 0, 2, 2])]
+    sampling = Sampling(0.8, 1.0, 2)
+    # row by row, the first draft's q is the B=1 proposer's (same context) and every draft has q > 0
+    hid = small.forward(torch.stack([prompts[0], prompts[1][:3]]), layer_ids=d.layer_ids).hidden
+    one, bp = Eagle3ChainProposer(d, k=3), Eagle3ChainProposer.batched([Eagle3ChainProposer(d, k=3)] * 2)
+    bp.begin([torch.cat([p, p[:1]]) for p in (prompts[0], prompts[1][:3])], hid, sampling)
+    got = bp.propose([3, 3])
+    for a, p in enumerate((prompts[0], prompts[1][:3])):
+        one.begin(torch.cat([p, p[:1]])[None], {k: v[a : a + 1] for k, v in hid.items()}, sampling)
+        assert torch.allclose(got[a].q[0], one.propose(1).q[0], atol=1e-6)
+        assert bool((got[a].q[torch.arange(3), got[a].tokens] > 0).all())
+    exact = [exact_joint(small, p[None], 4, sampling) for p in prompts]
+    gen = torch.Generator().manual_seed(12)
+    samples: list[list[tuple]] = [[], []]
+    accepted = rounds = 0
+    for _ in range(70):
+        rows = [prompts[i % 2] for i in range(6)]
+        res = decode_batch.speculative_decode_batch(small, [Eagle3ChainProposer(d, k=3) for _ in rows], rows, 4,
+                                                    sampling=Sampling(0.8, 1.0, 2, gen))
+        for i, r in enumerate(res):
+            samples[i % 2].append(tuple(r.tokens))
+            accepted += sum(r.accepted)
+            rounds += r.rounds
+    assert 0.05 * rounds < accepted < 2.5 * rounds  # drafts both accepted and rejected
+    for s, e in zip(samples, exact):
+        assert chi2_pvalue(s, e) > 1e-3
