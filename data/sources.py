@@ -34,16 +34,18 @@ class DataConfig:
     skip_malformed: bool = False  # chat: skip (and count) malformed / unmaskable conversations instead of failing
     chat_template: str | None = None  # chat: a Jinja template (or a path to one) replacing the tokenizer's
     enable_thinking: bool | None = None  # chat: passed to templates that read it (Qwen3); None = template default
-    regenerate: int = 0  # code: number of target continuations; chat: 1 = regenerate all
+    regenerate: int | str = 0  # code: number of target continuations ("all": one per training window); chat: 1 = all
     regen_prompt_len: int = 64
     regen_new_tokens: int = 128
     regen_batch_size: int = 16
-    regen_temperature: float = 0.0
+    # one temperature, or a list: the regenerated prefixes are split round-robin over them (e.g. [0, 1]: half
+    # greedy, half sampled at T=1 — the settings the drafter will serve at)
+    regen_temperature: float | list[float] = 0.0
     cache_dir: str = "runs/data_cache"
     seed: int = 0
 
 
-def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs) -> Path:
+def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature: float | None = None) -> Path:
     """The cache file for regenerated data, named by a hash of everything the output depends on: the target
     (shape + embedding fingerprint), the tokenizer, the inputs, the sampling settings and the length cap. A
     change to any of them is a different file (regenerated), never a reuse of another target's outputs."""
@@ -53,8 +55,9 @@ def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs) -> Path:
     vocab = sorted(tok.get_vocab().items())
     key = {"kind": kind, "target": ident,
            "tokenizer": {"size": len(tok), "vocab": _sha(vocab), "template": getattr(tok, "chat_template", None)},
-           "inputs": _sha(inputs), "temperature": float(cfg.regen_temperature), "top_p": 1.0, "top_k": 0,
-           "seed": cfg.seed, "max_new_tokens": cfg.regen_new_tokens}
+           "inputs": _sha(inputs),
+           "temperature": float(cfg.regen_temperature if temperature is None else temperature),
+           "top_p": 1.0, "top_k": 0, "seed": cfg.seed, "max_new_tokens": cfg.regen_new_tokens}
     digest = _sha(key)[:16]
     path = Path(cfg.cache_dir) / f"regen_{kind}_{digest}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,20 +71,58 @@ def _sha(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
-def _regenerated_code(cfg: DataConfig, model, tok, rows: list[dict]) -> list[dict]:
+def regen_temperatures(cfg: DataConfig) -> list[float]:
+    t = cfg.regen_temperature
+    temps = [float(x) for x in (t if isinstance(t, (list, tuple)) or hasattr(t, "__len__") else [t])]
+    if not temps:
+        raise ValueError("data.regen_temperature is an empty list; give one temperature or several")
+    return temps
+
+
+def regen_count(cfg: DataConfig, n_rows: int) -> int:
+    """How many training windows get a target continuation: ``regenerate`` (an int) or "all"."""
+    if isinstance(cfg.regenerate, str):
+        if cfg.regenerate != "all":
+            raise ValueError(f"data.regenerate={cfg.regenerate!r}: give a number of continuations or 'all'")
+        return n_rows
+    return min(int(cfg.regenerate), n_rows)
+
+
+def _regenerated_code(cfg: DataConfig, model, tok, rows: list[dict], stats: dict | None = None) -> list[dict]:
+    """The target's continuations of ``regen_count`` training prefixes, split round-robin over the temperatures,
+    each group batched and resumable in its own keyed cache file; ``stats`` (if given) gets what it cost."""
+    import time
+
     from data.regenerate import regenerate_continuations
 
     rng = random.Random(cfg.seed)
-    picks = rng.sample(range(len(rows)), min(cfg.regenerate, len(rows)))
-    prompts = [rows[i]["input_ids"][: cfg.regen_prompt_len] for i in picks]
-    out = regen_cache_path(cfg, model, tok, "code", prompts)
-    return regenerate_continuations(model, tok, prompts, out, batch_size=cfg.regen_batch_size,
-                                    max_new_tokens=cfg.regen_new_tokens, temperature=cfg.regen_temperature,
-                                    seed=cfg.seed)
+    picks = rng.sample(range(len(rows)), regen_count(cfg, len(rows)))
+    temps = regen_temperatures(cfg)
+    out_rows: list[dict] = []
+    for j, temp in enumerate(temps):
+        prompts = [rows[i]["input_ids"][: cfg.regen_prompt_len] for i in picks[j :: len(temps)]]
+        if not prompts:
+            continue
+        out = regen_cache_path(cfg, model, tok, "code", prompts, temp)
+        cached = sum(1 for line in open(out, "rb") if line.strip()) if out.exists() else 0
+        t0 = time.time()
+        got = regenerate_continuations(model, tok, prompts, out, batch_size=cfg.regen_batch_size,
+                                       max_new_tokens=cfg.regen_new_tokens, temperature=temp, seed=cfg.seed)
+        secs = time.time() - t0
+        out_rows += got
+        if stats is not None:
+            new_tok = sum(sum(r["loss_mask"]) for r in got)
+            made = max(len(prompts) - min(cached, len(prompts)), 0)
+            stats.setdefault("regenerated", []).append({
+                "temperature": temp, "continuations": len(prompts), "from_cache": len(prompts) - made,
+                "generated_now": made, "seconds": round(secs, 1), "target_tokens": new_tok,
+                "items_per_s": round(made / secs, 2) if made and secs > 0 else None, "cache": str(out)})
+    return out_rows
 
 
-def build_rows(cfg: DataConfig, tok, model=None) -> tuple[list[dict], list[dict]]:
-    """(train rows, validation rows); ``model`` (the target) is needed only to regenerate."""
+def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """(train rows, validation rows); ``model`` (the target) is needed only to regenerate; ``stats`` (a dict, if
+    given) receives the regeneration cost per temperature (continuations, from cache, seconds, items/s)."""
     if cfg.kind == "code":
         train_files, _ = corpus.split_files(corpus.iter_stdlib_files())
         train = corpus.file_windows(tok, train_files, cfg.max_len, cfg.max_rows)
@@ -89,23 +130,27 @@ def build_rows(cfg: DataConfig, tok, model=None) -> tuple[list[dict], list[dict]
         if cfg.regenerate:
             if model is None:
                 raise ValueError("data.regenerate > 0 needs the target model")
-            train = train + _regenerated_code(cfg, model, tok, train)
+            train = train + _regenerated_code(cfg, model, tok, train, stats)
     elif cfg.kind == "chat":
         from data.chat import load_conversations, tokenize_conversations
 
         if not cfg.source:
             raise ValueError("data.kind=chat needs data.source=PATH_OR_HUB_ID (ShareGPT or OpenAI messages)")
-        convs, stats = load_conversations(cfg.source, cfg.split, cfg.skip_malformed, cfg.max_rows)
-        if stats["skipped"]:  # never silently: say how many and the first reason
-            print(f"data: skipped {stats['skipped']} of {stats['rows']} malformed rows in {cfg.source} "
-                  f"(data.skip_malformed=true; first: {stats['first_error']})", flush=True)
+        convs, read = load_conversations(cfg.source, cfg.split, cfg.skip_malformed, cfg.max_rows)
+        if read["skipped"]:  # never silently: say how many and the first reason
+            print(f"data: skipped {read['skipped']} of {read['rows']} malformed rows in {cfg.source} "
+                  f"(data.skip_malformed=true; first: {read['first_error']})", flush=True)
         if cfg.regenerate:
             from data.regenerate import regenerate_conversations
 
-            out = regen_cache_path(cfg, model, tok, "chat", convs)
+            temps = regen_temperatures(cfg)
+            if len(temps) != 1:
+                raise ValueError(f"data.regen_temperature={temps}: chat data regenerates every conversation at one "
+                                 "temperature; give one")
+            out = regen_cache_path(cfg, model, tok, "chat", convs, temps[0])
             convs = regenerate_conversations(model, tok, convs, out, batch_size=cfg.regen_batch_size,
                                              max_new_tokens=cfg.regen_new_tokens,
-                                             temperature=cfg.regen_temperature, seed=cfg.seed,
+                                             temperature=temps[0], seed=cfg.seed,
                                              chat_template=cfg.chat_template, enable_thinking=cfg.enable_thinking)
         rows, _ = tokenize_conversations(tok, convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
                                          cfg.enable_thinking)

@@ -79,6 +79,12 @@ def test_a_toy_method_trains_decodes_benchmarks_and_exports(toy_env):
     assert summary["method"] == "toy" and summary["steps"] == 2
     logged = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2] and all(torch.isfinite(torch.tensor(r["train/loss"])) for r in logged)
+    assert 0 < logged[0]["elapsed_s"] <= logged[1]["elapsed_s"]  # the learning curve's x axis
+    val = [json.loads(line) for line in (tmp / "run" / "val.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in val] == [2] and val[0]["elapsed_s"] >= logged[1]["elapsed_s"]
+    assert val[0]["val/sim_tau"] == summary["val"]["sim_tau"]
+    data = json.loads((tmp / "run" / "data_stats.json").read_text())
+    assert data["train_rows"] > 0 and data["regenerated"] == [] and data["regen_seconds_total"] == 0
     meta = json.loads((final / "config.json").read_text())
     assert meta["method"] == "toy" and meta["draft"]["layer_id"] == target.num_layers
 

@@ -87,7 +87,7 @@ def set_rng_state(s: dict[str, Any]) -> None:
     random.setstate((3, tuple(int(x) for x in s["python"]), None))
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
@@ -100,7 +100,7 @@ def save_drafter(out: Path, module: nn.Module, meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with out_of_space_as_error(out):
         save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
-        _write_json(out / CONFIG, meta)
+        write_json(out / CONFIG, meta)
 
 
 def save_final(out: Path, module: nn.Module, meta: dict) -> None:
@@ -205,8 +205,9 @@ def set_aside_previous_run(out_dir: Path, ck_root: Path) -> Path | None:
     aside.mkdir(parents=True)
     if old:
         os.replace(ck_root, aside / ck_root.name)
-    if metrics.exists():
-        os.replace(metrics, aside / metrics.name)
+    for f in (metrics, out_dir / "val.jsonl"):
+        if f.exists():
+            os.replace(f, aside / f.name)
     return aside
 
 

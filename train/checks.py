@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -63,8 +63,16 @@ def validate_train_config(cfg: DictConfig) -> None:
         if _get(cfg, key) is not None:
             _int_at_least(cfg, key, 0 if key == "data.val_rows" else 1)
     _int_at_least(cfg, "data.max_rows", 1, optional=True)
-    _int_at_least(cfg, "data.regenerate", 0, optional=True)
-    if _get(cfg, "data.regen_temperature") is not None:
+    if _get(cfg, "data.regenerate") != "all":
+        _int_at_least(cfg, "data.regenerate", 0, fix="or 'all' (one continuation per training window)", optional=True)
+    temps = _get(cfg, "data.regen_temperature")
+    if isinstance(temps, (list, ListConfig)):
+        if not temps:
+            raise ConfigError("data.regen_temperature=[]: give one temperature or a non-empty list")
+        for t in temps:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise ConfigError(f"data.regen_temperature={list(temps)}: every entry must be a number >= 0")
+    elif temps is not None:
         _positive_finite(cfg, "data.regen_temperature", allow_zero=True)
     method = _get(cfg, "draft.method")
     depth = {"eagle3": "draft.config.ttt_steps", "medusa": "draft.config.num_heads",

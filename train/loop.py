@@ -145,6 +145,13 @@ class Training:
     pad_id: int = 0
     tracker: Any = None
     metrics_file: Any = None  # rank 0's metrics.jsonl, open while the steps run
+    val_file: Any = None  # rank 0's val.jsonl (held-out records with their training time)
+    elapsed_before: float = 0.0  # training seconds of the runs this one resumes (their last ``elapsed_s``)
+    t0: float = 0.0  # when this process's steps began
+
+    def elapsed(self) -> float:
+        """Training seconds so far, across resumed runs (the learning curve's x axis)."""
+        return self.elapsed_before + time.time() - self.t0
 
 
 def _train(cfg: DictConfig) -> dict:
@@ -173,13 +180,28 @@ def load_target_and_data(t: Training) -> None:
     data_cfg = instantiate(cfg.data)
     if not d.is_main:
         d.barrier()
-    t.train_rows, val_rows = build_rows(data_cfg, tok, t.target.model)
+    stats: dict = {}
+    t.train_rows, val_rows = build_rows(data_cfg, tok, t.target.model, stats)
     if d.is_main:
         d.barrier()
     t.val_rows = val_rows[: cfg.train.eval_rows]
     t.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     n_tok = sum(sum(r["loss_mask"]) for r in t.train_rows)
     t.log(f"data: {len(t.train_rows)} train rows ({n_tok} target tokens), {len(t.val_rows)} val rows")
+    for g in stats.get("regenerated", []):
+        rate = f", {g['items_per_s']} continuations/s" if g["items_per_s"] else ""
+        t.log(f"data: {g['continuations']} target continuations at T={g['temperature']:g} ({g['from_cache']} from "
+              f"cache, {g['generated_now']} generated in {g['seconds']:.0f} s{rate})")
+    if d.is_main:  # what the data cost, for the benchmark's training table (eval/report.py)
+        t.out_dir.mkdir(parents=True, exist_ok=True)
+        path = t.out_dir / "data_stats.json"
+        prev = json.loads(path.read_text()) if path.exists() else {}
+        # seconds spent generating, summed over the runs that generated (a resumed run reads its cache)
+        spent = sum(g["seconds"] for g in stats.get("regenerated", []) if g["generated_now"])
+        spent += prev.get("regen_seconds_total", 0.0)
+        ckpt.write_json(path, {
+            "train_rows": len(t.train_rows), "train_target_tokens": n_tok, "val_rows": len(t.val_rows),
+            "regenerated": stats.get("regenerated", []), "regen_seconds_total": round(spent, 1)})
 
 
 def build_drafter_and_meta(t: Training) -> None:
@@ -260,19 +282,24 @@ def train_steps(t: Training, start: int) -> dict | None:
     tracker.start(OmegaConf.to_container(cfg, resolve=True), d.rank)
     t.out_dir.mkdir(parents=True, exist_ok=True)
     if d.is_main:
-        ckpt.truncate_metrics(t.out_dir / "metrics.jsonl", start)  # a killed run's records past `start` are redone
+        for name in ("metrics.jsonl", "val.jsonl"):  # a killed run's records past `start` are redone
+            ckpt.truncate_metrics(t.out_dir / name, start)
+    t.elapsed_before = last_elapsed(t.out_dir / "metrics.jsonl") if d.is_main else 0.0
     t.metrics_file = open(t.out_dir / "metrics.jsonl", "a") if d.is_main else None
+    t.val_file = open(t.out_dir / "val.jsonl", "a") if d.is_main else None
     stop = cfg.train.stop_after
     bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps, desc=cfg.draft.method,
                disable=not d.is_main, mininterval=5)
     t0, toks = time.time(), 0
+    t.t0 = t0
     t.drafter.train()
     for step in bar:
         agg, n = optimizer_step(t, step)
         toks += n
         done = step + 1
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            rec = {"step": done, "lr": t.sched.get_last_lr()[0], "tok_per_s": toks * d.world_size / (time.time() - t0),
+            rec = {"step": done, "elapsed_s": round(t.elapsed(), 2), "lr": t.sched.get_last_lr()[0],
+                   "tok_per_s": toks * d.world_size / (time.time() - t0),
                    **{f"train/{k}": v for k, v in agg.items() if not k.startswith("n_")}}
             tracker.log(rec, done)
             if t.metrics_file:
@@ -283,6 +310,7 @@ def train_steps(t: Training, start: int) -> dict | None:
         if d.is_main and t.val_rows and done % cfg.train.eval_every == 0 and done != cfg.train.steps:
             ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id)
             tracker.log({f"val/{k}": v for k, v in ev.items()}, done)
+            log_val(t, done, ev)
         if done % cfg.train.ckpt_every == 0 or done == cfg.train.steps:
             trainer_state = {} if t.engine is not None else {"optimizer": t.optimizer.state_dict(),
                                                             "scheduler": t.sched.state_dict()}
@@ -293,6 +321,27 @@ def train_steps(t: Training, start: int) -> dict | None:
             tracker.finish()
             return {"stopped_at": done, "output_dir": str(t.out_dir)}
     return None
+
+
+def last_elapsed(path: Path) -> float:
+    """Training seconds logged so far (the last record's ``elapsed_s``; 0 for a fresh run or older metrics)."""
+    if not path.exists():
+        return 0.0
+    last = 0.0
+    for line in path.read_text().splitlines():
+        try:
+            last = float(json.loads(line).get("elapsed_s", last))
+        except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
+            continue
+    return last
+
+
+def log_val(t: Training, step: int, ev: dict) -> None:
+    """A held-out record in val.jsonl (the learning curve: agreement and simulated τ vs training time)."""
+    if t.val_file:
+        rec = {"step": step, "elapsed_s": round(t.elapsed(), 2), **{f"val/{k}": v for k, v in ev.items()}}
+        t.val_file.write(json.dumps({k: ckpt.finite_or_none(v) for k, v in rec.items()}, allow_nan=False) + "\n")
+        t.val_file.flush()
 
 
 def optimizer_step(t: Training, step: int) -> tuple[dict[str, float], int]:
@@ -338,6 +387,7 @@ def finish(t: Training) -> dict:
             ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id)
             summary["val"] = ev
             t.tracker.log({f"val/{k}": v for k, v in ev.items()}, cfg.train.steps)
+            log_val(t, cfg.train.steps, ev)
             (out_dir / "final" / "eval.json").write_text(json.dumps(ev, indent=1))
             accs = [f"{ev[f'acc_{i}']:.3f}" for i in range(64) if f"acc_{i}" in ev]
             t.log(f"held-out top-1 agreement with the target by position: {' '.join(accs)}")
@@ -349,7 +399,8 @@ def finish(t: Training) -> dict:
                 t.log(f"{cfg.draft.method}: wrote {made} from the held-out metrics")
         t.log(f"drafter written to {out_dir / 'final'}")
     t.tracker.finish()
-    if t.metrics_file:
-        t.metrics_file.close()
+    for f in (t.metrics_file, t.val_file):
+        if f:
+            f.close()
     d.barrier()
     return summary

@@ -209,3 +209,28 @@ def test_eval_infinite_temperature_refused_up_front():
 
     with pytest.raises(ValueError, match="temperatures: inf is not finite"):
         BenchSettings(temperatures=[0, float("inf")])
+
+
+def test_regenerate_all_split_over_temperatures_with_cost_stats(tmp_path, tiny_llama, tiny_tokenizer):
+    """data.regenerate=all: one continuation per training window; regen_temperature [0, 1]: the prefixes split
+    round-robin, each temperature its own keyed cache; the stats say what was generated now and what was read."""
+    base = dict(max_rows=5, max_len=32, val_rows=1, regen_prompt_len=8, regen_new_tokens=3, regen_batch_size=2,
+                cache_dir=str(tmp_path), regenerate="all", regen_temperature=[0.0, 1.0])
+    windows, _ = build_rows(DataConfig(**{**base, "regenerate": 0}), tiny_tokenizer, tiny_llama)
+    stats: dict = {}
+    train, _ = build_rows(DataConfig(**base), tiny_tokenizer, tiny_llama, stats)
+    n = len(windows)
+    assert len(train) == 2 * n  # every window plus its target continuation
+    groups = stats["regenerated"]
+    assert [g["temperature"] for g in groups] == [0.0, 1.0]
+    assert [g["continuations"] for g in groups] == [(n + 1) // 2, n // 2]
+    assert all(g["generated_now"] == g["continuations"] and g["from_cache"] == 0 for g in groups)
+    assert len(set(tmp_path.glob("regen_code_*.jsonl"))) == 2
+    regen = train[n:]
+    prefixes = {tuple(w["input_ids"][:8]) for w in windows}
+    assert all(tuple(r["input_ids"][:8]) in prefixes and sum(r["loss_mask"]) > 0 for r in regen)
+    again: dict = {}
+    train2, _ = build_rows(DataConfig(**base), tiny_tokenizer, tiny_llama, again)  # resumed: all from the caches
+    assert train2 == train and all(g["generated_now"] == 0 for g in again["regenerated"])
+    with pytest.raises(ValueError, match="'all'"):
+        build_rows(DataConfig(**{**base, "regenerate": "most"}), tiny_tokenizer, tiny_llama)
