@@ -57,7 +57,8 @@ def run(cfg: DictConfig, require: list[str] | tuple[str, ...] = ()) -> dict:
     target = instantiate(cfg.target)
     prompts = load_prompts(target.tokenizer, cfg.n_prompts, cfg.prompt_tokens, cfg.prompts)
     methods, skipped = build_methods(target, list(cfg.methods), OmegaConf.to_container(cfg.checkpoints),
-                                     cfg.draft_model, OmegaConf.to_container(cfg.options))
+                                     cfg.draft_model, OmegaConf.to_container(cfg.options),
+                                     OmegaConf.to_container(cfg.get("variants") or {}))
     missing = [m for m in require if m in skipped]
     if missing:
         raise ValueError(f"{missing[0]} was asked for but cannot run: {skipped[missing[0]]}")

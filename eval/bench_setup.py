@@ -56,6 +56,7 @@ class Method:
     decode: Callable[..., DecodeResult] | None = None
     model: Any = None
     spec: ProposerSpec | None = None  # None for AR and for methods a test builds by hand (chains)
+    variant_of: str | None = None  # a ``variants`` row: the method it re-runs with other options (B=1 runs only)
 
     def proposer_spec(self) -> ProposerSpec | None:
         return self.spec or registry.proposers().get(self.kind, (None, None))[1]
@@ -241,15 +242,25 @@ def build_methods(
     checkpoints: Mapping[str, str | None] | None = None,
     draft_model: str | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
+    variants: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[list[Method], dict[str, str]]:
-    """The methods named in ``names`` (``ar`` + models/registry.py ``proposers()``), AR first. A method whose
-    checkpoint (or draft model) is not given or not on disk is skipped; returns (methods, {skipped: reason}).
-    A checkpoint trained for another target, or of another method, raises a one-line ValueError."""
+    """The methods named in ``names`` (``ar`` + models/registry.py ``proposers()`` + ``variants``), AR first. A
+    method whose checkpoint (or draft model) is not given or not on disk is skipped; returns (methods, {skipped:
+    reason}). A checkpoint trained for another target, or of another method, raises a one-line ValueError.
+
+    ``variants`` {name: {"method": a proposer name, option: value, ...}}: the same method with other options,
+    benchmarked as its own row (what a config switch buys, e.g. EAGLE-3 drafting in bf16)."""
     checkpoints = dict(checkpoints or {})
     table = registry.proposers()
-    unknown = [n for n in names if n != "ar" and n not in table]
+    variants = {k: dict(v) for k, v in (variants or {}).items()}
+    for vname, v in variants.items():
+        if vname in table or vname == "ar":
+            raise ValueError(f"variant {vname!r} has a method's own name; name it e.g. {vname}_fast")
+        if v.get("method") not in table:
+            raise ValueError(f"variants.{vname}.method={v.get('method')!r}; use one of {sorted(table)}")
+    unknown = [n for n in names if n != "ar" and n not in table and n not in variants]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; use any of {['ar', *table]}")
+        raise ValueError(f"unknown method(s) {unknown}; use any of {['ar', *table, *variants]}")
     bad = [k for k in (options or {}) if k not in table]
     if bad:
         raise ValueError(f"options for unknown method(s) {bad}; known: {sorted(table)}")
@@ -259,7 +270,8 @@ def build_methods(
     for name in dict.fromkeys(names):  # ordered, no duplicates
         if name == "ar":
             continue
-        spec, p = table[name]
+        base = variants[name]["method"] if name in variants else name
+        spec, p = table[base]
         path, why = _source_path(spec, name, checkpoints, draft_model)
         if why:
             skipped[name] = why
@@ -269,9 +281,12 @@ def build_methods(
         drafter, meta = sources[path] if path is not None else (None, None)
         if meta is not None and meta["method"] != spec.name:
             raise ValueError(f"{path} is a {meta['method']} checkpoint, not {spec.name}; fix checkpoints.{spec.name}")
-        make, o = registry.make_proposer_factory(name, drafter, target, path, (options or {}).get(name))
-        methods.append(Method(name, name, make, k=int(o[p.k_option]) if p.k_option else None, checkpoint=path,
-                              options=o, model=drafter, spec=p))
+        opts = dict((options or {}).get(base) or {})
+        if name in variants:
+            opts.update({k: v for k, v in variants[name].items() if k != "method"})
+        make, o = registry.make_proposer_factory(base, drafter, target, path, opts)
+        methods.append(Method(name, base, make, k=int(o[p.k_option]) if p.k_option else None, checkpoint=path,
+                              options=o, model=drafter, spec=p, variant_of=base if name in variants else None))
     for name, why in skipped.items():
         log.warning("skipping %s: %s", name, why)
     return methods, skipped

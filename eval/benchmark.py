@@ -244,9 +244,10 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
     mismatches = lossless_single(single["tokens0"], [m.name for m in methods], judge)
     runs = summaries(methods, prompts, s, single, costs, mismatches)
 
-    policy = dynamic_policy(target, chains, ids, s, single, costs)
-    batch = (batch_sweep(target, chains, ids, s, policy, eos, mismatches, judge)
-             if s.batch_sizes and chains else None)
+    swept = [m for m in chains if m.variant_of is None]  # variants: batch-1 rows only (the switch's effect)
+    policy = dynamic_policy(target, swept, ids, s, single, costs)
+    batch = (batch_sweep(target, swept, ids, s, policy, eos, mismatches, judge)
+             if s.batch_sizes and swept else None)
 
     results: dict[str, Any] = {
         "schema_version": 1,
@@ -270,7 +271,7 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
         "policy": policy,
         "batch": batch,
     }
-    pick = next((m.name for kind in RECOMMEND_ORDER for m in chains if m.kind == kind), None)
+    pick = next((m.name for kind in RECOMMEND_ORDER for m in swept if m.kind == kind), None)
     if pick is not None:
         pol = policy[pick]
         results["recommended_for"] = pick
@@ -288,6 +289,7 @@ def _lossless_entry(m: Method, divergences: list[dict]) -> dict:
     """mismatches: the failing divergences (first 20); divergences: every one, tolerated or not, with its gap."""
     bad = failures(divergences)
     return {"kind": m.kind, "k": m.k, "chain": m.chain, "checkpoint": m.checkpoint, "options": m.options,
+            "variant_of": m.variant_of,
             "lossless": not bad, "mismatches": bad[:20], "n_mismatches": len(bad),
             "n_tolerated": len(divergences) - len(bad), "divergences": divergences}
 

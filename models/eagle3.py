@@ -494,23 +494,101 @@ class DraftKV:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-def _inference_weights(drafter: Eagle3Drafter) -> dict[str, torch.Tensor | None]:
-    """q/k/v and gate/up weights concatenated (one matmul each instead of three and two), plus a RoPE table.
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear for drafting (``weights: int8``): W ≈ W_q · s with per-output-channel absmax scales
+    s, y = (x @ W_qᵀ) · s through torch's ``_weight_int8pack_mm`` kernel. Inference only; activations stay in
+    the input dtype. Drafts change slightly, correctness cannot: the target verifies every token."""
+
+    def __init__(self, weight_q: Tensor, scales: Tensor, bias: Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight_q", weight_q)  # [out, in] int8
+        self.register_buffer("scales", scales)  # [out] in the activation dtype
+        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = weight_q.shape
+
+    @classmethod
+    def quantize(cls, lin: nn.Linear) -> Int8Linear:
+        w = lin.weight.detach().float()
+        scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
+        w_q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        bias = None if lin.bias is None else lin.bias.detach()
+        return cls(w_q, scales.to(lin.weight.dtype), bias)
+
+    @classmethod
+    def cat(cls, parts: list[Int8Linear]) -> Int8Linear:
+        """One int8 linear computing the parts' outputs side by side (fused q/k/v or gate/up)."""
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+        return cls(torch.cat([p.weight_q for p in parts]), torch.cat([p.scales for p in parts]), bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight_q, self.scales.to(x.dtype))
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+DRAFT_WEIGHTS = ("float32", "bfloat16", "int8")
+
+
+def inference_copy(drafter: Eagle3Drafter, weights: str = "float32") -> Eagle3Drafter:
+    """The drafter the proposers run, in the drafting precision ``weights`` (a proposer option, benchmarked as
+    its own row by eval's ``variants``): float32 = the drafter itself; bfloat16 = a bf16 copy; int8 = a copy
+    whose midlayer and lm_head linears are weight-only int8 (``Int8Linear``; the fc that fuses the target's
+    states stays in float: it runs once per accepted token, not per drafted one). Cached on the drafter,
+    rebuilt when its weights change."""
+    if weights not in DRAFT_WEIGHTS:
+        raise ValueError(f"weights={weights!r}; use one of {list(DRAFT_WEIGHTS)}")
+    if weights == "float32":
+        return drafter
+    key = (weights, tuple((p.data_ptr(), p._version) for p in drafter.parameters()))
+    copies = drafter.__dict__.setdefault("_inference_copies", {})
+    if weights in copies and copies[weights][0] == key:
+        return copies[weights][1]
+    # the cache of copies must not be deep-copied into the copy
+    copies_ref = drafter.__dict__.pop("_inference_copies")
+    infer_ref = drafter.__dict__.pop("_infer_cache", None)
+    try:
+        out = copy.deepcopy(drafter).eval().requires_grad_(False)
+    finally:
+        drafter.__dict__["_inference_copies"] = copies_ref
+        if infer_ref is not None:
+            drafter.__dict__["_infer_cache"] = infer_ref
+    if weights == "bfloat16":
+        out = out.to(torch.bfloat16)
+    else:
+        attn, mlp = out.midlayer.self_attn, out.midlayer.mlp
+        linears = ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj")),
+                   (out, ("lm_head",)))
+        for mod, names in linears:
+            for n in names:
+                setattr(mod, n, Int8Linear.quantize(getattr(mod, n)))
+    copies[weights] = (key, out)
+    return out
+
+
+def _inference_weights(drafter: Eagle3Drafter) -> dict:
+    """q/k/v and gate/up fused (one matmul each instead of three and two), as callables x → y (float or int8
+    weights), plus a RoPE table.
 
     Cached on the module outside its state dict and rebuilt when any source parameter is replaced or updated
     in place (data_ptr / _version), so a drafter that trains on keeps giving correct proposals.
     """
     attn, mlp = drafter.midlayer.self_attn, drafter.midlayer.mlp
-    src = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
-    if attn.q_proj.bias is not None:
-        src += [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    mods = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+    src = [m.weight_q if isinstance(m, Int8Linear) else m.weight for m in mods]
+    src += [m.bias for m in mods[:3] if m.bias is not None]
     key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in src)
     cached = drafter.__dict__.get("_infer_cache")
     if cached is not None and cached["key"] == key:
         return cached
-    bias = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-    cached = {"key": key, "qkv": torch.cat(src[:3]).detach(), "qkv_bias": None if bias is None else bias.detach(),
-              "gate_up": torch.cat(src[3:5]).detach(), "cos": None, "sin": None}
+    if isinstance(mods[0], Int8Linear):
+        qkv, gate_up = Int8Linear.cat(mods[:3]), Int8Linear.cat(mods[3:5])
+    else:
+        w_qkv = torch.cat([m.weight for m in mods[:3]]).detach()
+        b_qkv = None if attn.q_proj.bias is None else torch.cat([m.bias for m in mods[:3]]).detach()
+        w_gu = torch.cat([m.weight for m in mods[3:5]]).detach()
+        qkv = lambda x: F.linear(x, w_qkv, b_qkv)  # noqa: E731
+        gate_up = lambda x: F.linear(x, w_gu)  # noqa: E731
+    cached = {"key": key, "qkv": qkv, "gate_up": gate_up, "cos": None, "sin": None}
     drafter.__dict__["_infer_cache"] = cached
     return cached
 
@@ -541,7 +619,7 @@ def entry_qkv(drafter: Eagle3Drafter, token_ids: Tensor, h: Tensor, positions: T
     x, residual = layer.pre(emb, g)
     B, M, _ = x.shape
     nq, nkv, d = attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.head_dim
-    qkv = F.linear(x, w["qkv"], w["qkv_bias"])  # [B, M, nq + 2 nkv]
+    qkv = w["qkv"](x)  # [B, M, nq + 2 nkv]
     cos, sin = rope_at(drafter, positions)
     if positions.dim() == 2:  # [B, M, d] → broadcast over heads
         cos, sin = cos[:, None], sin[:, None]
@@ -560,7 +638,7 @@ def entry_out(drafter: Eagle3Drafter, q: Tensor, keys: Tensor, values: Tensor, m
     w = _inference_weights(drafter)
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(attn.head_dim))
     a = residual + attn.out(o)
-    gu = F.linear(layer.post_attention_layernorm(a), w["gate_up"])
+    gu = w["gate_up"](layer.post_attention_layernorm(a))
     inter = gu.shape[-1] // 2
     return drafter.carry(a + mlp.down_proj(mlp.act(gu[..., :inter]) * gu[..., inter:]))
 
@@ -599,8 +677,8 @@ class _Eagle3Base:
     """KV cache of the drafter's "real" entries (built from the target's fused states, models/eagle3.py
     convention: entry i reads (emb(x_{i+1}), g_i) at RoPE position i). Drafted entries never enter it."""
 
-    def __init__(self, drafter):
-        self.drafter = drafter.eval()
+    def __init__(self, drafter, weights: str = "float32"):
+        self.drafter = inference_copy(drafter.eval(), weights)
         self.layer_ids = list(drafter.layer_ids)
         self.vocab_ids = drafter.draft_ids  # [Vd] target id of each draft id
         self.vocab_size = drafter.vocab_size
@@ -635,8 +713,8 @@ class Eagle3ChainProposer(_Eagle3Base):
     """EAGLE-3 chain of k drafts: draft s (1-based) enters as (emb(d_s), a of the previous entry) at RoPE
     position n + s (n = the last real entry's position) and attends to every real entry and earlier draft."""
 
-    def __init__(self, drafter, k: int = 5, sample_drafts: bool = True):
-        super().__init__(drafter)
+    def __init__(self, drafter, k: int = 5, sample_drafts: bool = True, weights: str = "float32"):
+        super().__init__(drafter, weights)
         self.k = check_k("k", k)
         self.sample_drafts = sample_drafts
 
@@ -656,7 +734,7 @@ class Eagle3ChainProposer(_Eagle3Base):
         last = self.n_real - 1
         toks, qs = [], []
         for s in range(1, k + 1):
-            tok, q = pick_token(self.drafter.logits(a)[0], self.sampling, self.sample_drafts, self.vocab_ids,
+            tok, q = pick_token(self.drafter.logits(a)[0].float(), self.sampling, self.sample_drafts, self.vocab_ids,
                            self.vocab_size)
             toks.append(tok)
             qs.append(q)
@@ -744,7 +822,7 @@ class Eagle3ChainBatchProposer:
         last = self.cache.n - 1
         toks, qs = [], []
         for s in range(1, kmax + 1):
-            tok, q = self._pick(dr.logits(a))
+            tok, q = self._pick(dr.logits(a).float())
             toks.append(tok)
             qs.append(q)
             if s < kmax:  # draft s enters as scratch after the cache, RoPE position last_a + s
@@ -773,8 +851,8 @@ class Eagle3TreeProposer(_Eagle3Base):
     """
 
     def __init__(self, drafter, depth: int = 6, top_k: int = 10, total_tokens: int = 60,
-                 max_nodes: int = MAX_TREE_NODES):
-        super().__init__(drafter)
+                 max_nodes: int = MAX_TREE_NODES, weights: str = "float32"):
+        super().__init__(drafter, weights)
         self.depth = check_k("depth", depth)
         self.top_k = check_k("top_k", top_k)
         self.total_tokens = check_k("total_tokens", total_tokens)
@@ -870,10 +948,11 @@ SPEC = MethodSpec(
     name="eagle3", config=Eagle3Config, build=build, rebuild=rebuild,
     export_formats=("eagle3_native", "eagle3_speculators"),
     proposers=(
-        ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5}),
+        # weights: the drafting precision (float32 | bfloat16 | int8, ``inference_copy``)
+        ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5, "weights": "float32"}),
         # EAGLE-2 dynamic tree, sized for CPU (verify cost grows with nodes there; GPU: depth 6, top_k 10, 60)
         ProposerSpec("eagle3_tree", lambda d, _t, **o: Eagle3TreeProposer(d, **o),
-                     {"depth": 5, "top_k": 4, "total_tokens": 24}, chain=False, k_option=None,
+                     {"depth": 5, "top_k": 4, "total_tokens": 24, "weights": "float32"}, chain=False, k_option=None,
                      nodes=lambda o: int(o["total_tokens"])),
     ),
 )

@@ -406,7 +406,8 @@ def test_cli_run_writes_report(env, tmp_path):
                                                                    "temperatures=[0]", "peers=false"))
     res = run(cfg)
     assert set(res["skipped"]) == {"draft_model", "mtp", "dflash"}
-    assert set(res["methods"]) == {"ar", "ngram", "eagle3", "eagle3_tree", "medusa"} and res["lossless"]
+    assert set(res["methods"]) == {"ar", "ngram", "eagle3", "eagle3_bf16", "eagle3_int8", "eagle3_tree", "medusa"}
+    assert res["lossless"] and res["methods"]["eagle3_int8"]["options"]["weights"] == "int8"  # conf variants
     assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "tau_speedup.png",
                                                      "acceptance.png", "batch_speedup.png"}
     assert json.loads((tmp_path / "results.json").read_text())["prompts"]["n"] == 2
@@ -430,3 +431,25 @@ def test_cli_exit_status(env, tmp_path, monkeypatch, capsys):
     argv = _cli_overrides(env, tmp_path, "methods=[ar,eagle3]", "batch_sizes=[]", "temperatures=[0]", "peers=false")
     assert _main_exit(monkeypatch, argv) == 1
     assert "lossless check failed for eagle3" in capsys.readouterr().err
+
+
+def test_variants_run_a_method_with_other_options_as_its_own_row(env):
+    """``variants``: eagle3 drafting in bf16 is its own batch-1 row (kind eagle3, weights bfloat16, lossless),
+    kept out of the batch sweep; a variant of an unknown method or with a method's own name is a one-line error."""
+    variants = {"eagle3_bf16": {"method": "eagle3", "weights": "bfloat16"}}
+    methods, _ = build_methods(env.target, ["eagle3", "eagle3_bf16"], env.ckpts, options=OPTIONS, variants=variants)
+    by = {m.name: m for m in methods}
+    assert by["eagle3_bf16"].kind == "eagle3" and by["eagle3_bf16"].variant_of == "eagle3"
+    assert by["eagle3_bf16"].options == {**by["eagle3"].options, "weights": "bfloat16"}
+    assert by["eagle3_bf16"].k == 3  # the base method's options, then the variant's
+    r = run_benchmark(env.target, methods, env.prompts, settings(temperatures=[0], repetitions=1, batch_sizes=[1],
+                                                                 peers=False))
+    assert r["methods"]["eagle3_bf16"]["lossless"] and r["methods"]["eagle3_bf16"]["variant_of"] == "eagle3"
+    assert any(e["method"] == "eagle3_bf16" for e in r["runs"])
+    assert set(r["policy"]) == {"eagle3"}  # the sweep and the policy take the methods, not their variants
+    with pytest.raises(ValueError, match="variants.x.method"):
+        build_methods(env.target, ["x"], env.ckpts, variants={"x": {"method": "eagle4"}})
+    with pytest.raises(ValueError, match="own name"):
+        build_methods(env.target, ["eagle3"], env.ckpts, variants={"eagle3": {"method": "eagle3"}})
+    with pytest.raises(ValueError, match="weights"):
+        build_methods(env.target, ["x"], env.ckpts, variants={"x": {"method": "eagle3", "weights": "fp4"}})

@@ -402,3 +402,45 @@ def test_overfits_a_fixed_batch_from_a_tiny_target():
     assert m["acc_0"] >= 0.9, m
     assert m["loss"] < first["loss"]
     assert m["sim_tau"] > 2.5
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_drafting_precision_switch_is_lossless_and_close(weights):
+    """``weights``: the proposer drafts with a bf16 / weight-only int8 copy of the drafter (the original is left
+    as it is); greedy speculative output stays AR's token for token (B=1 and batched), and the copy's draft
+    logits stay close to float32's (a broken kernel or scale would change them wholesale)."""
+    from eval import decode, decode_batch
+    from models.eagle3 import Eagle3ChainProposer, Eagle3TreeProposer, Int8Linear, cached_step, inference_copy
+    from tests.test_decode import drafters, prompts
+    from tests.test_decode import target as target_fixture
+
+    tgt = target_fixture.__wrapped__()
+    dr = drafters.__wrapped__(tgt)["eagle"]
+    before = {k: v.clone() for k, v in dr.state_dict().items()}
+    ps = [p[0] for p in prompts(2)]
+    for p in ps:
+        ref = decode.decode_ar(tgt, p, 16).tokens
+        assert decode.speculative_decode(tgt, Eagle3ChainProposer(dr, k=4, weights=weights), p, 16).tokens == ref
+        tree = Eagle3TreeProposer(dr, depth=3, top_k=3, total_tokens=8, weights=weights)
+        assert decode.speculative_decode(tgt, tree, p, 16).tokens == ref
+    got = decode_batch.speculative_decode_batch(tgt, [Eagle3ChainProposer(dr, k=4, weights=weights) for _ in ps],
+                                                ps, 16)
+    assert [r.tokens for r in got] == [decode.decode_ar(tgt, p, 16).tokens for p in ps]
+    assert all(torch.equal(before[k], v) for k, v in dr.state_dict().items())  # the drafter itself is untouched
+    low = inference_copy(dr, weights)
+    assert low is inference_copy(dr, weights) and low is not dr  # built once, reused by every proposer
+    if weights == "int8":
+        assert isinstance(low.midlayer.self_attn.q_proj, Int8Linear) and isinstance(low.lm_head, Int8Linear)
+    else:
+        assert low.lm_head.weight.dtype == torch.bfloat16
+    g = torch.randn(1, 6, dr.hidden_size) * 3
+    ids = torch.randint(0, 24, (1, 6))
+    from models.eagle3 import DraftKV
+
+    with torch.no_grad():
+        ref_logits = dr.logits(cached_step(dr, ids, g, torch.arange(6), DraftKV(), 0)).float()
+        low_logits = low.logits(cached_step(low, ids, g, torch.arange(6), DraftKV(), 0)).float()
+    rel = float((low_logits - ref_logits).norm() / ref_logits.norm())
+    assert 0 < rel < 0.05, rel
+    with pytest.raises(ValueError, match="weights="):
+        Eagle3ChainProposer(dr, weights="fp8")
