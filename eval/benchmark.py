@@ -112,6 +112,7 @@ from eval.cost_model import (
 from eval.decode import DecodeResult, decode_ar, speculative_decode
 from eval.peers import hf_generate, peer_runs, peer_summaries
 from eval.precision import Judge, failures
+from eval.training import collect as collect_training
 from models.proposal import Sampling
 from models.target import FrozenTarget
 
@@ -270,6 +271,8 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
         "peers": peer_summaries(single, s),
         "policy": policy,
         "batch": batch,
+        # what each drafter cost to train and its learning curve (eval/training.py, from its run directory)
+        "training": collect_training((m.kind, m.checkpoint) for m in spec),
     }
     pick = next((m.name for kind in RECOMMEND_ORDER for m in swept if m.kind == kind), None)
     if pick is not None:

@@ -16,9 +16,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from eval import training
+
 __all__ = ["normalize", "markdown", "console_summary", "plot", "write_report", "PLOTS"]
 
-PLOTS = ("tau_speedup.png", "acceptance.png", "batch_speedup.png")
+PLOTS = ("tau_speedup.png", "acceptance.png", "batch_speedup.png", "learning_curve.png")
 
 
 def normalize(results: Mapping[str, Any]) -> dict:
@@ -114,6 +116,7 @@ def markdown(results: Mapping[str, Any]) -> str:
     for e in r["runs"]:
         if e["kind"] != "ar" and e["temperature"] == 0:
             lines.append(f"| {e['method']} | {_f(e['c'], 3)} | {_f(e['k_mean'])} | {_f(e['v'])} |")
+    lines += training.markdown(r.get("training") or {})
     if r.get("skipped"):
         lines += ["", "## Skipped", ""] + [f"- {n}: {why}" for n, why in r["skipped"].items()]
     return "\n".join(lines) + "\n"
@@ -294,7 +297,8 @@ def plot(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         written.append(_save(fig, out / "batch_speedup.png", plt))
-    return written
+    curve = training.plot(r.get("training") or {}, out / "learning_curve.png", plt)
+    return written + ([curve] if curve else [])
 
 
 def _save(fig, path: Path, plt) -> Path:

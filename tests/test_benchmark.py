@@ -207,7 +207,7 @@ def test_json_report_and_plots_are_written(full, tmp_path):
         with pytest.raises(ValueError, match="is 0"):
             recommended_k_from_results(path)
     files = write_report(on_disk, tmp_path)
-    assert set(files) == {"results.md", "tau_speedup.png", "acceptance.png", "batch_speedup.png"}
+    assert set(files) == {"results.md", "tau_speedup.png", "acceptance.png", "batch_speedup.png", "learning_curve.png"}
     for name, f in files.items():
         if name.endswith(".png"):
             assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
@@ -409,7 +409,7 @@ def test_cli_run_writes_report(env, tmp_path):
     assert set(res["methods"]) == {"ar", "ngram", "eagle3", "eagle3_bf16", "eagle3_int8", "eagle3_tree", "medusa"}
     assert res["lossless"] and res["methods"]["eagle3_int8"]["options"]["weights"] == "int8"  # conf variants
     assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "tau_speedup.png",
-                                                     "acceptance.png", "batch_speedup.png"}
+                                                     "acceptance.png", "batch_speedup.png", "learning_curve.png"}
     assert json.loads((tmp_path / "results.json").read_text())["prompts"]["n"] == 2
 
 
@@ -453,3 +453,20 @@ def test_variants_run_a_method_with_other_options_as_its_own_row(env):
         build_methods(env.target, ["eagle3"], env.ckpts, variants={"eagle3": {"method": "eagle3"}})
     with pytest.raises(ValueError, match="weights"):
         build_methods(env.target, ["x"], env.ckpts, variants={"x": {"method": "eagle3", "weights": "fp4"}})
+
+
+def test_training_cost_and_learning_curve_come_from_the_run_directories(full, env, tmp_path):
+    """results["training"]: per trained drafter the steps, training minutes (metrics.jsonl elapsed_s), the
+    held-out curve (val.jsonl) and the data cost (data_stats.json); the report draws learning_curve.png."""
+    from eval.report import markdown, plot
+
+    t = full["training"]
+    trained = {registry.proposer(k)[0].name for k in KINDS[1:]} & set(registry.trainable_methods())
+    assert set(t) == trained  # eagle3_tree shares eagle3's checkpoint: reported once
+    for name, s in t.items():
+        metrics = [json.loads(x) for x in (Path(env.ckpts[name]).parent / "metrics.jsonl").read_text().splitlines()]
+        assert s["steps"] == 2 and s["train_minutes"] == round(max(r["elapsed_s"] for r in metrics) / 60, 1)
+        assert len(s["curve"]) == 1 and s["curve"][0]["step"] == 2 and s["curve"][0]["sim_tau"] >= 1
+        assert s["train_rows"] > 0 and s["regen_minutes"] == 0
+    assert "## Training cost and learning curve" in markdown(full)
+    assert (tmp_path / "learning_curve.png") in plot(full, tmp_path)

@@ -1,0 +1,110 @@
+"""What each benchmarked drafter cost to train, and its learning curve (read from its run directory).
+
+A checkpoint ``RUN/final`` written by ``python -m train`` sits beside ``RUN/metrics.jsonl`` (per logged step:
+``elapsed_s``, the training seconds across resumed runs), ``RUN/val.jsonl`` (held-out agreement by position
+and the simulated greedy-chain τ at each ``train.eval_every``) and ``RUN/data_stats.json`` (rows, and what
+regenerating the target's continuations cost). ``collect`` turns those into ``results["training"]``: per method
+the steps, training minutes, regeneration minutes and the curve; ``plot`` draws τ and slot-1 agreement against
+training minutes, so a reader sees where more training stops paying. Runs without these files (older ones,
+or a hand-made checkpoint) are reported with what exists.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def run_summary(checkpoint: str | Path) -> dict[str, Any] | None:
+    """The training record of the run that wrote ``checkpoint`` (its parent directory), or None if there is none."""
+    run = Path(checkpoint).parent
+    metrics, val = _jsonl(run / "metrics.jsonl"), _jsonl(run / "val.jsonl")
+    if not metrics and not val:
+        return None
+    data = json.loads((run / "data_stats.json").read_text()) if (run / "data_stats.json").exists() else {}
+    elapsed = [float(r["elapsed_s"]) for r in metrics + val if isinstance(r.get("elapsed_s"), (int, float))]
+    steps = max((int(r["step"]) for r in metrics if isinstance(r.get("step"), int)), default=None)
+    curve = [{"step": r["step"], "minutes": round(float(r["elapsed_s"]) / 60, 2),
+              "sim_tau": r.get("val/sim_tau"), "acc_0": r.get("val/acc_0")}
+             for r in val if isinstance(r.get("elapsed_s"), (int, float))]
+    return {"run_dir": str(run), "steps": steps,
+            "train_minutes": round(max(elapsed) / 60, 1) if elapsed else None,
+            "regen_minutes": round(data["regen_seconds_total"] / 60, 1) if "regen_seconds_total" in data else None,
+            "train_rows": data.get("train_rows"), "regenerated": data.get("regenerated", []), "curve": curve}
+
+
+def collect(checkpoints: Iterable[tuple[str, str | None]]) -> dict[str, dict]:
+    """{method: run_summary} for (method, checkpoint dir) pairs, each checkpoint once (eagle3 and eagle3_tree
+    share one drafter: reported under the first name)."""
+    out: dict[str, dict] = {}
+    seen: set[str] = set()
+    for name, ckpt in checkpoints:
+        if not ckpt or str(ckpt) in seen:
+            continue
+        seen.add(str(ckpt))
+        s = run_summary(ckpt)
+        if s is not None:
+            out[name] = s
+    return out
+
+
+def markdown(training: Mapping[str, dict]) -> list[str]:
+    if not training:
+        return []
+    lines = ["", "## Training cost and learning curve", "",
+             "CPU minutes of each drafter's run (the machine above; training steps only, then the target's "
+             "regenerated continuations), and its held-out numbers at the end (learning_curve.png: τ and slot-1 "
+             "agreement against training minutes).", "",
+             "| drafter | steps | train min | regen min | regenerated continuations | held-out τ (sim) "
+             "| slot-1 agreement |",
+             "|---|---|---|---|---|---|---|"]
+    for name, t in training.items():
+        last = t["curve"][-1] if t["curve"] else {}
+        regen = ", ".join(f"{g['continuations']} at T={g['temperature']:g}" for g in t["regenerated"]) or "–"
+        lines.append(f"| {name} | {t['steps'] or '–'} | {_n(t['train_minutes'])} | {_n(t['regen_minutes'])} | "
+                     f"{regen} | {_n(last.get('sim_tau'), 2)} | {_n(last.get('acc_0'), 2)} |")
+    return lines
+
+
+def _n(x: Any, nd: int = 1) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def plot(training: Mapping[str, dict], path: Path, plt) -> Path | None:
+    """learning_curve.png: held-out simulated τ and slot-1 agreement vs training minutes, one line per drafter."""
+    curves = {n: t["curve"] for n, t in training.items() if len(t["curve"]) >= 1}
+    if not curves:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for i, (name, c) in enumerate(curves.items()):
+        xs = [p["minutes"] for p in c]
+        axes[0].plot(xs, [p["sim_tau"] if p["sim_tau"] is not None else float("nan") for p in c], marker="o",
+                     color=f"C{i}", label=name)
+        axes[1].plot(xs, [p["acc_0"] if p["acc_0"] is not None else float("nan") for p in c], marker="o",
+                     color=f"C{i}", label=name)
+    axes[0].set_title("held-out simulated τ (greedy chain)")
+    axes[1].set_title("held-out slot-1 agreement with the target")
+    for ax in axes:
+        ax.set_xlabel("training minutes (CPU)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
