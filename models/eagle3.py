@@ -407,6 +407,9 @@ class Eagle3Drafter(nn.Module):
             metrics[f"loss_{k}"] = float(loss_k.detach())
             metrics[f"acc_{k}"] = acc
             metrics[f"n_{k}"] = float(n)
+            if not self.training:  # held-out only: what sizes the EAGLE-2 tree (``rank_metrics``)
+                metrics.update(rank_metrics(logits.detach(), _shift(p_draft, 1 + k), _shift(target_top, 1 + k),
+                                            self.draft_ids, mask, k))
         metrics["loss"] = float(total.detach())
         metrics["sim_tau"] = simulated_tau(accs)
         return total, metrics
@@ -450,6 +453,29 @@ class Eagle3Drafter(nn.Module):
             h = torch.cat([h, a_last], dim=1)
         out = torch.cat(ids, dim=1)
         return (out, torch.cat(all_logits, dim=1)) if return_logits else out
+
+
+RANKS = 4  # draft ranks measured per step on held-out data (tree sizing)
+
+
+@torch.no_grad()
+def rank_metrics(logits: Tensor, p_target: Tensor, target_top: Tensor, draft_ids: Tensor, mask: Tensor,
+                 k: int) -> dict[str, float]:
+    """Per TTT step k (the chain's depth k+1, its path teacher-forced): for the drafter's rank-r token,
+    ``top{j}_{k}`` = P(the target's argmax is among ranks < j) (greedy acceptance of a tree's rank-j siblings)
+    and ``mass{j}_{k}`` = E[target probability of ranks < j] (their acceptance when the target samples at T=1).
+    Weighted by n_k like acc_k. logits [B, T, Vd], p_target [B, T, Vd] (the target's softmax on draft ids),
+    target_top [B, T] its argmax (target id), draft_ids [Vd] the target id of each draft id, mask [B, T] the
+    positions step k is scored at."""
+    n = mask.sum().clamp_min(1)
+    top = logits.topk(min(RANKS, logits.shape[-1]), dim=-1).indices  # [B, T, R]
+    hit = (draft_ids[top] == target_top[..., None]).cumsum(-1).bool() & mask[..., None]
+    mass = (p_target.gather(-1, top).cumsum(-1) * mask[..., None]).sum((0, 1))
+    out = {}
+    for j in range(1, top.shape[-1] + 1):
+        out[f"top{j}_{k}"] = float(hit[..., j - 1].sum() / n)
+        out[f"mass{j}_{k}"] = float(mass[j - 1] / n)
+    return out
 
 
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
