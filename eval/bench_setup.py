@@ -72,13 +72,15 @@ class Method:
         p = self.proposer_spec()
         return p.nodes(self.options) if p is not None and p.nodes is not None else int(self.k or 1)
 
-    def size_tree(self, target: FrozenTarget, verify_cost: Callable[[float], float]) -> None:
-        """The method's cost-model step (e.g. Medusa ``num_nodes: auto``): given v(n), fix the tree and rebuild
-        ``make``; a no-op for methods without one."""
+    def size_tree(self, target: FrozenTarget, verify_cost: Callable[[float], float], t1_s: float | None = None
+                  ) -> None:
+        """The method's cost-model step (e.g. Medusa ``num_nodes: auto``): given v(n) and the target's one-token
+        step in seconds (for a drafter that times its own passes), fix the tree and rebuild ``make``; a no-op for
+        methods without one."""
         p = self.proposer_spec()
         if p is None or p.size is None:
             return
-        sized = p.size(self.model, self.checkpoint, self.options, verify_cost)
+        sized = p.size(self.model, self.checkpoint, self.options, verify_cost, t1_s=t1_s)
         if sized is not None:
             self.options = sized
             self.make = registry.factory(p, self.model, target, sized)

@@ -72,6 +72,7 @@ the JSON and re-exports their names.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -235,7 +236,7 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
     # exact in fp32, in fp16/bf16 a divergence fails only where the target's own gap exceeds it (eval/precision.py)
     judge = Judge.measure(target, ids, widths)
     for m in spec:  # trees sized by the cost model (e.g. Medusa num_nodes: auto) before any decoding
-        m.size_tree(target, lambda n: interp(costs["verify"], n))
+        m.size_tree(target, lambda n: interp(costs["verify"], n), costs["t_target_s"])
 
     single = _single_runs(target, methods, ids, prompts, s, costs["verify"], eos)
     # the target's real cost per call: AR's in-situ seconds per decode step (forward + sampling), per temperature;
@@ -266,6 +267,8 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
         "cost_model": costs,
         "precision": judge.summary(),
         "methods": {m.name: _lossless_entry(m, mismatches[m.name]) for m in methods},
+        # AR's T=0 tokens (every prompt, first repetition): equal digests = token-identical output across runs
+        "ar_tokens_sha256": hashlib.sha256(json.dumps(single["tokens0"]["ar"][0]).encode()).hexdigest(),
         "skipped": dict(skipped or {}),
         "runs": runs,
         "peers": peer_summaries(single, s),

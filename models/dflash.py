@@ -557,7 +557,7 @@ def _prepare_k(d: DFlashDrafter, _ckpt_dir: str | None, o: dict) -> dict:
     return {**o, "k": d.block_size - 1 if auto else int(o["k"]), "auto_size": o["k"] == "auto"}
 
 
-def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost) -> dict | None:
+def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: float | None = None) -> dict | None:
     """``k: auto``: verify the k <= B-1 slots that maximise E(k) / v(k) — E from the held-out conditional slot
     agreement saved with the checkpoint (final/eval.json, acc_0..), v the measured verify cost of k drafted
     tokens. One draft forward writes every slot, so the draft cost does not grow with k."""

@@ -970,6 +970,100 @@ def rebuild(cfg: Eagle3Config, target: FrozenTarget) -> Eagle3Drafter:
     return Eagle3Drafter(cfg, target.model.config, target.embed.weight.detach().clone())
 
 
+def eagle_rank_accuracy(metrics: dict, steps: int, size_for: float = 0) -> Tensor:
+    """[steps, RANKS] P(the depth-(k+1) rank-r draft is accepted | its path was) from held-out ``rank_metrics``:
+    greedy hits (``top{j}_{k}``) when sizing for T=0, the target's probability mass (``mass{j}_{k}``) for T>0."""
+    key = "top" if float(size_for) == 0 else "mass"
+    need = [f"{key}{j}_{k}" for k in range(steps) for j in range(1, RANKS + 1)]
+    missing = [n for n in need if n not in metrics]
+    if missing:
+        raise ValueError(f"EAGLE-2 tree sizing needs the held-out rank metrics ({missing[0]}, ...) saved in the "
+                         "checkpoint's eval.json by training; retrain, or give depth/top_k/total_tokens as numbers")
+    cum = torch.tensor([[float(metrics[f"{key}{j}_{k}"]) for j in range(1, RANKS + 1)] for k in range(steps)],
+                       dtype=torch.float64)
+    acc = torch.diff(cum, dim=1, prepend=torch.zeros(steps, 1, dtype=torch.float64)).clamp_min(0)
+    # TTT step k is scored on paths whose first k drafts were right: acc[k] is already conditional
+    return acc
+
+
+def _prepare_tree(d: Eagle3Drafter, ckpt_dir: str | None, o: dict) -> dict:
+    """``total_tokens: auto``: the largest tree allowed (``max_nodes``; depth and top_k as caps) is built now,
+    so the cost tables cover it; ``_size_tree`` then shrinks it to the fastest predicted one."""
+    if o["total_tokens"] != "auto":
+        return {**o, "auto_size": False}
+    import json
+    from pathlib import Path
+
+    path = Path(ckpt_dir or "") / "eval.json"
+    if not path.exists():
+        raise ValueError(f"options.eagle3_tree.total_tokens=auto needs {path} (written by training); "
+                         "give total_tokens as a number")
+    steps = min(int(o["depth"]), d.cfg.ttt_steps)
+    eagle_rank_accuracy(json.loads(path.read_text()), steps, o["size_for"])  # fail now, not after decoding
+    return {**o, "depth": steps, "top_k": min(int(o["top_k"]), RANKS), "total_tokens": int(o["max_nodes"]),
+            "auto_size": True}
+
+
+def _draft_pass_cost(d: Eagle3Drafter, widths: list[int], t1_s: float, prefix: int = 192, reps: int = 5
+                     ) -> dict[int, float]:
+    """Seconds of one midlayer pass of w drafted entries over a ``prefix``-entry cache, in target steps (t1_s)."""
+    import time
+
+    kv = DraftKV()
+    g = torch.randn(1, prefix, d.hidden_size, dtype=d.fc.weight.dtype) * 3
+    ids = torch.zeros(1, prefix, dtype=torch.long, device=d.fc.weight.device)
+    cached_step(d, ids, g, torch.arange(prefix), kv, 0)
+    out = {}
+    for w in widths:
+        mask = torch.ones(w, prefix + w, dtype=torch.bool)
+        best = float("inf")
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            a = cached_step(d, ids[:, :w], g[:, :w], torch.full((w,), prefix), kv, prefix, mask)
+            d.logits(a).topk(1, dim=-1)
+            best = min(best, time.perf_counter() - t)
+        out[w] = best / t1_s
+    return out
+
+
+def _size_tree(d: Eagle3Drafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: float | None = None
+               ) -> dict | None:
+    """Cost-model sizing of the EAGLE-2 tree (``total_tokens: auto``): for every n <= max_nodes the static tree
+    of n nodes with the highest expected acceptance (``build_rank_tree`` on the held-out rank accuracies, greedy
+    hits at T=0 or target mass for ``size_for`` > 0) gives τ(n), its depth D(n) and width W(n) (the largest rank
+    used + 1); the round costs the root pass (as a chain's first draft) + (D−1) passes of W entries + v(n).
+    Pick n maximising τ(n) / cost(n); the dynamic tree then runs with depth D, top_k W, total_tokens n."""
+    import json
+    from pathlib import Path
+
+    from models.tree import build_rank_tree, expected_tree_tau
+
+    if not o.get("auto_size"):
+        return None
+    acc = eagle_rank_accuracy(json.loads((Path(ckpt_dir) / "eval.json").read_text()), int(o["depth"]),
+                              o["size_for"])[:, : int(o["top_k"])]
+    passes = _draft_pass_cost(d, list(range(1, acc.shape[1] + 1)), t1_s) if t1_s else None
+    pred, shape = {}, {}
+    for n in range(1, int(o["total_tokens"]) + 1):
+        if n > sum(acc.shape[1] ** k for k in range(1, acc.shape[0] + 1)):
+            break
+        tree = build_rank_tree(acc, n)
+        depth, width = max(len(c) for c in tree), max(max(c) for c in tree) + 1
+        draft = 0.0 if passes is None else passes[1] + (depth - 1) * passes[width]
+        pred[n] = expected_tree_tau(acc, tree) / (draft + float(verify_cost(n)))
+        shape[n] = (depth, width)
+    n = max(pred, key=pred.get)
+    depth, width = shape[n]
+    return {**o, "depth": depth, "top_k": width, "total_tokens": n,
+            "tree_sized": {"total_tokens": n, "depth": depth, "top_k": width, "size_for": o["size_for"],
+                           "pass_cost": None if passes is None else {k: round(v, 4) for k, v in passes.items()},
+                           "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
+
+
+def _tree(d, _t, max_nodes: int = MAX_TREE_NODES, size_for: float = 0, **o) -> Eagle3TreeProposer:
+    return Eagle3TreeProposer(d, **o, max_nodes=max(int(max_nodes), int(o["total_tokens"])))
+
+
 SPEC = MethodSpec(
     name="eagle3", config=Eagle3Config, build=build, rebuild=rebuild,
     export_formats=("eagle3_native", "eagle3_speculators"),
@@ -977,8 +1071,11 @@ SPEC = MethodSpec(
         # weights: the drafting precision (float32 | bfloat16 | int8, ``inference_copy``)
         ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5, "weights": "float32"}),
         # EAGLE-2 dynamic tree, sized for CPU (verify cost grows with nodes there; GPU: depth 6, top_k 10, 60)
-        ProposerSpec("eagle3_tree", lambda d, _t, **o: Eagle3TreeProposer(d, **o),
-                     {"depth": 5, "top_k": 4, "total_tokens": 24, "weights": "float32"}, chain=False, k_option=None,
+        # total_tokens auto: sized by the cost model (``_size_tree``; depth and top_k are then caps), for the
+        # acceptance at T=0 (size_for 0) or at T=1 (size_for 1)
+        ProposerSpec("eagle3_tree", _tree,
+                     {"depth": 5, "top_k": 4, "total_tokens": "auto", "max_nodes": 32, "size_for": 0,
+                      "weights": "float32"}, chain=False, k_option=None, prepare=_prepare_tree, size=_size_tree,
                      nodes=lambda o: int(o["total_tokens"])),
     ),
 )

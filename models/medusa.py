@@ -22,7 +22,6 @@ Method (Cai et al. 2024, "Medusa"; FasterDecoding/Medusa ``medusa/model/medusa_m
 
 from __future__ import annotations
 
-import heapq
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,7 +38,8 @@ from models.losses import distill_step, step_metrics, weighted_total
 from models.proposal import MAX_TREE_NODES, Proposal, Sampling
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
-from models.tree import tree_layout
+from models.tree import build_rank_tree as build_medusa_tree
+from models.tree import expected_tree_tau, tree_capacity, tree_layout
 
 log = logging.getLogger(__name__)
 
@@ -297,13 +297,6 @@ def load_rank_accuracy(ckpt_dir: str | Path) -> torch.Tensor | None:
     return torch.tensor(json.loads(path.read_text())["rank_accuracy"], dtype=torch.float64) if path.exists() else None
 
 
-def expected_tree_tau(acc: torch.Tensor, choices: Sequence[Sequence[int]]) -> float:
-    """Expected tokens per verification of a static tree: 1 (the bonus token) + Σ_nodes P(node's path is
-    accepted) = 1 + Σ Π_i acc[i, r_i], heads treated as independent (as ``build_medusa_tree`` ranks them)."""
-    a = acc.double()
-    return 1.0 + sum(float(torch.prod(a[torch.arange(len(c)), torch.tensor(c)])) for c in choices)
-
-
 def size_tree(acc: torch.Tensor, verify_cost, max_nodes: int) -> tuple[int, dict[int, float]]:
     """The tree size n <= max_nodes maximising expected τ(n) / verify_cost(n): a wider tree accepts more but
     its verification forward costs more (on a CPU it grows with width; ``verify_cost(n)`` is the measured cost of
@@ -312,40 +305,6 @@ def size_tree(acc: torch.Tensor, verify_cost, max_nodes: int) -> tuple[int, dict
     cap = min(int(max_nodes), tree_capacity(*acc.shape))
     pred = {n: expected_tree_tau(acc, build_medusa_tree(acc, n)) / float(verify_cost(n)) for n in range(1, cap + 1)}
     return max(pred, key=pred.get), pred
-
-
-def tree_capacity(num_heads: int, top_k: int) -> int:
-    """Largest tree K heads × top_k ranks can address: Σ_{d=1..K} top_k^d."""
-    return sum(top_k**d for d in range(1, num_heads + 1))
-
-
-def build_medusa_tree(acc: torch.Tensor, num_nodes: int) -> list[tuple[int, ...]]:
-    """Greedy static tree in ``medusa_choices`` style from per-head rank accuracies.
-
-    acc [K, top_k]: acc[k, r] = P(head k's rank-r candidate is the target's token) (``head_topk_accuracy``).
-    A node (r_0, …, r_{d-1}) scores Π_i acc[i, r_i] (its estimated acceptance probability, heads treated
-    as independent). Repeatedly add the connected node (parent already chosen; depth-1 nodes hang off the
-    root) with the highest score until ``num_nodes``. Ties: shallower, then lexicographically smaller path.
-    Returned sorted by (depth, path), so every parent precedes its children.
-    """
-    if acc.dim() != 2:
-        raise ValueError(f"acc must be [num_heads, top_k], got shape {tuple(acc.shape)}")
-    K, top_k = acc.shape
-    cap = tree_capacity(K, top_k)
-    if not 0 < num_nodes <= cap:
-        raise ValueError(f"num_nodes={num_nodes} out of range: {K} heads x top-{top_k} address 1..{cap} nodes")
-    a = acc.double().tolist()
-    # max-heap of frontier nodes: (−score, depth, path)
-    frontier = [(-a[0][r], 1, (r,)) for r in range(top_k)]
-    heapq.heapify(frontier)
-    chosen: list[tuple[int, ...]] = []
-    while len(chosen) < num_nodes:
-        neg, d, path = heapq.heappop(frontier)
-        chosen.append(path)
-        if d < K:  # children read head d
-            for r in range(top_k):
-                heapq.heappush(frontier, (neg * a[d][r], d + 1, path + (r,)))
-    return sorted(chosen, key=lambda p: (len(p), p))
 
 
 @dataclass
@@ -475,7 +434,8 @@ def _prepare_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict) -> dict:
     return {**o, "choices": choices, "num_nodes": len(choices), "auto_size": auto}
 
 
-def _size_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict, verify_cost) -> dict | None:
+def _size_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict, verify_cost, t1_s: float | None = None
+               ) -> dict | None:
     """Cost-model sizing (``num_nodes: auto``): the tree size whose expected τ (saved rank accuracies) over the
     measured verify cost v(n) is largest, up to the prepared tree's size."""
     if not o.get("auto_size"):

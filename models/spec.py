@@ -32,7 +32,7 @@ class ProposerSpec:
     ``defaults``: every option ``make`` takes, with its default.
     ``k_option``: the option that is the chain length (the dynamic-K policy varies it); None for trees.
     ``prepare(drafter, checkpoint_dir, options) → options``: once, when the method is set up (e.g. read the
-    tree saved with the checkpoint). ``size(drafter, checkpoint_dir, options, v) → options``: the cost-model
+    tree saved with the checkpoint). ``size(drafter, checkpoint_dir, options, v, t1_s=) → options``: the cost-model
     step, given v(n) = measured verification cost of n drafted nodes in target steps; it returns the options
     of the fastest predicted tree (None: nothing to size). ``nodes(options)``: nodes drafted per round."""
 
@@ -42,7 +42,7 @@ class ProposerSpec:
     chain: bool = True
     k_option: str | None = "k"
     prepare: Callable[[Any, str | None, dict], dict] | None = None
-    size: Callable[..., dict | None] | None = None  # (drafter, checkpoint_dir, options, v) → options
+    size: Callable[..., dict | None] | None = None  # (drafter, checkpoint_dir, options, v, t1_s=) → options
     nodes: Callable[[dict], int] | None = None
 
     def options(self, overrides: Mapping[str, Any] | None = None) -> dict:

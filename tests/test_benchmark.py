@@ -127,6 +127,7 @@ def test_end_to_end_results_have_every_measurement(full, env):
     reps, n = 2, len(env.prompts)
     assert list(r["methods"]) == list(KINDS)
     assert r["lossless"] is True and all_lossless(r)
+    assert len(r["ar_tokens_sha256"]) == 64  # the T=0 output digest two runs compare
     assert all(m["lossless"] and m["n_mismatches"] == 0 for m in r["methods"].values())
     assert r["env"]["threads"] == 1 and r["env"]["torch"] == torch.__version__
     assert len(r["runs"]) == len(KINDS) * 2
@@ -406,7 +407,8 @@ def test_cli_run_writes_report(env, tmp_path):
                                                                    "temperatures=[0]", "peers=false"))
     res = run(cfg)
     assert set(res["skipped"]) == {"draft_model", "mtp", "dflash"}
-    assert set(res["methods"]) == {"ar", "ngram", "eagle3", "eagle3_bf16", "eagle3_int8", "eagle3_tree", "medusa"}
+    assert set(res["methods"]) == {"ar", "ngram", "eagle3", "eagle3_bf16", "eagle3_int8", "eagle3_tree",
+                                   "eagle3_tree_t1", "medusa"}
     assert res["lossless"] and res["methods"]["eagle3_int8"]["options"]["weights"] == "int8"  # conf variants
     assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "tau_speedup.png",
                                                      "acceptance.png", "batch_speedup.png", "learning_curve.png"}
@@ -470,3 +472,34 @@ def test_training_cost_and_learning_curve_come_from_the_run_directories(full, en
         assert s["train_rows"] > 0 and s["regen_minutes"] == 0
     assert "## Training cost and learning curve" in markdown(full)
     assert (tmp_path / "learning_curve.png") in plot(full, tmp_path)
+
+
+@pytest.mark.parametrize("size_for", [0, 1])
+def test_eagle2_tree_is_sized_by_the_cost_model(env, size_for):
+    """total_tokens auto: prepared at max_nodes (so the cost tables cover it), then the n whose static rank tree
+    (held-out greedy hits at T=0, target mass at T=1) maximises τ(n) / (root pass + (D−1) passes of W + v(n))."""
+    from models.eagle3 import eagle_rank_accuracy
+    from models.tree import build_rank_tree, expected_tree_tau
+
+    opts = {"eagle3_tree": {"depth": 3, "top_k": 3, "total_tokens": "auto", "max_nodes": 10, "size_for": size_for}}
+    (_, m), _ = build_methods(env.target, ["eagle3_tree"], env.ckpts, options=opts)
+    assert m.nodes == 10  # the largest tree until sized
+    v = lambda n: 1.0 + 0.05 * n  # noqa: E731  a verify cost growing with width
+    m.size_tree(env.target, v, t1_s=1e-3)
+    o = m.options
+    sized = o["tree_sized"]
+    pred = {int(k): x for k, x in sized["predicted_bound"].items()}
+    assert o["total_tokens"] == max(pred, key=pred.get) == m.nodes and sorted(pred) == list(range(1, 11))
+    ev = json.loads((Path(env.ckpts["eagle3"]) / "eval.json").read_text())
+    acc = eagle_rank_accuracy(ev, 2, size_for)[:, :3]  # the checkpoint's 2 TTT steps cap depth 3
+    passes = {int(k): x for k, x in sized["pass_cost"].items()}
+    for n in (1, 4, 10):
+        tree = build_rank_tree(acc, n)
+        d, w = max(len(c) for c in tree), max(max(c) for c in tree) + 1
+        assert pred[n] == pytest.approx(expected_tree_tau(acc, tree) / (passes[1] + (d - 1) * passes[w] + v(n)),
+                                        rel=1e-3, abs=1e-3)
+    tree = build_rank_tree(acc, o["total_tokens"])
+    assert (o["depth"], o["top_k"]) == (max(len(c) for c in tree), max(max(c) for c in tree) + 1)
+    p = m.make(None)
+    assert (p.depth, p.top_k, p.total_tokens) == (o["depth"], o["top_k"], o["total_tokens"])
+    assert "mass1_0" in ev and "top1_0" in ev
