@@ -26,7 +26,8 @@ BAD = [
     ("optim.warmup_steps=-1", "optim.warmup_steps"), ("draft.config.ttt_steps=0", "draft.config.ttt_steps"),
     ("data.max_len=0", "data.max_len"), ("data.regen_temperature=inf", "data.regen_temperature"),
     ("data.regen_batch_size=0", "data.regen_batch_size"), ("train.batch_size=1.5", "train.batch_size"),
-    ("data.regen_temperature=[]", "data.regen_temperature"), ("data.regen_temperature=[0,-1]", "data.regen_temperature"),
+    ("data.regen_temperature=[]", "data.regen_temperature"),
+    ("data.regen_temperature=[0,-1]", "data.regen_temperature"),
     ("data.regenerate=most", "data.regenerate"), ("data.regenerate=-1", "data.regenerate"),
 ]
 
