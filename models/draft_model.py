@@ -58,6 +58,12 @@ class DraftModelProposer:
     @torch.no_grad()
     def propose(self, max_depth: int) -> Proposal:
         k = min(self.k, max_depth)
+        if self.seen.shape[0] >= self.ctx.shape[0]:
+            # every context token is cached (the new tokens matched its drafts all the way, which a verified
+            # round never gives but a caller may): drop the newest entry and re-feed it for its logits
+            keep = self.ctx.shape[0] - 1
+            self.cache.crop(keep - self.seen.shape[0])  # negative: the number of newest entries removed
+            self.seen = self.seen[:keep]
         logits = self._forward(self.ctx[self.seen.shape[0]:])  # the context tokens it has not seen (>= 1)
         toks, qs = [], []
         for s in range(k):

@@ -571,3 +571,17 @@ def test_errors_are_one_line(target, drafters, tiny_tokenizer, tmp_path):
     other = FrozenTarget(make_tiny_llama(V, layers=4, hidden=32, seed=11))
     with pytest.raises(ValueError, match="another target"):
         load_proposer(tmp_path / "ck", other, num_nodes=20)
+
+
+def test_draft_model_proposer_when_new_tokens_match_all_its_drafts(target, drafters):
+    """accept() of exactly the tokens it drafted (more than a verified round gives: the cache then holds the whole
+    context) must not leave it with nothing to feed: the next proposal equals a fresh proposer's on that context."""
+    p = DraftModelProposer(drafters["draft_lm"], k=3, target=target)
+    ctx = prompts(1)[0][0]
+    p.begin(ctx[None], {}, decode.Sampling())
+    drafts = p.propose(3).tokens
+    p.accept(drafts[:2][None], {})  # both cached (the third draft was never fed): the cache covers the context
+    assert p.seen.shape[0] == p.ctx.shape[0]
+    fresh = DraftModelProposer(drafters["draft_lm"], k=3, target=target)
+    fresh.begin(torch.cat([ctx, drafts[:2]])[None], {}, decode.Sampling())
+    assert p.propose(3).tokens.tolist() == fresh.propose(3).tokens.tolist()
