@@ -298,7 +298,7 @@ def train_steps(t: Training, start: int) -> dict | None:
         toks += n
         done = step + 1
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            rec = {"step": done, "elapsed_s": round(t.elapsed(), 2), "lr": t.sched.get_last_lr()[0],
+            rec = {"step": done, "elapsed_s": round(t.elapsed(), 3), "lr": t.sched.get_last_lr()[0],
                    "tok_per_s": toks * d.world_size / (time.time() - t0),
                    **{f"train/{k}": v for k, v in agg.items() if not k.startswith("n_")}}
             tracker.log(rec, done)
@@ -339,7 +339,7 @@ def last_elapsed(path: Path) -> float:
 def log_val(t: Training, step: int, ev: dict) -> None:
     """A held-out record in val.jsonl (the learning curve: agreement and simulated τ vs training time)."""
     if t.val_file:
-        rec = {"step": step, "elapsed_s": round(t.elapsed(), 2), **{f"val/{k}": v for k, v in ev.items()}}
+        rec = {"step": step, "elapsed_s": round(t.elapsed(), 3), **{f"val/{k}": v for k, v in ev.items()}}
         t.val_file.write(json.dumps({k: ckpt.finite_or_none(v) for k, v in rec.items()}, allow_nan=False) + "\n")
         t.val_file.flush()
 
