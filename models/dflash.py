@@ -379,7 +379,8 @@ class DFlashDrafter(nn.Module):
             tried = prefix & valid[:, :, k]
             n_k = int(tried.sum())
             a_k = float((tried & hit[:, :, k]).sum()) / max(n_k, 1)
-            metrics[f"loss_{k}"] = float((ce[:, :, k] * valid[:, :, k]).sum() / valid[:, :, k].sum().clamp_min(1))
+            ce_k = ce.detach()[:, :, k]
+            metrics[f"loss_{k}"] = float((ce_k * valid[:, :, k]).sum() / valid[:, :, k].sum().clamp_min(1))
             metrics[f"acc_{k}"], metrics[f"n_{k}"] = a_k, float(n_k)
             accs.append(a_k)
             prefix = tried & hit[:, :, k]
