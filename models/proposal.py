@@ -182,9 +182,10 @@ class PerRowProposers:
 def batch_proposer(proposers: list[Proposer]) -> BatchProposer:
     """One batched proposer for these per-row ones: their class's own batched form (``cls.batched(rows)``,
     one drafter forward per round for all rows) when every row is of one class that has it, else
-    ``PerRowProposers``."""
+    ``PerRowProposers`` — and for a single row, which the batched forms' padding and masks only slow down
+    (the batch sweep at B=1: EAGLE-3 1.26× over batched AR through its batched form, 1.43× row by row)."""
     cls = type(proposers[0]) if proposers else None
-    make = getattr(cls, "batched", None)
+    make = getattr(cls, "batched", None) if len(proposers) > 1 else None
     if make is not None and all(type(p) is cls for p in proposers):
         return make(list(proposers))
     return PerRowProposers(list(proposers))

@@ -75,6 +75,7 @@ def test_batched_greedy_equals_per_row_ar_and_per_row_drafts(target, name):  # n
     refs = [decode.decode_ar(target, p, N) for p in ps]
     bp = batch_proposer([make(name, d) for _ in ps])
     assert isinstance(bp, DFlashBatchProposer if name == "dflash" else NGramBatchProposer)
+    assert isinstance(batch_proposer([make(name, d)]), PerRowProposers)  # one row: the B=1 path, no padding
     batch_logs: list[list] = [[] for _ in ps]
     log_batch(bp, batch_logs)
     got = decode_batch.speculative_decode_batch(target, bp, ps, N)
