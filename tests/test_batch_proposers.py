@@ -157,21 +157,30 @@ def test_sampled_batched_dflash_reproduces_target_distribution():
                                small.model.get_output_embeddings().weight), seed=3)
     prompts = [torch.tensor([0, 2, 1]), torch.tensor([1, 1, 0, 2, 2])]
     sampling = Sampling(0.8, 1.0, 2)
-    exact = [exact_joint(small, p[None], 4, sampling) for p in prompts]
-    gen = torch.Generator().manual_seed(11)
+    accepted, rounds = assert_batched_rows_follow_target(small, lambda: DFlashProposer(d), prompts, sampling, 11)
+    assert 0.1 * rounds < accepted < 2.5 * rounds  # drafts both accepted and rejected
+
+
+def assert_batched_rows_follow_target(tgt, make, prompts, sampling, seed: int, batches: int = 70
+                                      ) -> tuple[int, int]:
+    """Batches of 6 rows alternating over two prompts (ragged: the padded, masked path), 4 sampled tokens each:
+    each prompt's samples must follow the target's exact joint for it (χ²). Returns (accepted drafts, rounds)."""
+    exact = [exact_joint(tgt, p[None], 4, sampling) for p in prompts]
+    gen = torch.Generator().manual_seed(seed)
     samples: list[list[tuple]] = [[], []]
     accepted = rounds = 0
-    for _ in range(70):
+    for _ in range(batches):
         rows = [prompts[i % 2] for i in range(6)]
-        res = decode_batch.speculative_decode_batch(small, [DFlashProposer(d) for _ in rows], rows, 4,
-                                                    sampling=Sampling(0.8, 1.0, 2, gen))
+        res = decode_batch.speculative_decode_batch(tgt, [make() for _ in rows], rows, 4,
+                                                    sampling=Sampling(sampling.temperature, sampling.top_p,
+                                                                      sampling.top_k, gen))
         for i, r in enumerate(res):
             samples[i % 2].append(tuple(r.tokens))
             accepted += sum(r.accepted)
             rounds += r.rounds
-    assert 0.1 * rounds < accepted < 2.5 * rounds  # drafts both accepted and rejected
     for s, e in zip(samples, exact):
         assert chi2_pvalue(s, e) > 1e-3
+    return accepted, rounds
 
 
 def test_trees_batch_with_per_row_masks():
@@ -325,18 +334,6 @@ def test_sampled_batched_eagle3_chains_reproduce_target_distribution():
         one.begin(torch.cat([p, p[:1]])[None], {k: v[a : a + 1] for k, v in hid.items()}, sampling)
         assert torch.allclose(got[a].q[0], one.propose(1).q[0], atol=1e-6)
         assert bool((got[a].q[torch.arange(3), got[a].tokens] > 0).all())
-    exact = [exact_joint(small, p[None], 4, sampling) for p in prompts]
-    gen = torch.Generator().manual_seed(12)
-    samples: list[list[tuple]] = [[], []]
-    accepted = rounds = 0
-    for _ in range(70):
-        rows = [prompts[i % 2] for i in range(6)]
-        res = decode_batch.speculative_decode_batch(small, [Eagle3ChainProposer(d, k=3) for _ in rows], rows, 4,
-                                                    sampling=Sampling(0.8, 1.0, 2, gen))
-        for i, r in enumerate(res):
-            samples[i % 2].append(tuple(r.tokens))
-            accepted += sum(r.accepted)
-            rounds += r.rounds
+    accepted, rounds = assert_batched_rows_follow_target(small, lambda: Eagle3ChainProposer(d, k=3), prompts,
+                                                         sampling, 12)
     assert 0.05 * rounds < accepted < 2.5 * rounds  # drafts both accepted and rejected
-    for s, e in zip(samples, exact):
-        assert chi2_pvalue(s, e) > 1e-3
