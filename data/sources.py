@@ -175,7 +175,8 @@ def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stat
         if stats is not None:
             made = max(len(group) - min(cached, len(group)), 0)
             stats.setdefault("regenerated", []).append({
-                "temperature": temp, "continuations": len(group), "kind": "conversations", "from_cache": len(group) - made,
+                "temperature": temp, "continuations": len(group), "kind": "conversations",
+                "from_cache": len(group) - made,
                 "generated_now": made, "seconds": round(secs, 1),
                 "items_per_s": round(made / secs, 2) if made and secs > 0 else None, "cache": str(path)})
     return out

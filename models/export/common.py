@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from models.target import EMBEDDED_NAME, FrozenTarget, is_alias, resolve_name
+from models.target import FrozenTarget, is_alias, resolve_name
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
