@@ -164,18 +164,29 @@ def iter_json_array(path: Path, stats: dict, chunk_chars: int = 1 << 20):
             try:
                 obj, end = dec.raw_decode(buf, pos)
             except json.JSONDecodeError as e:
+                # the data ran out (a string still open, or the failure at the very end with no bracket after it)
+                # vs. a record broken inside the data, whatever follows it (a "]" in a cut record is no sign of a
+                # complete file: strings and nested lists have them)
+                after = buf[e.pos:]
+                ran_out = e.msg.startswith("Unterminated string") or (
+                    len(after.rstrip()) <= 6 and not any(c in after for c in "[]{}"))
+                if not ran_out:
+                    raise ValueError(f"{path}: record at character {base + pos} is not valid JSON ({e.msg} at "
+                                     f"character {base + e.pos}); fix the file") from None
                 if not eof:
                     more = fh.read(chunk_chars)
                     eof = not more
                     buf, base, pos = buf[pos:] + more, base + pos, 0
                     continue
-                rest = buf[pos:]
-                if rest.rstrip().endswith("]"):  # a complete file with a broken record inside: not a cut tail
-                    raise ValueError(f"{path}: record at character {base + pos} is not valid JSON ({e.msg}); "
-                                     "fix the file") from None
                 stats["truncated_tail"] = 1
-                stats["truncated_chars"] = len(rest)
+                stats["truncated_chars"] = len(buf) - pos
                 return
+            if not eof and isinstance(obj, (int, float)) and (end == len(buf) or buf[end] not in " \t\r\n,]"):
+                # a bare number cut by the chunk's end ("12" of "123", "-2.5" of "-2.5e-3") goes on in the next one
+                more = fh.read(chunk_chars)
+                eof = not more
+                buf, base, pos = buf[pos:] + more, base + pos, 0
+                continue
             yield obj
             pos = end
             if pos > chunk_chars:  # drop what has been decoded

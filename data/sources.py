@@ -124,9 +124,14 @@ def _regenerated_code(cfg: DataConfig, model, tok, rows: list[dict], stats: dict
 
 
 def first_exchanges(conv: list[dict], n: int) -> list[dict]:
-    """The conversation up to and including its ``n``-th assistant turn (system and user turns before it kept)."""
+    """The conversation's first ``n`` user→assistant exchanges. Assistant turns before the first user turn are
+    dropped (ShareGPT V3 splits long chats into chunks, and a later chunk opens mid-conversation with a reply to
+    nothing); system turns are kept. A conversation without a user turn is returned as is."""
     if n < 1:
         raise ValueError(f"data.max_turns={n}: give a number of exchanges >= 1 (or null for whole conversations)")
+    first_user = next((j for j, m in enumerate(conv) if m["role"] == "user"), None)
+    if first_user is not None:
+        conv = [m for m in conv[:first_user] if m["role"] == "system"] + list(conv[first_user:])
     seen = 0
     for j, m in enumerate(conv):
         seen += m["role"] == "assistant"
@@ -146,6 +151,17 @@ def chat_regen_count(cfg: DataConfig, n_convs: int) -> int:
     return n_convs if r == 1 else min(r, n_convs)
 
 
+def _first_prompt_len(tok, conv: list[dict], cfg: DataConfig) -> int:
+    """Tokens of the rendered context before the first assistant turn (what its regeneration is prompted with)."""
+    from data.chat import render_chat
+
+    j = next((k for k, m in enumerate(conv) if m["role"] == "assistant"), len(conv))
+    if not any(m["role"] == "user" for m in conv[:j]):
+        return 1 << 30  # nothing to answer: regeneration keeps such a turn verbatim
+    text = render_chat(tok, conv[:j], True, cfg.chat_template, cfg.enable_thinking)
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
 def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats: dict | None) -> list[list[dict]]:
     """``convs`` with the assistant turns of ``chat_regen_count`` of them replaced by the target's own replies,
     split round-robin over ``regen_temperature`` (e.g. [0, 1]: half greedy, half T=1), each group batched and
@@ -155,7 +171,18 @@ def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stat
     from data.regenerate import regenerate_conversations
 
     n = chat_regen_count(cfg, len(convs))
-    picks = list(range(len(convs))) if n == len(convs) else sorted(random.Random(cfg.seed).sample(range(len(convs)), n))
+    if n == len(convs):
+        picks = list(range(len(convs)))
+    else:
+        # A reply that would start past max_len is cut from every training row, so generating it only costs time
+        # (a long prompt also pads its whole batch): sample among conversations whose first prompt fits in
+        # max_len // 2 tokens, and batch them by length.
+        plen = {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
+        fits = [i for i in range(len(convs)) if plen[i] <= cfg.max_len // 2]
+        if len(fits) < n:
+            print(f"data: only {len(fits)} of {len(convs)} conversations have a first prompt of <= "
+                  f"{cfg.max_len // 2} tokens (data.max_len // 2); regenerating those", flush=True)
+        picks = sorted(random.Random(cfg.seed).sample(fits, min(n, len(fits))), key=lambda i: (plen[i], i))
     temps = regen_temperatures(cfg)
     out = list(convs)
     for j, temp in enumerate(temps):
