@@ -108,3 +108,43 @@ def read_meta(path: Path) -> dict:
         return json.loads((path / CONFIG).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path / CONFIG}: not valid JSON ({e}); the checkpoint is corrupt") from None
+
+
+def check_writable_dir(path: Path | str, key: str) -> None:
+    """``path`` exists (created if needed) and takes a file: else one ValueError line naming ``key`` (a read-only
+    mount, no permission) or NoSpaceError (a full disk). The probe file is removed again."""
+    path = Path(path)
+    probe = path / f".draftsmith-probe-{__import__('os').getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with out_of_space_as_error(path, "free space"):
+            probe.write_text("probe\n")
+    except NoSpaceError:
+        probe.unlink(missing_ok=True)
+        raise
+    except OSError as e:
+        raise ValueError(f"{key} {path} is not writable ({e.strerror or e}); choose another {key}") from None
+    probe.unlink()
+
+
+class WritableDirCheck:
+    """A Hydra callback (``hydra.callbacks`` in conf/config.yaml and conf/eval.yaml): Hydra creates its run
+    directory inside ``output_dir`` / ``out_dir`` before the program runs, and a read-only or full one would be
+    Hydra's traceback (exit 1). This checks it first: one ``error:`` line naming the key, exit 2."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def on_run_start(self, config, **kwargs) -> None:
+        import sys
+
+        try:
+            check_writable_dir(str(config[self.key]), self.key)
+        except (ValueError, NoSpaceError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    def __getattr__(self, name: str):  # the other Callback hooks: nothing to do
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)

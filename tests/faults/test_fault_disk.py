@@ -139,3 +139,21 @@ def test_read_only_eval_out_dir_fails_before_the_benchmark(disk):
     remount_readonly(disk)
     with pytest.raises(ValueError, match=r"out_dir .*/res is not writable \(Read-only file system\)"):
         check_writable(disk / "res")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,key", [("train", "output_dir"), ("eval", "out_dir")])
+def test_cli_read_only_output_dir_is_one_line_exit_2(target_dir, disk, module, key):
+    """The real entry points: Hydra creates its run directory inside output_dir / out_dir before the program
+    runs, so the check is a Hydra callback (conf: hydra.callbacks.writable_dir)."""
+    import os
+    import subprocess
+    import sys
+
+    remount_readonly(disk)
+    cmd = [sys.executable, "-m", module, f"target.name_or_path={target_dir}", f"{key}={disk / 'out'}"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2 and lines == [f"error: {key} {disk / 'out'} is not writable (Read-only file system); "
+                                           f"choose another {key}"], p.stderr
