@@ -23,6 +23,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from models.checkpoint import (
     read_meta,
     trainable_state,
 )
+from models.medusa import TREE_FILE as MEDUSA_TREE_FILE
 
 TRAINER = "trainer.pt"
 __all__ = ["CONFIG", "WEIGHTS", "TRAINER", "trainable_state", "load_trainable_state", "read_meta", "rng_state",
@@ -91,6 +93,10 @@ def save_drafter(out: Path, module: nn.Module, meta: dict) -> None:
         write_json(out / CONFIG, meta)
 
 
+# what training writes into final/ (the drafter, its held-out metrics, Medusa's static tree): replaced freely
+FINAL_FILES = {CONFIG, WEIGHTS, "eval.json", MEDUSA_TREE_FILE}
+
+
 def save_final(out: Path, module: nn.Module, meta: dict) -> None:
     """``final/`` written as final.tmp and swapped in: a kill leaves the old final/ or the new one, never half."""
     tmp = out.with_name(out.name + ".tmp")
@@ -100,6 +106,13 @@ def save_final(out: Path, module: nn.Module, meta: dict) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written drafter must not fill the disk further
         raise
+    if out.exists():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in FINAL_FILES or not p.is_file())
+        if foreign:  # someone put files there (an export, notes): keep them, never delete what we did not write
+            kept = out.with_name(f"{out.name}.kept_{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(out, kept)
+            print(f"warning: {out} held {foreign[:4]}, which training does not write; the previous final/ is kept "
+                  f"as {kept}", file=sys.stderr, flush=True)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 

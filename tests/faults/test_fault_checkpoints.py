@@ -122,3 +122,18 @@ def test_checkpoint_symlinked_from_another_run_is_refused(target_dir, tmp_path):
         run(cfg_for(target_dir, out, "train.steps=12"))
     assert (other / "checkpoints" / "step_0000004" / ckpt.WEIGHTS).is_file()  # the other run is untouched
     assert ckpt.latest_checkpoint(out / "checkpoints") == out / "checkpoints" / "step_0000002"
+
+
+def test_rerun_keeps_files_it_did_not_write_in_final(target_dir, tmp_path):
+    """final/ is replaced whole by each finished run; whatever else was put there (an export copied in, notes)
+    is kept with the previous final/ instead of deleted."""
+    out = tmp_path / "run"
+    run(cfg_for(target_dir, out, "train.steps=2"))
+    (out / "final" / "my_export").mkdir()
+    (out / "final" / "my_export" / "notes.txt").write_text("mine")
+    run(cfg_for(target_dir, out, "train.steps=4"))
+    kept = list(out.glob("final.kept_*"))
+    assert len(kept) == 1 and (kept[0] / "my_export" / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "final" / "config.json").read_text())["step"] == 4
+    run(cfg_for(target_dir, out, "train.steps=6"))  # a final/ holding only what training wrote: just replaced
+    assert len(list(out.glob("final.kept_*"))) == 1
