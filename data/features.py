@@ -16,9 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from models.checkpoint import out_of_space_as_error
 from models.target import FrozenTarget, parse_dtype
 
 MANIFEST = "manifest.json"
+_FIX = "free space, or point train.feature_cache at a larger disk"
 
 
 def _key(meta: dict) -> dict:
@@ -58,7 +60,8 @@ class FeatureCache:
             if _key(old) != _key(self.meta):
                 raise ValueError(f"feature cache {self.root} was built for other data/target/layers; "
                                  "delete it or set train.feature_cache to a new directory")
-        mpath.write_text(json.dumps(self.meta, indent=1))
+        with out_of_space_as_error(mpath, _FIX):
+            mpath.write_text(json.dumps(self.meta, indent=1))
         todo = [i for i in range(self.n_shards()) if not self.shard_path(i).exists()]
         for i in tqdm(todo, desc="feature cache", disable=not show_progress):
             self._build_shard(i)
@@ -66,7 +69,8 @@ class FeatureCache:
         n_tok = sum(len(r["input_ids"]) for r in self.rows)
         self.meta.update(bytes=n_bytes, tokens=n_tok, bytes_per_token=n_bytes / max(1, n_tok))
         tmp = mpath.with_name(MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(self.meta, indent=1))
+        with out_of_space_as_error(mpath, _FIX):
+            tmp.write_text(json.dumps(self.meta, indent=1))
         os.replace(tmp, mpath)
         return self.meta
 
@@ -83,7 +87,12 @@ class FeatureCache:
                 for k in self.layer_ids:
                     tensors[f"{b + j}.{k}"] = out.hidden[k][j, :n].to(self.dtype).contiguous()
         tmp = self.shard_path(i).with_suffix(".tmp")
-        save_file(tensors, str(tmp))
+        try:
+            with out_of_space_as_error(self.shard_path(i), _FIX):
+                save_file(tensors, str(tmp))
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a half shard would only fill the disk further
+            raise
         os.replace(tmp, self.shard_path(i))
 
     def get(self, row: int) -> dict[int, torch.Tensor]:

@@ -9,7 +9,8 @@ reads that file, checks the stored items still match the inputs, and generates o
 
 Greedy (``temperature=0``) output does not depend on batching or on where a run was interrupted.
 Sampling (pure temperature, no top-k/top-p) is seeded per batch from ``seed`` and the batch's first
-index, so a run is reproducible; a resumed run batches differently and so draws different samples.
+index; batches are fixed (``range(b, b + batch_size)``) and a batch the cache holds only part of is generated
+again whole, so a resumed run draws exactly the samples of an uninterrupted one (same ``batch_size``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.chat import render_chat
 from data.chat_spans import closing_token, special_strings
+from models.checkpoint import out_of_space_as_error
 
 _PROBE = "Zq7 probe reply"  # a reply text no template contains, to find what closes a turn
 
@@ -68,13 +70,46 @@ def _load_done(out_path: Path) -> dict[int, dict]:
 
 
 def _append(out_path: Path, records: list[dict]) -> None:
+    """One batch's records in a single write (a kill leaves all of them or a torn tail that _load_done cuts)."""
     if not records:
         return
-    with open(out_path, "a", encoding="utf-8") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode()
+    with out_of_space_as_error(out_path, "free space, or set data.cache_dir on a larger disk"):
+        fd = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(data)
+            while view:  # a regular file takes it in one call; loop only for a short write
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ------------------------------------------------------------------------------ gpt-oss (harmony)
+
+CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
+_HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+
+
+def split_harmony(text: str) -> dict[str, str] | None:
+    """A gpt-oss reply in harmony form (``<|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final
+    <|message|>…``) → ``{"thinking": analysis text, "content": final text}``, the fields gpt-oss's template takes
+    (it refuses ``<|channel|>`` inside ``content``). None when ``text`` has no channel header (plain reply).
+    Commentary (tool-call) channels count as content; a reply cut before its final channel has empty content."""
+    if CHANNEL not in text:
+        return None
+    thinking, content = [], []
+    for part in text.split(CHANNEL)[1:]:
+        header, sep, body = part.partition(MESSAGE)
+        if not sep:
+            continue  # a header the generation never finished
+        cut = min([body.find(e) for e in _HARMONY_ENDS if e in body] or [len(body)])
+        body = body[:cut]
+        if START in body:  # a next message began without a closing token
+            body = body[: body.find(START)]
+        name = header.strip().split(" ")[0]
+        (thinking if name == "analysis" else content).append(body)
+    return {"thinking": "".join(thinking).replace(MESSAGE, ""), "content": "".join(content).replace(MESSAGE, "")}
 
 
 # ------------------------------------------------------------------------------------- generation
@@ -186,7 +221,11 @@ def _run_resumable(
     same_input: Callable[[Any, dict], bool],
     process_batch: Callable[[list[int]], list[dict]],
     desc: str,
+    stats: dict | None = None,
 ) -> dict[int, dict]:
+    """Items in fixed batches (``range(b, b + batch_size)``), each seeded by its first index: a batch the cache
+    holds only part of (a kill between its records) is generated again whole, so every item's sample is the one
+    an uninterrupted run draws, however far an earlier run got. ``stats`` gets ``generated`` / ``from_cache``."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     out_path = Path(out_path)
@@ -196,10 +235,13 @@ def _run_resumable(
         if i >= len(items) or not same_input(items[i], rec):
             raise ValueError(f"{out_path}: stored item {i} does not match input item {i}; the file was written for "
                              "other inputs — use another out_path or delete it")
-    todo = [i for i in range(len(items)) if i not in done]
-    with tqdm(total=len(items), initial=len(items) - len(todo), desc=desc, unit="item") as bar:
-        for b in range(0, len(todo), batch_size):
-            idx = todo[b:b + batch_size]
+    batches = [list(range(b, min(b + batch_size, len(items)))) for b in range(0, len(items), batch_size)]
+    todo = [idx for idx in batches if not all(i in done for i in idx)]
+    n_todo = sum(len(idx) for idx in todo)
+    if stats is not None:
+        stats.update(generated=n_todo, from_cache=len(items) - n_todo)
+    with tqdm(total=len(items), initial=len(items) - n_todo, desc=desc, unit="item") as bar:
+        for idx in todo:
             records = process_batch(idx)
             _append(out_path, records)
             for rec in records:
@@ -222,6 +264,7 @@ def regenerate_conversations(
     seed: int = 0,
     chat_template: str | None = None,
     enable_thinking: bool | None = None,
+    stats: dict | None = None,
 ) -> list[list[dict]]:
     """Every assistant turn replaced by the target's own reply to the (already regenerated) context before it.
 
@@ -231,6 +274,7 @@ def regenerate_conversations(
     convs = [[{"role": m["role"], "content": m["content"]} for m in c] for c in conversations]
     stops = stop_token_ids(tok, model, chat_template=chat_template, enable_thinking=enable_thinking)
     pad_id = _pad_id(tok, stops)
+    harmony = all(t in special_strings(tok) for t in (CHANNEL, MESSAGE))
 
     def same_input(conv: list[dict], rec: dict) -> bool:
         stored = rec.get("messages")
@@ -258,11 +302,17 @@ def regenerate_conversations(
                 j = pending[i].pop(0)
                 if new and new[-1] in stops:
                     new = new[:-1]  # the template writes the turn-closing token itself
-                work[i][j]["content"] = tok.decode(new, skip_special_tokens=False)
+                text = tok.decode(new, skip_special_tokens=False)
+                split = split_harmony(text) if harmony else None
+                if split is None:
+                    work[i][j]["content"] = text
+                else:  # gpt-oss: the analysis channel goes to "thinking", the final one to "content"
+                    work[i][j].update(split)
             step += 1
         return [{"index": i, "messages": work[i]} for i in idx]
 
-    done = _run_resumable(convs, out_path, batch_size, same_input, process_batch, "regenerate conversations")
+    done = _run_resumable(convs, out_path, batch_size, same_input, process_batch, "regenerate conversations",
+                          stats)
     return [done[i]["messages"] for i in range(len(convs))]
 
 
@@ -275,6 +325,7 @@ def regenerate_continuations(
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     seed: int = 0,
+    stats: dict | None = None,
 ) -> list[dict]:
     """The target's continuation of each token prefix (e.g. code): ``{"input_ids", "loss_mask"}`` rows.
 
@@ -296,5 +347,6 @@ def regenerate_continuations(
         return [{"index": i, "input_ids": items[i] + new, "loss_mask": [0] * len(items[i]) + [1] * len(new)}
                 for i, new in zip(idx, outs)]
 
-    done = _run_resumable(items, out_path, batch_size, same_input, process_batch, "regenerate continuations")
+    done = _run_resumable(items, out_path, batch_size, same_input, process_batch, "regenerate continuations",
+                          stats)
     return [{"input_ids": done[i]["input_ids"], "loss_mask": done[i]["loss_mask"]} for i in range(len(items))]

@@ -66,7 +66,10 @@ def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = path.with_suffix(".key.json")  # for people: what the hash covers
     if not meta.exists():
-        meta.write_text(json.dumps(key, indent=1))
+        from models.checkpoint import out_of_space_as_error
+
+        with out_of_space_as_error(meta, "free space, or set data.cache_dir on a larger disk"):
+            meta.write_text(json.dumps(key, indent=1))
     return path
 
 
@@ -107,15 +110,16 @@ def _regenerated_code(cfg: DataConfig, model, tok, rows: list[dict], stats: dict
         if not prompts:
             continue
         out = regen_cache_path(cfg, model, tok, "code", prompts, temp)
-        cached = sum(1 for line in open(out, "rb") if line.strip()) if out.exists() else 0
         t0 = time.time()
+        counts: dict = {}  # what was read back whole vs generated now (a torn or partial batch is generated)
         got = regenerate_continuations(model, tok, prompts, out, batch_size=cfg.regen_batch_size,
-                                       max_new_tokens=cfg.regen_new_tokens, temperature=temp, seed=cfg.seed)
+                                       max_new_tokens=cfg.regen_new_tokens, temperature=temp, seed=cfg.seed,
+                                       stats=counts)
         secs = time.time() - t0
         out_rows += got
         if stats is not None:
             new_tok = sum(sum(r["loss_mask"]) for r in got)
-            made = max(len(prompts) - min(cached, len(prompts)), 0)
+            made = counts["generated"]
             stats.setdefault("regenerated", []).append({
                 "temperature": temp, "continuations": len(prompts), "from_cache": len(prompts) - made,
                 "generated_now": made, "seconds": round(secs, 1), "target_tokens": new_tok,
@@ -191,16 +195,17 @@ def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stat
             continue
         inputs = [convs[i] for i in group]
         path = regen_cache_path(cfg, model, tok, "chat", inputs, temp)
-        cached = sum(1 for line in open(path, "rb") if line.strip()) if path.exists() else 0
         t0 = time.time()
+        counts: dict = {}  # what was read back whole vs generated now (a torn or partial batch is generated)
         got = regenerate_conversations(model, tok, inputs, path, batch_size=cfg.regen_batch_size,
                                        max_new_tokens=cfg.regen_new_tokens, temperature=temp, seed=cfg.seed,
-                                       chat_template=cfg.chat_template, enable_thinking=cfg.enable_thinking)
+                                       chat_template=cfg.chat_template, enable_thinking=cfg.enable_thinking,
+                                       stats=counts)
         secs = time.time() - t0
         for i, conv in zip(group, got):
             out[i] = conv
         if stats is not None:
-            made = max(len(group) - min(cached, len(group)), 0)
+            made = counts["generated"]
             stats.setdefault("regenerated", []).append({
                 "temperature": temp, "continuations": len(group), "kind": "conversations",
                 "from_cache": len(group) - made,
@@ -235,12 +240,22 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
             if model is None:
                 raise ValueError("data.regenerate needs the target model")
             convs = _regenerated_chat(cfg, model, tok, convs, stats)
-        rows, _ = tokenize_conversations(tok, convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
-                                         cfg.enable_thinking)
+        rows, tstats = tokenize_conversations(tok, convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
+                                              cfg.enable_thinking)
         if not rows:
             raise ValueError(f"all {len(convs)} conversations in {cfg.source} have no assistant token within "
                              f"data.max_len={cfg.max_len}; raise data.max_len")
-        n_val = min(cfg.val_rows, len(rows) // 10)
+        if tstats["truncated"]:  # never silently: a giant row cut to max_len with no reply left is dropped
+            print(f"data: dropped {tstats['truncated']} of {len(convs)} conversations in {cfg.source} with no "
+                  f"assistant token within data.max_len={cfg.max_len}", flush=True)
+        if stats is not None:
+            stats["skipped"] = {"malformed": read["skipped"], "unmaskable": tstats["unmaskable"],
+                                "beyond_max_len": tstats["truncated"]}
+        # data.val_rows is honoured, up to half the rows (the rest train); a cap is said, never silent
+        n_val = min(cfg.val_rows, len(rows) // 2)
+        if n_val < cfg.val_rows:
+            print(f"data: data.val_rows={cfg.val_rows} capped to {n_val} (half of {len(rows)} conversations)",
+                  flush=True)
         train, val = rows[: len(rows) - n_val], rows[len(rows) - n_val :]
     else:
         raise ValueError(f"data.kind={cfg.kind!r}: use 'code' or 'chat'")

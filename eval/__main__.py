@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval.benchmark import BenchSettings, all_lossless, build_methods, load_prompts, run_benchmark, write_json
 from eval.report import console_summary, write_report
+from models.checkpoint import NoSpaceError, out_of_space_as_error
 
 log = logging.getLogger("eval")
 # absolute: a relative "../conf" is resolved as a Python package when this module is imported rather than run
@@ -54,8 +56,18 @@ def run(cfg: DictConfig, require: list[str] | tuple[str, ...] = ()) -> dict:
     """Load the target, build the methods (skipping missing checkpoints), benchmark, write the report.
     ``require``: methods that must run (named explicitly); one that cannot is an error, before any benchmark."""
     settings = settings_from(cfg)
+    out = Path(cfg.out_dir)
+    check_writable(out)  # before the benchmark: a read-only or full out_dir would lose every result at the end
     target = instantiate(cfg.target)
     prompts = load_prompts(target.tokenizer, cfg.n_prompts, cfg.prompt_tokens, cfg.prompts)
+    if len(prompts) < cfg.n_prompts:
+        what = f"{cfg.prompts}" if cfg.prompts else "the held-out set"
+        msg = (f"n_prompts={cfg.n_prompts} but {what} has only {len(prompts)} usable prompts (of <= "
+               f"prompt_tokens={cfg.prompt_tokens} tokens)")
+        if cfg.get("require_n_prompts", False):
+            raise ValueError(f"{msg}; lower n_prompts, or require_n_prompts=false to run on {len(prompts)}")
+        print(f"warning: {msg}; running {len(prompts)} (recorded in results.json: prompts.n, prompts.requested)",
+              file=sys.stderr)
     methods, skipped = build_methods(target, list(cfg.methods), OmegaConf.to_container(cfg.checkpoints),
                                      cfg.draft_model, OmegaConf.to_container(cfg.options),
                                      OmegaConf.to_container(cfg.get("variants") or {}))
@@ -64,21 +76,53 @@ def run(cfg: DictConfig, require: list[str] | tuple[str, ...] = ()) -> dict:
         raise ValueError(f"{missing[0]} was asked for but cannot run: {skipped[missing[0]]}")
     log.info("methods: %s; %d prompts", ", ".join(m.name for m in methods), len(prompts))
     results = run_benchmark(target, methods, prompts, settings, skipped, prompt_source=cfg.prompts)
-    out = Path(cfg.out_dir)
-    files = [write_json(results, out / "results.json"), *write_report(results, out).values()]
+    results["prompts"]["requested"] = int(cfg.n_prompts)
+    files = write_results(results, out)
     print(console_summary(results))
     print("wrote " + ", ".join(str(f) for f in files))
     return results
 
 
+def write_results(results: dict, out: Path) -> list[Path]:
+    """results.json, results.md and the plots; a full disk is one NoSpaceError line naming ``out``."""
+    with out_of_space_as_error(out, "free space, or set out_dir elsewhere"):
+        return [write_json(results, out / "results.json"), *write_report(results, out).values()]
+
+
+def check_writable(out: Path) -> None:
+    """``out_dir`` can take the results: created if needed, and a probe file written (and removed) there."""
+    probe = out / ".draftsmith-write-probe"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with out_of_space_as_error(out, "free space, or set out_dir elsewhere"):
+            with open(probe, "w") as fh:
+                fh.write("probe\n" * 512)  # a few KB: a full disk fails here, not after the benchmark
+                fh.flush()
+                os.fsync(fh.fileno())
+    except NoSpaceError:
+        probe.unlink(missing_ok=True)
+        raise
+    except OSError as e:
+        raise ValueError(f"out_dir {out} is not writable ({e.strerror or e}); set out_dir to a writable "
+                         "directory") from None
+    probe.unlink()
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, NoSpaceError)
+
+
 @hydra.main(config_path=CONF_DIR, config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import InstantiationException
 
     try:
         results = run(cfg, explicit_methods(list(HydraConfig.get().overrides.task), list(cfg.methods)))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+    except (*USER_ERRORS, InstantiationException) as e:
+        err = e.__cause__ if isinstance(e, InstantiationException) else e  # e.g. the target's loader refusing
+        if not isinstance(err, USER_ERRORS):
+            raise
+        print(f"error: {(str(err).strip().splitlines() or [type(err).__name__])[0]}", file=sys.stderr)
         sys.exit(2)
     if not all_lossless(results):
         bad = [n for n, m in results["methods"].items() if not m["lossless"]]

@@ -108,7 +108,19 @@ class BenchSettings:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        temps = [float(t) for t in self.temperatures]
+        for name, lo in (("max_new_tokens", 2), ("repetitions", 1), ("cost_reps", 1), ("warmup", 0), ("threads", 0),
+                         ("seed", 0), ("top_k", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}={v!r}: must be an integer >= {lo}" + (
+                    " (the first new token comes from the prompt's own forward pass, so with 1 there is nothing "
+                    "to speculate on and no decoding speed to measure)" if name == "max_new_tokens" else ""))
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}: must be a number in (0, 1]")
+        try:
+            temps = [float(t) for t in self.temperatures]
+        except (TypeError, ValueError):
+            raise ValueError(f"temperatures={list(self.temperatures)!r}: must be numbers >= 0 (0 = greedy)") from None
         if not temps:
             raise ValueError("temperatures is empty; give at least one (0 = greedy)")
         for t in temps:  # models/verify.py's own checks: the same one-line errors the engine would give
@@ -124,14 +136,6 @@ class BenchSettings:
         if self.batch_temperature not in self.temperatures:
             raise ValueError(f"batch_temperature={self.batch_temperature} must be one of temperatures "
                              f"{self.temperatures} (its acceptance rates drive the dynamic policy)")
-        for name in ("max_new_tokens", "repetitions", "cost_reps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or int(v) != v or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v}")
-        for name in ("warmup", "threads"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or int(v) != v or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {v}")
         bs = [int(b) for b in self.batch_sizes]
         if any(b < 1 for b in bs) or any(b != x for b, x in zip(bs, self.batch_sizes)):
             raise ValueError(f"batch_sizes must be positive integers, got {list(self.batch_sizes)}")
@@ -237,8 +241,11 @@ def _prompt_messages(row: Any, where: str) -> list[dict]:
         # only the first turn: later turns would need the model's own answer to turn 1 in the context
         return [{"role": "user", "content": turns[0]}]
     msgs = row.get("messages")
+    if msgs is None and row.get("conversations") is not None:  # ShareGPT, as training reads it (data/chat.py)
+        msgs = _sharegpt_messages(row["conversations"], where)
     if not isinstance(msgs, list) or not msgs:
-        raise ValueError(f"{where}: needs 'turns' (list of strings) or 'messages' (list of role/content)")
+        raise ValueError(f"{where}: needs 'turns' (list of strings), 'messages' (list of role/content) or "
+                         "'conversations' (ShareGPT: list of from/value)")
     out = []
     for j, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -248,6 +255,24 @@ def _prompt_messages(row: Any, where: str) -> list[dict]:
         out.append({"role": m["role"], "content": m["content"]})
     if not any(m["role"] == "user" for m in out):
         raise ValueError(f"{where}: no user message before the first assistant message")
+    return out
+
+
+def _sharegpt_messages(turns: Any, where: str) -> list[dict]:
+    """ShareGPT ``conversations`` ([{"from": "human"|"gpt"|..., "value": str}]) → role/content messages."""
+    from data.chat import SHAREGPT_ROLES
+
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: 'conversations' must be a non-empty list of from/value objects")
+    out = []
+    for j, t in enumerate(turns):
+        if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("value"), str):
+            raise ValueError(f"{where}: conversations[{j}] needs string 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(t["from"].strip().lower())
+        if role is None:
+            raise ValueError(f"{where}: conversations[{j}].from has unknown role {t['from']!r} (known: "
+                             f"{', '.join(sorted(SHAREGPT_ROLES))})")
+        out.append({"role": role, "content": t["value"]})
     return out
 
 
@@ -299,7 +324,11 @@ def build_methods(
         opts = dict((options or {}).get(base) or {})
         if name in variants:
             opts.update({k: v for k, v in variants[name].items() if k != "method"})
-        make, o = registry.make_proposer_factory(base, drafter, target, path, opts)
+        try:
+            make, o = registry.make_proposer_factory(base, drafter, target, path, opts)
+        except (ValueError, TypeError) as e:  # a bad option value: name where it was set
+            where = f"variants.{name}" if name in variants else f"options.{base}"
+            raise ValueError(f"{where}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
         methods.append(Method(name, base, make, k=int(o[p.k_option]) if p.k_option else None, checkpoint=path,
                               options=o, model=drafter, spec=p, variant_of=base if name in variants else None))
     for name, why in skipped.items():

@@ -218,8 +218,11 @@ def console_summary(results: Mapping[str, Any]) -> str:
         out.append(f"{name:>12} batch crossover: {'none' if cross is None else f'B={cross}'}  K* by batch: "
                    + ", ".join(f"{k}:{v}" for k, v in m["recommended_num_speculative_tokens"].items()))
     if "recommended_num_speculative_tokens" in r:
+        k0 = r["recommended_num_speculative_tokens"] == 0
         out.append(f"recommended_num_speculative_tokens={r['recommended_num_speculative_tokens']} "
-                   f"({r['recommended_for']}, batch 1)")
+                   f"({r['recommended_for']}, batch 1)"
+                   + (": speculation does not pay here (the cost model predicts plain decoding is faster at batch 1;"
+                      f" the best K >= 1 would be {r.get('best_positive_num_speculative_tokens')})" if k0 else ""))
     tolerated = sum(m.get("n_tolerated", 0) for m in r["methods"].values())
     if tolerated:
         out.append(f"{tolerated} T=0 divergence(s) at near-ties within {r['precision']['dtype']} noise tolerated "

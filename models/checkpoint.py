@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +18,50 @@ from torch import nn
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+
+
+class NoSpaceError(OSError):
+    """The disk filled up while writing; one line naming where. Every writer (checkpoints, final/, exports, the
+    feature and regeneration caches, eval results) turns its disk-full error into this."""
+
+    def __init__(self, path: Path | str, fix: str = "free space, or lower train.keep_ckpts"):
+        super().__init__(errno.ENOSPC, f"no space left on device at {path} ({fix})")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+# what a full disk looks like from each writer: OSError(ENOSPC) from Python's own I/O; safetensors' Rust writer:
+# SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"); torch's zip
+# writer: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+_NO_SPACE_TEXT = ("No space left on device", "os error 28", "unexpected pos")
+
+
+def is_out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` (or what it was raised from) is a full disk, whichever writer raised it."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if isinstance(e, Exception) and any(t in str(e) for t in _NO_SPACE_TEXT):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+class out_of_space_as_error:
+    """Context manager: a full disk while writing under ``path`` becomes NoSpaceError (one line)."""
+
+    def __init__(self, path: Path | str, fix: str = "free space, or lower train.keep_ckpts"):
+        self.path, self.fix = path, fix
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, e, tb):
+        if e is not None and not isinstance(e, NoSpaceError) and is_out_of_space(e):
+            raise NoSpaceError(self.path, self.fix) from None
+        return False
 
 
 def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
@@ -63,3 +108,43 @@ def read_meta(path: Path) -> dict:
         return json.loads((path / CONFIG).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path / CONFIG}: not valid JSON ({e}); the checkpoint is corrupt") from None
+
+
+def check_writable_dir(path: Path | str, key: str) -> None:
+    """``path`` exists (created if needed) and takes a file: else one ValueError line naming ``key`` (a read-only
+    mount, no permission) or NoSpaceError (a full disk). The probe file is removed again."""
+    path = Path(path)
+    probe = path / f".draftsmith-probe-{__import__('os').getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with out_of_space_as_error(path, "free space"):
+            probe.write_text("probe\n")
+    except NoSpaceError:
+        probe.unlink(missing_ok=True)
+        raise
+    except OSError as e:
+        raise ValueError(f"{key} {path} is not writable ({e.strerror or e}); choose another {key}") from None
+    probe.unlink()
+
+
+class WritableDirCheck:
+    """A Hydra callback (``hydra.callbacks`` in conf/config.yaml and conf/eval.yaml): Hydra creates its run
+    directory inside ``output_dir`` / ``out_dir`` before the program runs, and a read-only or full one would be
+    Hydra's traceback (exit 1). This checks it first: one ``error:`` line naming the key, exit 2."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def on_run_start(self, config, **kwargs) -> None:
+        import sys
+
+        try:
+            check_writable_dir(str(config[self.key]), self.key)
+        except (ValueError, NoSpaceError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    def __getattr__(self, name: str):  # the other Callback hooks: nothing to do
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)

@@ -30,6 +30,7 @@ processed once (step 0) and the chain's earlier drafts sit at positions i+1..i+k
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import asdict, dataclass
 
@@ -986,6 +987,9 @@ def eagle_rank_accuracy(metrics: dict, steps: int, size_for: float = 0) -> Tenso
     return acc
 
 
+FALLBACK_TREE_NODES = 10  # total_tokens: auto without held-out metrics (the cost-sized trees here: 4 to 11 nodes)
+
+
 def _prepare_tree(d: Eagle3Drafter, ckpt_dir: str | None, o: dict) -> dict:
     """``total_tokens: auto``: the largest tree allowed (``max_nodes``; depth and top_k as caps) is built now,
     so the cost tables cover it; ``_size_tree`` then shrinks it to the fastest predicted one."""
@@ -995,10 +999,15 @@ def _prepare_tree(d: Eagle3Drafter, ckpt_dir: str | None, o: dict) -> dict:
     from pathlib import Path
 
     path = Path(ckpt_dir or "") / "eval.json"
-    if not path.exists():
-        raise ValueError(f"options.eagle3_tree.total_tokens=auto needs {path} (written by training); "
-                         "give total_tokens as a number")
     steps = min(int(o["depth"]), d.cfg.ttt_steps)
+    if not path.exists():  # training held out no rows (data.val_rows=0 / train.eval_rows=0): a fixed tree
+        n = min(int(o["max_nodes"]), FALLBACK_TREE_NODES)
+        why = (f"options.eagle3_tree.total_tokens=auto: no held-out rank metrics ({path} is missing: the run held "
+               f"out no validation rows); using a fixed tree of {n} nodes (depth {steps}, top_k "
+               f"{min(int(o['top_k']), RANKS)}). Give total_tokens as a number, or train with data.val_rows > 0")
+        logging.getLogger(__name__).warning(why)
+        return {**o, "depth": steps, "top_k": min(int(o["top_k"]), RANKS), "total_tokens": n, "auto_size": False,
+                "tree_fallback": why}
     eagle_rank_accuracy(json.loads(path.read_text()), steps, o["size_for"])  # fail now, not after decoding
     return {**o, "depth": steps, "top_k": min(int(o["top_k"]), RANKS), "total_tokens": int(o["max_nodes"]),
             "auto_size": True}

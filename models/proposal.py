@@ -95,8 +95,12 @@ class Proposer(Protocol):
 
 # --------------------------------------------------------------------------------------------- helpers
 def check_k(name: str, k: int) -> int:
-    if isinstance(k, bool) or int(k) != k or k < 1:
-        raise ValueError(f"{name} must be a positive integer, got {k}")
+    try:
+        ok = not isinstance(k, (bool, str)) and int(k) == k and k >= 1
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a positive integer, got {k!r}")
     return int(k)
 
 

@@ -35,6 +35,11 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def dtype_names() -> list[str]:
+    """The load dtypes ``parse_dtype`` (and ``target.dtype``) accept."""
+    return sorted(_DTYPES)
+
+
 def resolve_name(name_or_path: str, gguf_file: str | None = None) -> str:
     """`tiny-code` (the embedded default) → its shipped directory; a GGUF (``X.gguf``, a directory + ``gguf_file``,
     or an alias such as ``smollm2``) → its converted HF directory (models/gguf.py; converted once, cached by
@@ -81,14 +86,26 @@ def load_causal_lm(
     device: str = "cpu",
     gguf_file: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load model + tokenizer by hub id, local path or GGUF (see ``resolve_name``); eval mode, gradients off."""
+    """Load model + tokenizer by hub id, local path or GGUF (see ``resolve_name``); eval mode, gradients off. Every
+    way this can fail for a user's reason (no such target, offline, not a causal LM, remote code not trusted, a
+    corrupt GGUF) is one ValueError line."""
     from models import gguf
 
     path = check_target_path(name_or_path, gguf_file)
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=True
-    )
+    torch_dtype = parse_dtype(dtype)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise TargetLoadError(_load_failure(name_or_path, path, e)) from None
+    try:
+        _decoder_parts(model)
+    except TypeError:
+        raise TargetLoadError(f"target {name_or_path!r} loads as {type(model).__name__}, not a decoder-only causal LM "
+                              "with .model.layers and .model.norm (Llama/Mistral/Qwen/DeepSeek layout); "
+                              "give target.name_or_path a causal LM") from None
     model.to(device).eval().requires_grad_(False)
     source = gguf.source_info(path)
     if source is not None:  # the target IS the dequantized GGUF: recorded in checkpoints and results
@@ -98,6 +115,44 @@ def load_causal_lm(
             # directory + gguf_file becomes the file's path, which export and eval resolve without the extra key
             model.config._name_or_path = str(Path(name_or_path) / gguf_file) if gguf_file else str(name_or_path)
     return model, tok
+
+
+class TargetLoadError(ValueError):
+    """The target cannot be loaded, for a reason the user can fix; one line naming the key and the fix."""
+
+
+def _hub_offline() -> bool:
+    import os
+
+    try:
+        from huggingface_hub import constants
+
+        if getattr(constants, "HF_HUB_OFFLINE", False):
+            return True
+    except ImportError:
+        pass
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _load_failure(name: str, path: str, e: BaseException) -> str:
+    msg = str(e)
+    first = (msg.strip().splitlines() or [type(e).__name__])[0][:200]
+    key = f"target {name!r} (target.name_or_path / --target)"
+    if "trust_remote_code" in msg or "custom code" in msg:
+        return (f"{key} ships its own model code (auto_map in its config.json), which is not run by default; "
+                "set target.trust_remote_code=true if you trust that code")
+    if "Unrecognized configuration class" in msg or "Unrecognized model" in msg:
+        return (f"{key} is not a causal LM that AutoModelForCausalLM can load ({first.split(' for this kind')[0]}); "
+                "give a decoder-only causal LM")
+    local = Path(path).expanduser().is_dir()
+    if not local and ("couldn't connect" in msg or _hub_offline()):
+        return (f"{key} is not a local directory and not in the Hugging Face cache, and this machine is offline "
+                f"(HF_HUB_OFFLINE or no network); download it where there is network (hf download {name}) "
+                "or give a local directory")
+    if not local:
+        return f"{key} is neither a local directory nor a model on the Hugging Face hub ({first})"
+    return f"{key}: cannot load {path} ({type(e).__name__}: {first})"
 
 
 def from_layer_output_ids(ids: Sequence[int]) -> list[int]:

@@ -14,7 +14,8 @@ and a chat template reproducing the family's behaviours that matter for loss mas
     gemma3       system folded into the first user turn; per-layer-type sliding/full layers and rope
     phi3         <|end|> closes a turn, eos appended after the last turn when add_generation_prompt=False
     deepseek_v3  <｜User｜>/<｜Assistant｜>, MLA attention + MoE
-    gpt_oss      harmony: <|end|> closes earlier turns and the analysis channel, <|return|> the final reply; sinks
+    gpt_oss      harmony: <|end|> closes earlier turns and the analysis channel, <|return|> the final reply; sinks;
+                 refuses <|channel|> text in a reply's content (analysis goes in 'thinking'), as the real template
 """
 
 from __future__ import annotations
@@ -75,7 +76,13 @@ _GPT_OSS = ("<|start|>system<|message|>You are ChatGPT.\nReasoning: medium<|end|
             "{% for m in messages %}{% if m['role'] == 'system' %}<|start|>developer<|message|># Instructions\n\n"
             "{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
             "{% for m in messages %}{% if m['role'] == 'user' %}<|start|>user<|message|>{{ m['content'] }}<|end|>"
-            "{% elif m['role'] == 'assistant' %}{% if m.get('thinking') and loop.last %}"
+            "{% elif m['role'] == 'assistant' %}"
+            "{% if '<|channel|>analysis<|message|>' in m['content'] or '<|channel|>final<|message|>' in m['content'] %}"
+            "{{ raise_exception(\"You have passed a message containing <|channel|> tags in the content field. "
+            "Instead of doing this, you should pass analysis messages (the string between '<|message|>' and "
+            "'<|end|>') in the 'thinking' field, and final messages (the string between '<|message|>' and "
+            "'<|end|>') in the 'content' field.\") }}{% endif %}"
+            "{% if m.get('thinking') and loop.last %}"
             "<|start|>assistant<|channel|>analysis<|message|>{{ m['thinking'] }}<|end|>{% endif %}"
             "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}"
             "{% if loop.last and not add_generation_prompt %}<|return|>{% else %}<|end|>{% endif %}"
@@ -213,6 +220,35 @@ def make_family(family: str, seed: int = 0) -> tuple[PreTrainedModel, PreTrained
     model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
                                                eos_token_id=[tok.convert_tokens_to_ids(t) for t in s.gen_eos])
     return model, tok
+
+
+HARMONY_REPLY = ("<|channel|>analysis<|message|>The user asks a question.<|end|><|start|>assistant"
+                 "<|channel|>final<|message|>Here it is.<|return|>")
+
+
+@functools.lru_cache(maxsize=1)
+def harmony_speaker() -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The gpt-oss family target taught to answer CONVERSATION's turns in harmony form (an analysis channel, then
+    the final one), as real gpt-oss does: a few seconds of Adam on those two replies, then greedy decoding
+    reproduces them. (Random weights almost never emit channel headers.)"""
+    from data.chat import render_chat
+
+    model, tok = make_family("gpt_oss")
+    seqs = []
+    for j, m in enumerate(CONVERSATION):
+        if m["role"] == "assistant":
+            prompt = render_chat(tok, CONVERSATION[:j], True)
+            n = len(tok(prompt, add_special_tokens=False)["input_ids"])
+            seqs.append((torch.tensor([tok(prompt + HARMONY_REPLY, add_special_tokens=False)["input_ids"]]), n))
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(80):
+        loss = sum(torch.nn.functional.cross_entropy(model(x).logits[0, n - 1 : -1], x[0, n:]) for x, n in seqs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval().requires_grad_(False), tok
 
 
 def save_family(family: str, path, seed: int = 0):

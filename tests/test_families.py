@@ -3,15 +3,20 @@
 Per family: hidden-state capture equals ``output_hidden_states``; code rows and chat masks are built with the
 family's tokenizer and template; an EAGLE-3 checkpoint reloads with the shapes it was trained with; every
 method decodes losslessly past the sliding window (batch 2 too); (slow) a 2-step train of every recipe and an
-export + check of every format, with refusals asserted where a format cannot hold the family.
+export + check of every format, with refusals asserted where a format cannot hold the family. Chat data
+(data=sharegpt) as a user runs it: gpt-oss regeneration in harmony channels, DFlash on Phi-3's few assistant
+tokens, validation rows and the tree sizing that reads them.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
 from data.corpus import SourceFile, file_windows
 from eval import decode, decode_batch
@@ -21,7 +26,8 @@ from models.mtp import MTPConfig, MTPDrafter, MTPProposer
 from models.ngram import NGramProposer
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
-from tests.families import FAMILIES, SPECS, WINDOW, make_family
+from tests.families import CONVERSATION, FAMILIES, SPECS, WINDOW, make_family, save_family
+from train.loop import run
 
 FAM = pytest.mark.parametrize("family", FAMILIES)
 SLIDING = [f for f in FAMILIES if SPECS[f].sliding]
@@ -343,3 +349,88 @@ def test_regeneration_cache_is_per_target(tmp_path):
     assert regen_cache_path(cfg, a, tok, "code", prompts) == pa
     others = {regen_cache_path(cfg, b, tok_b, "code", prompts), regen_cache_path(cfg, q, tok_q, "code", prompts)}
     assert len({pa, *others}) == 3
+
+
+# ------------------------------------------------------------------------- chat data (data=sharegpt)
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _chat_file(path: Path, n: int, conv=CONVERSATION) -> Path:
+    path.write_text("".join(json.dumps({"messages": conv}) + "\n" for _ in range(n)))
+    return path
+
+
+def _cfg(tdir, out, src, *extra):
+    over = [f"target.name_or_path={tdir}", f"output_dir={out}", "tracking=none", "data=sharegpt",
+            f"data.source={src}", "data.max_len=64", "data.val_rows=2", "train.steps=2", "train.batch_size=2",
+            "train.ckpt_every=100", "train.eval_every=100", "optim.warmup_steps=1", *extra]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=over)
+
+
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory):
+    return save_family("phi3", tmp_path_factory.mktemp("phi3"))
+
+
+def test_dflash_on_phi3_chat_skips_and_counts_batches_with_no_trainable_block(phi3_dir, tmp_path):
+    """Few assistant tokens per row and a small draft vocabulary: some batches have no scored slot at all. They
+    are skipped and counted (metrics.jsonl), never a 'does not require grad' crash."""
+    short = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris"}]
+    src = _chat_file(tmp_path / "c.jsonl", 8, short)
+    res = run(_cfg(phi3_dir, tmp_path / "run", src, "+recipe=dflash", "draft.config.layer_ids=[1,2,3]",
+                   "draft.config.block_size=4", "draft.config.draft_vocab_size=8", "train.steps=4",
+                   "data.regenerate=0", "train.log_every=1"))
+    assert res["steps"] == 4
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("train/skipped_batches", 0) for r in recs) >= 1
+
+
+def test_gpt_oss_regeneration_splits_harmony_channels_as_the_template_expects(tmp_path):
+    """gpt-oss answers in channels; its template refuses <|channel|> text in content. Regenerated replies keep the
+    analysis in 'thinking' and the final answer in 'content', and a whole run on them trains (before: the
+    template's TemplateError under a Hydra traceback)."""
+    from data.chat import render_chat, tokenize_conversation
+    from data.regenerate import regenerate_conversations
+    from tests.families import HARMONY_REPLY, harmony_speaker
+
+    model, tok = harmony_speaker()
+    with pytest.raises(Exception, match="containing <\\|channel\\|> tags in the content field"):
+        render_chat(tok, [*CONVERSATION[:2], {"role": "assistant", "content": HARMONY_REPLY}])
+    out = regenerate_conversations(model, tok, [CONVERSATION], tmp_path / "r.jsonl", max_new_tokens=48)
+    replies = [m for m in out[0] if m["role"] == "assistant"]
+    assert [(m["thinking"], m["content"]) for m in replies] == [("The user asks a question.", "Here it is.")] * 2
+    row = tokenize_conversation(tok, out[0], max_len=512)
+    assert row is not None and any(row["loss_mask"])
+    tdir = tmp_path / "gpt_oss"
+    model.save_pretrained(tdir)
+    tok.save_pretrained(tdir)
+    src = _chat_file(tmp_path / "c.jsonl", 4)
+    res = run(_cfg(tdir, tmp_path / "run", src, "+recipe=eagle3", "data.regenerate=1", "data.regen_new_tokens=48",
+                   "data.regen_temperature=0", "data.max_len=256", "data.val_rows=1", "draft.config.layer_ids=[1,2,3]",
+                   "draft.config.draft_vocab_size=64", "draft.config.ttt_steps=2"))
+    assert res["steps"] == 2
+
+
+def test_chat_val_rows_are_honoured_and_tree_sizing_falls_back_without_eval_json(phi3_dir, tmp_path, caplog):
+    """8 conversations with data.val_rows=2 hold out 2 (before: 0, so no final/eval.json); and a checkpoint without
+    eval.json still gets an EAGLE-2 tree under total_tokens: auto (a fixed size, with a warning), not exit 2."""
+    from models.registry import load_drafter, make_proposer_factory
+    from models.target import FrozenTarget
+
+    src = _chat_file(tmp_path / "c.jsonl", 8)
+    out = tmp_path / "run"
+    over = ["draft.config.layer_ids=[1,2,3]", "draft.config.draft_vocab_size=64", "draft.config.ttt_steps=2",
+            "train.eval_rows=2"]
+    run(_cfg(phi3_dir, out, src, *over))
+    stats = json.loads((out / "data_stats.json").read_text())
+    assert (stats["train_rows"], stats["val_rows"]) == (6, 2)
+    assert (out / "final" / "eval.json").is_file()
+    (out / "final" / "eval.json").unlink()  # as a run with data.val_rows=0 leaves it
+    target = FrozenTarget.from_pretrained(str(phi3_dir))
+    drafter, _ = load_drafter(out / "final", target)
+    with caplog.at_level("WARNING"):
+        make, o = make_proposer_factory("eagle3_tree", drafter, target, str(out / "final"),
+                                        {"total_tokens": "auto"})
+    assert o["total_tokens"] == 10 and "no held-out rank metrics" in caplog.text
+    assert make(None) is not None

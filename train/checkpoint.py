@@ -18,12 +18,12 @@ NaN/inf are never written (``check_finite``, also called by every loader and the
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,42 +36,27 @@ from torch import nn
 from models.checkpoint import (
     CONFIG,
     WEIGHTS,
+    NoSpaceError,
     check_finite,
+    is_out_of_space,
     load_trainable_state,
     nonfinite_tensors,
+    out_of_space_as_error,
     read_meta,
     trainable_state,
 )
+from models.medusa import TREE_FILE as MEDUSA_TREE_FILE
 
 TRAINER = "trainer.pt"
 __all__ = ["CONFIG", "WEIGHTS", "TRAINER", "trainable_state", "load_trainable_state", "read_meta", "rng_state",
            "set_rng_state", "save_drafter", "save_checkpoint", "latest_checkpoint", "check_compatible",
            "load_trainer_state", "check_finite", "nonfinite_tensors", "finite_or_none",
-           "NoSpaceError", "is_out_of_space"]
-
-
-class NoSpaceError(OSError):
-    """The disk filled up while writing; one line naming where (torch reports it as 'unexpected pos')."""
-
-    def __init__(self, path: Path):
-        super().__init__(errno.ENOSPC, f"no space left on device at {path} (free space, or lower train.keep_ckpts)")
-
-    def __str__(self) -> str:
-        return self.strerror
-
-
-def is_out_of_space(e: BaseException) -> bool:
-    """ENOSPC, or torch's zip writer failing on a full disk ('[enforce fail at inline_container.cc] unexpected pos')."""
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return True
-    return isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or "No space left" in str(e))
+           "NoSpaceError", "is_out_of_space", "out_of_space_as_error"]
 
 
 def finite_or_none(x: Any) -> Any:
     """A metric for JSON: non-finite floats become null (bare NaN is not JSON)."""
     return x if not isinstance(x, float) or math.isfinite(x) else None
-
-
 
 
 def rng_state() -> dict[str, Any]:
@@ -89,7 +74,12 @@ def set_rng_state(s: dict[str, Any]) -> None:
 
 def write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
+    try:
+        with out_of_space_as_error(path, "free space"):
+            tmp.write_text(json.dumps(obj, indent=1))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -97,40 +87,49 @@ def save_drafter(out: Path, module: nn.Module, meta: dict) -> None:
     """The self-describing drafter directory (config.json + model.safetensors); refuses NaN/inf weights."""
     state = trainable_state(module)
     check_finite(state, f"refusing to write {out}")
-    out.mkdir(parents=True, exist_ok=True)
     with out_of_space_as_error(out):
+        out.mkdir(parents=True, exist_ok=True)
         save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
         write_json(out / CONFIG, meta)
+
+
+# what training writes into final/ (the drafter, its held-out metrics, Medusa's static tree): replaced freely
+FINAL_FILES = {CONFIG, WEIGHTS, "eval.json", MEDUSA_TREE_FILE}
 
 
 def save_final(out: Path, module: nn.Module, meta: dict) -> None:
     """``final/`` written as final.tmp and swapped in: a kill leaves the old final/ or the new one, never half."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter(tmp, module, meta)
+    try:
+        save_drafter(tmp, module, meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written drafter must not fill the disk further
+        raise
+    if out.exists():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in FINAL_FILES or not p.is_file())
+        if foreign:  # someone put files there (an export, notes): keep them, never delete what we did not write
+            kept = out.with_name(f"{out.name}.kept_{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(out, kept)
+            print(f"warning: {out} held {foreign[:4]}, which training does not write; the previous final/ is kept "
+                  f"as {kept}", file=sys.stderr, flush=True)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 
 
-class out_of_space_as_error:
-    """Context manager: a full disk while writing under ``path`` becomes NoSpaceError (one line)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, typ, e, tb):
-        if e is not None and not isinstance(e, NoSpaceError) and is_out_of_space(e):
-            raise NoSpaceError(self.path) from None
-        return False
-
-
 def complete_checkpoints(root: Path) -> list[Path]:
     """Committed checkpoints, oldest first (zero-padded step names: name order is step order)."""
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.is_symlink() and not p.name.endswith(".tmp")
                   and all((p / f).exists() for f in (CONFIG, WEIGHTS, TRAINER)))
+
+
+def check_own_checkpoints(root: Path) -> None:
+    """Refuse a ``step_*`` symlink (e.g. to another run's checkpoint): resuming from it would continue that run's
+    steps here, and rotation by step number would then prune every checkpoint this run writes."""
+    links = sorted(p for p in root.glob("step_*") if p.is_symlink()) if root.is_dir() else []
+    if links:
+        raise ValueError(f"{links[0]} is a symlink (to {os.readlink(links[0])}): a run resumes only from its own "
+                         "checkpoints; remove the link, or copy that checkpoint in as a directory")
 
 
 def _prune(root: Path, keep: int, protect: Path | None) -> None:
@@ -171,7 +170,8 @@ def save_checkpoint(root: Path, step: int, module: nn.Module, meta: dict, traine
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the commit point
         latest_tmp = root / "latest.tmp"
-        latest_tmp.write_text(name)
+        with out_of_space_as_error(latest_tmp):  # latest_checkpoint() falls back to the newest complete one
+            latest_tmp.write_text(name)
         os.replace(latest_tmp, root / "latest")
         _prune(root, keep, protect=final)
     barrier()
@@ -191,11 +191,12 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def set_aside_previous_run(out_dir: Path, ck_root: Path) -> Path | None:
-    """A fresh run (train.resume=false) moves an earlier run's checkpoints and metrics into
-    ``previous_<time>/`` instead of mixing its step numbers with them (or pruning them by name)."""
+    """A fresh run (train.resume=false) moves an earlier run's checkpoints, metrics, data stats and final drafter
+    into ``previous_<time>/`` instead of mixing its step numbers with them (or pruning them by name), and so that
+    until the new run finishes no ``final/`` claims to be its drafter."""
     old = [p for p in ck_root.glob("*")] if ck_root.is_dir() else []
-    metrics = out_dir / "metrics.jsonl"
-    if not old and not metrics.exists():
+    files = [out_dir / n for n in ("metrics.jsonl", "val.jsonl", "data_stats.json", "final", "final.tmp")]
+    if not old and not any(f.exists() for f in files):
         return None
     aside = out_dir / f"previous_{time.strftime('%Y%m%d-%H%M%S')}"
     n = 0
@@ -205,7 +206,7 @@ def set_aside_previous_run(out_dir: Path, ck_root: Path) -> Path | None:
     aside.mkdir(parents=True)
     if old:
         os.replace(ck_root, aside / ck_root.name)
-    for f in (metrics, out_dir / "val.jsonl"):
+    for f in files:
         if f.exists():
             os.replace(f, aside / f.name)
     return aside

@@ -42,8 +42,74 @@ def _positive_finite(cfg: DictConfig, key: str, allow_zero: bool = False) -> Non
         raise ConfigError(f"{key}={v!r}: must be a finite number {'>=' if allow_zero else '>'} 0")
 
 
+_TOP_KEYS = {"seed", "run_name", "output_dir", "train", "target", "data", "draft", "optim", "deepspeed", "tracking",
+             "hydra"}
+
+
+def _known_train_keys() -> set[str]:
+    """The ``train:`` keys of conf/config.yaml (the one place they are declared)."""
+    from pathlib import Path
+
+    base = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "config.yaml")
+    return set(base.train.keys())
+
+
+def _unknown(node: DictConfig, known: set[str], prefix: str) -> None:
+    import difflib
+
+    for k in node.keys():
+        if k not in known:
+            close = difflib.get_close_matches(str(k), sorted(known), n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(sorted(known))}"
+            value = OmegaConf.select(node, str(k), throw_on_resolution_failure=False)
+            raise ConfigError(f"{prefix}{k}={value!r}: not a setting ({hint}); a `+key=value` override adds a key "
+                              "that nothing reads")
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """`+train.stpes=10` (Hydra's own suggestion for a typo) adds a key nothing reads: refuse it, naming the key."""
+    import dataclasses
+
+    from data.sources import DataConfig
+
+    _unknown(cfg, _TOP_KEYS, "")
+    if isinstance(cfg.get("train"), DictConfig):
+        _unknown(cfg.train, _known_train_keys(), "train.")
+    if isinstance(cfg.get("data"), DictConfig):
+        _unknown(cfg.data, {f.name for f in dataclasses.fields(DataConfig)} | {"_target_"}, "data.")
+    if isinstance(cfg.get("target"), DictConfig):
+        _unknown(cfg.target, {"_target_", "name_or_path", "dtype", "trust_remote_code", "device", "gguf_file"},
+                 "target.")
+
+
+def check_target_settings(cfg: DictConfig) -> None:
+    """target.dtype and target.device, before the target (maybe 16 GB) is loaded."""
+    from models.target import dtype_names
+
+    dtype = _get(cfg, "target.dtype")
+    if dtype is not None and str(dtype) not in dtype_names():
+        raise ConfigError(f"target.dtype={dtype!r}: use one of {dtype_names()} (the target's load precision; "
+                          "weight-only int8 is an eval drafting option, options.eagle3.weights=int8)")
+    device = str(_get(cfg, "target.device") or "cpu")
+    kind = device.split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(f"target.device={device!r}: this machine has no usable CUDA ({why}); use target.device=cpu")
+    if kind == "cuda" and ":" in device:
+        idx = device.split(":", 1)[1]
+        if not idx.isdigit() or int(idx) >= torch.cuda.device_count():
+            raise ConfigError(f"target.device={device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"target.device={device!r}: MPS is not available here; use target.device=cpu")
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"target.device={device!r}: use cpu, cuda or cuda:N")
+
+
 def validate_train_config(cfg: DictConfig) -> None:
     """Raise ConfigError for the first bad value (the checks are cheap and need no model)."""
+    check_known_keys(cfg)
+    _int_at_least(cfg, "seed", 0)
+    check_target_settings(cfg)
     for key in ("train.steps", "train.batch_size", "train.grad_accum", "train.log_every", "train.eval_every",
                 "train.ckpt_every", "train.keep_ckpts"):
         _int_at_least(cfg, key, 1)
@@ -81,6 +147,12 @@ def validate_train_config(cfg: DictConfig) -> None:
         _int_at_least(cfg, depth, 1)
     if _get(cfg, "draft.config.step_weight") is not None:
         _positive_finite(cfg, "draft.config.step_weight")
+    if method == "dflash" and _get(cfg, "draft.config.block_size") is not None:
+        _int_at_least(cfg, "draft.config.block_size", 2)
+        block, max_len = _get(cfg, "draft.config.block_size"), _get(cfg, "data.max_len")
+        if isinstance(max_len, int) and block > max_len:
+            raise ConfigError(f"draft.config.block_size={block} is longer than data.max_len={max_len}: no block fits "
+                              "in a training row; lower draft.config.block_size or raise data.max_len")
 
 
 def check_resume_step(start: int, steps: int, path: Any) -> None:

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from models.checkpoint import NoSpaceError
 from models.export import CLI_FORMATS, ExportError, export, recommended_k_from_results, validate
 from models.target import EMBEDDED_NAME, parse_dtype, resolve_name
 from models.target_view import TargetView
@@ -45,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> str:
+    if not Path(args.check).exists():
+        raise ExportError(f"--check {args.check}: no such file or directory")
+    if not Path(args.check).is_dir():
+        raise ExportError(f"--check {args.check}: not a directory (an export is a directory)")
     target = None
     if args.target:
         target = TargetView.from_pretrained(args.target)
@@ -66,7 +71,13 @@ def _export(args: argparse.Namespace) -> str:
 
     if not (args.checkpoint and args.format and args.out):
         raise ExportError("exporting needs CHECKPOINT, --format and --out (or use --check DIR)")
+    try:  # up front: a bad --dtype must not cost the target load (or print a traceback after it)
+        dtype = parse_dtype(args.dtype) if args.dtype else None
+    except ValueError as e:
+        raise ExportError(f"--dtype {args.dtype}: {e}") from None
     ckpt = Path(args.checkpoint)
+    if not ckpt.exists():
+        raise ExportError(f"checkpoint {ckpt} does not exist; pass OUTPUT_DIR/final of a training run")
     if not (ckpt / "config.json").exists():
         raise ExportError(f"{ckpt} is not a drafter checkpoint (no config.json); pass OUTPUT_DIR/final")
     _check_out_not_source(Path(args.out), ckpt)
@@ -81,7 +92,6 @@ def _export(args: argparse.Namespace) -> str:
     except ValueError as e:
         raise ExportError(str(e)) from None
     k = recommended_k_from_results(args.results) if args.results else None
-    dtype = parse_dtype(args.dtype) if args.dtype else None
     out = export(drafter, args.format, args.out, target, target_name=name, recommended_k=k, meta=meta, dtype=dtype,
                  overwrite=args.force)
     fmt = CLI_FORMATS[args.format]
@@ -95,8 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         line = _check(args) if args.check else _export(args)
-    except (ExportError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ExportError, ValueError, FileNotFoundError, NoSpaceError) as e:
+        print(f"error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
         return 2
     print(line)
     return 0

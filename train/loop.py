@@ -118,7 +118,8 @@ def evaluate(drafter, target: FrozenTarget, rows: list[dict], batch_size: int, p
 def run(cfg: DictConfig) -> dict:
     """Validate the config, hold the output directory's lock, train."""
     validate_train_config(cfg)
-    with hold_output_dir(Path(cfg.output_dir)):
+    # every writer names its own path on a full disk; this catches the rest (metrics, data stats) by the run's
+    with hold_output_dir(Path(cfg.output_dir)), ckpt.out_of_space_as_error(cfg.output_dir, "free space"):
         return _train(cfg)
 
 
@@ -146,6 +147,7 @@ class Training:
     tracker: Any = None
     metrics_file: Any = None  # rank 0's metrics.jsonl, open while the steps run
     val_file: Any = None  # rank 0's val.jsonl (held-out records with their training time)
+    skipped_batches: int = 0  # micro-batches with nothing to score (counted in metrics.jsonl, said at the end)
     elapsed_before: float = 0.0  # training seconds of the runs this one resumes (their last ``elapsed_s``)
     t0: float = 0.0  # when this process's steps began
 
@@ -163,6 +165,7 @@ def _train(cfg: DictConfig) -> dict:
     out_dir = Path(cfg.output_dir)
     log = (lambda *a: print(*a, flush=True)) if d.is_main else (lambda *a: None)
     t = Training(cfg, d, log, out_dir, out_dir / "checkpoints")
+    set_aside_previous_run(t)
     load_target_and_data(t)
     build_drafter_and_meta(t)
     build_optimizer(t)
@@ -170,6 +173,16 @@ def _train(cfg: DictConfig) -> dict:
     build_feature_cache(t)
     stopped = train_steps(t, start)
     return stopped if stopped is not None else finish(t)
+
+
+def set_aside_previous_run(t: Training) -> None:
+    """0. train.resume=false: the previous run's checkpoints, metrics, data stats and final/ go to previous_<time>/
+    before anything of this run is written (eval and export must never read the old drafter as this run's)."""
+    if not t.cfg.train.resume and t.d.is_main:
+        aside = ckpt.set_aside_previous_run(t.out_dir, t.ck_root)
+        if aside:
+            t.log(f"train.resume=false: moved the previous run's checkpoints, metrics and final/ to {aside}")
+    t.d.barrier()
 
 
 def load_target_and_data(t: Training) -> None:
@@ -201,7 +214,8 @@ def load_target_and_data(t: Training) -> None:
         spent += prev.get("regen_seconds_total", 0.0)
         ckpt.write_json(path, {
             "train_rows": len(t.train_rows), "train_target_tokens": n_tok, "val_rows": len(t.val_rows),
-            "regenerated": stats.get("regenerated", []), "regen_seconds_total": round(spent, 1)})
+            "regenerated": stats.get("regenerated", []), "regen_seconds_total": round(spent, 1),
+            **({"skipped": stats["skipped"]} if "skipped" in stats else {})})
 
 
 def build_drafter_and_meta(t: Training) -> None:
@@ -244,12 +258,9 @@ def build_optimizer(t: Training) -> None:
 
 def resume(t: Training) -> int:
     """4. Resume from the newest complete checkpoint → the step to start from (0: a fresh run)."""
-    cfg, d = t.cfg, t.d
-    if not cfg.train.resume and d.is_main:
-        aside = ckpt.set_aside_previous_run(t.out_dir, t.ck_root)
-        if aside:
-            t.log(f"train.resume=false: moved the previous run's checkpoints and metrics to {aside}")
-    d.barrier()
+    cfg = t.cfg
+    if cfg.train.resume:
+        ckpt.check_own_checkpoints(t.ck_root)
     last = ckpt.latest_checkpoint(t.ck_root) if cfg.train.resume else None
     if last is None:
         return 0
@@ -363,6 +374,10 @@ def optimizer_step(t: Training, step: int) -> tuple[dict[str, float], int]:
         ids, mask = collate([t.train_rows[i] for i in idx], t.pad_id)
         hidden, logits = target_features(t.target, list(t.drafter.layer_ids), ids, idx, t.cache)
         loss, m = t.forward(ids, mask, hidden, logits)
+        skipped = not loss.requires_grad  # nothing scored (e.g. DFlash found no trainable block in these rows)
+        if skipped:  # zero gradients through every trainable weight: DDP/DeepSpeed ranks still all reduce
+            loss = loss + 0.0 * sum(p.sum() for p in t.trainable)
+            agg["skipped_batches"] = agg.get("skipped_batches", 0.0) + 1.0
         if t.engine is not None:
             t.engine.backward(loss)
         else:
@@ -371,6 +386,8 @@ def optimizer_step(t: Training, step: int) -> tuple[dict[str, float], int]:
         m = {**m, "loss": loss.item()}  # the optimised total, whatever the method reports
         for k, v in m.items():
             agg[k] = agg.get(k, 0.0) + float(v) / cfg.train.grad_accum
+    if "skipped_batches" in agg:
+        t.skipped_batches += int(agg["skipped_batches"])
     if t.engine is not None:
         check_step_finite(step + 1, agg["loss"], None)
         t.engine.step()  # clips, steps optimizer and scheduler
@@ -397,15 +414,20 @@ def finish(t: Training) -> dict:
             summary["val"] = ev
             t.tracker.log({f"val/{k}": v for k, v in ev.items()}, cfg.train.steps)
             log_val(t, cfg.train.steps, ev)
-            (out_dir / "final" / "eval.json").write_text(json.dumps(ev, indent=1))
+            with ckpt.out_of_space_as_error(out_dir / "final" / "eval.json", "free space"):
+                (out_dir / "final" / "eval.json").write_text(json.dumps(ev, indent=1))
             accs = [f"{ev[f'acc_{i}']:.3f}" for i in range(64) if f"acc_{i}" in ev]
             t.log(f"held-out top-1 agreement with the target by position: {' '.join(accs)}")
             t.log(f"held-out simulated tau (greedy chain): {ev['sim_tau']:.2f}")
             # e.g. Medusa builds its static draft tree from these held-out numbers
             after = registry.method(cfg.draft.method).after_training
-            made = after(t.drafter, out_dir / "final", ev) if after is not None else None
+            with ckpt.out_of_space_as_error(out_dir / "final", "free space"):
+                made = after(t.drafter, out_dir / "final", ev) if after is not None else None
             if made is not None:
                 t.log(f"{cfg.draft.method}: wrote {made} from the held-out metrics")
+        if t.skipped_batches:
+            t.log(f"{t.skipped_batches} micro-batches had nothing to score (e.g. DFlash: no block of trainable "
+                  "tokens) and were skipped (train/skipped_batches in metrics.jsonl)")
         t.log(f"drafter written to {out_dir / 'final'}")
     t.tracker.finish()
     for f in (t.metrics_file, t.val_file):

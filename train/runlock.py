@@ -6,6 +6,7 @@ host (kill -9) is detected and taken over with a warning; one from another host 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from models.checkpoint import NoSpaceError
 from train.checks import ConfigError
 
 LOCK = "train.lock"
@@ -45,8 +47,18 @@ def _stale(lock: Path, held: dict, host: str) -> bool:
     return held.get("host") == host and isinstance(held.get("pid"), int) and not _alive(held["pid"])
 
 
+def _not_writable(out_dir: Path, e: OSError) -> ConfigError:
+    return ConfigError(f"output_dir {out_dir} is not writable ({e.strerror or e}); choose another output_dir")
+
+
 def acquire(out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (PermissionError, OSError) as e:
+        if isinstance(e, FileExistsError):  # a file where the directory should be
+            raise ConfigError(f"output_dir {out_dir} exists and is not a directory; choose another output_dir") \
+                from None
+        raise _not_writable(out_dir, e) from None
     lock = out_dir / LOCK
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     for _ in range(3):
@@ -62,6 +74,10 @@ def acquire(out_dir: Path) -> Path:
                 f"output_dir {out_dir} is in use by another run (pid {held.get('pid')} on {held.get('host')}, "
                 f"started {held.get('started')}); wait for it, use another output_dir, or delete {lock} "
                 "if that run is gone") from None
+        except OSError as e:  # EROFS (a read-only mount), EACCES, ENOSPC: before anything was loaded
+            if e.errno == errno.ENOSPC:
+                raise NoSpaceError(lock, "free space") from None
+            raise _not_writable(out_dir, e) from None
         with os.fdopen(fd, "w") as fh:
             fh.write(json.dumps(me))
             fh.flush()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from models.checkpoint import out_of_space_as_error
 from models.target import FrozenTarget
 
 from .common import (
@@ -70,25 +72,52 @@ def _set_dtype(bundle: Bundle, dtype: torch.dtype) -> None:
 
 
 def _write(bundle: Bundle, out: Path, overwrite: bool) -> Path:
-    """Atomic: write OUT.tmp, then swap it in (a crash leaves the old directory or none, never half of one)."""
+    """Atomic: write a fresh temporary directory beside OUT, then swap it in (a crash leaves the old directory or
+    none, never half of one). The temporary name is new (mkdtemp): an existing ``OUT.tmp`` is never touched."""
     out = Path(out)
+    _check_not_inside_run(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty; pass overwrite=True (CLI: --force) or another --out")
     if out.exists():
         _check_replaceable(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in bundle.tensors.items()}
-    save_file(tensors, str(tmp / bundle.weights_file), metadata={"format": "pt"})
-    (tmp / CONFIG).write_text(json.dumps(bundle.config, indent=2, sort_keys=True) + "\n")
-    (tmp / SIDECAR).write_text(json.dumps(bundle.sidecar, indent=2, sort_keys=True) + "\n")
-    (tmp / README).write_text(render_readme(bundle.fmt, bundle.config, bundle.sidecar))
-    _make_readable(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out_of_space_as_error(out, "free space, or export to a larger disk"):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+        try:
+            tensors = {k: v.detach().cpu().contiguous() for k, v in bundle.tensors.items()}
+            save_file(tensors, str(tmp / bundle.weights_file), metadata={"format": "pt"})
+            (tmp / CONFIG).write_text(json.dumps(bundle.config, indent=2, sort_keys=True) + "\n")
+            (tmp / SIDECAR).write_text(json.dumps(bundle.sidecar, indent=2, sort_keys=True) + "\n")
+            (tmp / README).write_text(render_readme(bundle.fmt, bundle.config, bundle.sidecar))
+            _make_readable(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # ours: a half export must not stay (or fill the disk)
+            raise
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def _check_not_inside_run(out: Path) -> None:
+    """Refuse an --out inside a drafter checkpoint (e.g. a run's final/) or a run's checkpoints/: training replaces
+    those directories whole, and would delete the export with them."""
+    for d in [out, *out.absolute().parents]:
+        is_ckpt = (d / CONFIG).is_file() and (d / "model.safetensors").is_file() and _is_drafter_config(d / CONFIG)
+        is_run_part = d.name in ("final", "final.tmp", "checkpoints") and (d.parent / "checkpoints").is_dir()
+        if d != out and (is_ckpt or is_run_part):
+            raise ExportError(f"--out {out} is inside {d}, which training rewrites (and would delete the export "
+                              "with); export next to the run instead, e.g. OUTPUT_DIR/export")
+        if d == out and is_run_part:
+            raise ExportError(f"--out {out} is a training run's {d.name}/ directory; choose another --out")
+
+
+def _is_drafter_config(path: Path) -> bool:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "method" in meta and "layer_ids" in meta
 
 
 def _make_readable(d: Path) -> None:

@@ -4,9 +4,14 @@ named ``conftest`` would shadow tests/conftest.py for the tests that ``from conf
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
@@ -43,3 +48,50 @@ def metrics_steps(out) -> list[int]:
 
     lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x, parse_constant=no_const)["step"] for x in lines if x.strip()]
+
+
+PAGE = 4096
+
+
+@contextmanager
+def small_tmpfs(path: Path, size: str = "4m", readonly: bool = False):
+    """A real tmpfs of ``size`` mounted at ``path`` (remounted read-only with ``readonly``: root ignores
+    permission bits, not a read-only mount). Skips the test where mounting is impossible (not root, no
+    CAP_SYS_ADMIN)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def remount_readonly(path: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True, capture_output=True)
+
+
+def fill_disk(path: Path, leave: int = 0) -> Path:
+    """Fill the file system holding ``path`` with a filler file until ENOSPC, then give back ``leave`` bytes
+    (rounded up to pages): the next larger write fails with a real 'No space left on device'."""
+    filler = path / ".filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for chunk in (1 << 20, PAGE, 1):
+            block = b"\0" * chunk
+            while True:
+                try:
+                    os.write(fd, block)
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+                    break
+    finally:
+        os.close(fd)
+    if leave:
+        size = filler.stat().st_size
+        os.truncate(filler, max(0, size - -(-leave // PAGE) * PAGE))
+    return filler

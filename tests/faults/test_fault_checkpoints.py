@@ -1,9 +1,9 @@
 """Checkpoints cannot eat each other: rotation by this run's steps, a valid `latest`, room made before writing,
-a full disk named as such, resume-step and metrics consistency, a compat error naming only what differs."""
+resume-step and metrics consistency, a compat error naming only what differs, no final/ of an earlier run, no
+resuming from a linked-in checkpoint. (A real full disk: test_fault_disk.py.)"""
 
 from __future__ import annotations
 
-import errno
 import json
 
 import pytest
@@ -66,42 +66,6 @@ def test_incompatible_checkpoint_error_names_only_the_differing_field(target_dir
     assert "draft.ttt_steps: 3 != 2" in msg and len(msg) < 400 and "\n" not in msg
 
 
-def _fill_disk_on(monkeypatch, name, exc, after=0):
-    """Make train.checkpoint.<name> raise ``exc`` (a full disk) from its (after+1)-th call on."""
-    real = getattr(ckpt, name)
-    calls = {"n": 0}
-
-    def fake(*a, **k):
-        calls["n"] += 1
-        if calls["n"] > after:
-            raise exc
-        return real(*a, **k)
-
-    monkeypatch.setattr(ckpt, name, fake)
-
-
-@pytest.mark.parametrize("name,exc", [
-    ("save_file", OSError(errno.ENOSPC, "No space left on device")),
-    ("save_file", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 64")),
-])
-def test_full_disk_is_reported_and_loses_nothing(target_dir, tmp_path, monkeypatch, name, exc):
-    run(cfg_for(target_dir, tmp_path, "train.stop_after=2"))
-    root = tmp_path / "checkpoints"
-    _fill_disk_on(monkeypatch, name, exc)
-    with pytest.raises(ckpt.NoSpaceError, match=r"no space left on device at .*step_0000004"):
-        run(cfg_for(target_dir, tmp_path))
-    assert ckpt.latest_checkpoint(root) == root / "step_0000002"  # the last good checkpoint survives
-    assert not list(root.glob("*.tmp"))  # the half-written one does not fill the disk further
-
-
-def test_torch_save_full_disk_is_reported(target_dir, tmp_path, monkeypatch):
-    run(cfg_for(target_dir, tmp_path, "train.stop_after=2"))
-    monkeypatch.setattr(ckpt.torch, "save", lambda *a, **k: (_ for _ in ()).throw(
-        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9 vs 7")))
-    with pytest.raises(ckpt.NoSpaceError, match="no space left on device at"):
-        run(cfg_for(target_dir, tmp_path))
-
-
 def test_old_checkpoints_pruned_before_writing(target_dir, tmp_path, monkeypatch):
     run(cfg_for(target_dir, tmp_path, "train.stop_after=4", "train.steps=8"))  # step_2, step_4
     root = tmp_path / "checkpoints"
@@ -132,3 +96,44 @@ def test_corrupt_trainer_state_names_the_path(target_dir, tmp_path):
     t.write_bytes(t.read_bytes()[:100])
     with pytest.raises(ValueError, match=r"trainer.pt: unreadable"):
         run(cfg_for(target_dir, tmp_path))
+
+
+def test_fresh_run_sets_aside_the_old_final_and_data_stats(target_dir, tmp_path):
+    """train.resume=false: until the new run finishes, no final/ may claim to be its drafter (eval and export
+    would use the old one), and data_stats.json must describe this run's data."""
+    out = tmp_path / "run"
+    run(cfg_for(target_dir, out, "train.steps=2"))
+    old_stats = json.loads((out / "data_stats.json").read_text())
+    run(cfg_for(target_dir, out, "train.resume=false", "train.stop_after=1", "data.max_rows=12"))
+    assert not (out / "final").exists()
+    aside = list(out.glob("previous_*"))
+    assert len(aside) == 1 and (aside[0] / "final" / "model.safetensors").is_file()
+    assert json.loads((aside[0] / "data_stats.json").read_text()) == old_stats
+    new_stats = json.loads((out / "data_stats.json").read_text())
+    assert new_stats["train_rows"] != old_stats["train_rows"]  # this run's, written after the move
+
+
+def test_checkpoint_symlinked_from_another_run_is_refused(target_dir, tmp_path):
+    other, out = tmp_path / "other", tmp_path / "run"
+    run(cfg_for(target_dir, other, "train.steps=4", "train.ckpt_every=4"))
+    run(cfg_for(target_dir, out, "train.steps=4", "train.stop_after=2"))
+    (out / "checkpoints" / "step_0000009").symlink_to(other / "checkpoints" / "step_0000004")
+    with pytest.raises(ValueError, match=r"step_0000009 is a symlink .*resumes only from its own checkpoints"):
+        run(cfg_for(target_dir, out, "train.steps=12"))
+    assert (other / "checkpoints" / "step_0000004" / ckpt.WEIGHTS).is_file()  # the other run is untouched
+    assert ckpt.latest_checkpoint(out / "checkpoints") == out / "checkpoints" / "step_0000002"
+
+
+def test_rerun_keeps_files_it_did_not_write_in_final(target_dir, tmp_path):
+    """final/ is replaced whole by each finished run; whatever else was put there (an export copied in, notes)
+    is kept with the previous final/ instead of deleted."""
+    out = tmp_path / "run"
+    run(cfg_for(target_dir, out, "train.steps=2"))
+    (out / "final" / "my_export").mkdir()
+    (out / "final" / "my_export" / "notes.txt").write_text("mine")
+    run(cfg_for(target_dir, out, "train.steps=4"))
+    kept = list(out.glob("final.kept_*"))
+    assert len(kept) == 1 and (kept[0] / "my_export" / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "final" / "config.json").read_text())["step"] == 4
+    run(cfg_for(target_dir, out, "train.steps=6"))  # a final/ holding only what training wrote: just replaced
+    assert len(list(out.glob("final.kept_*"))) == 1

@@ -29,6 +29,9 @@ BAD = [
     ("data.regen_temperature=[]", "data.regen_temperature"),
     ("data.regen_temperature=[0,-1]", "data.regen_temperature"),
     ("data.regenerate=most", "data.regenerate"), ("data.regenerate=-1", "data.regenerate"),
+    ("seed=abc", "seed"), ("seed=-1", "seed"), ("+train.stpes=10", "train.stpes"), ("+stpes=10", "stpes"),
+    ("+data.max_lenn=8", "data.max_lenn"), ("target.dtype=int8", "target.dtype"),
+    ("target.device=tpu", "target.device"),
 ]
 
 
@@ -107,3 +110,21 @@ def test_train_cli_prints_one_error_line_and_exits_2(target_dir, tmp_path):
     assert p.returncode == 2, p.stderr
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert lines == ["error: train.steps=0: must be an integer >= 1"], p.stderr
+
+
+def test_typo_key_names_the_setting_it_meant(target_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"^train.stpes=10: not a setting \(did you mean train.steps\?\)"):
+        run(cfg_for(target_dir, tmp_path / "run", "+train.stpes=10"))
+
+
+def test_dflash_block_longer_than_max_len_is_refused(target_dir, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from tests.faults.fault_helpers import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", ["+recipe=dflash", "draft.config.block_size=64", "data.max_len=32",
+                                 f"output_dir={tmp_path}/run", "tracking=none"])
+    with pytest.raises(ConfigError, match=r"draft.config.block_size=64 is longer than data.max_len=32"):
+        run(cfg)
+    assert not (tmp_path / "run").exists()

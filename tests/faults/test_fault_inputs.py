@@ -234,3 +234,142 @@ def test_regenerate_all_split_over_temperatures_with_cost_stats(tmp_path, tiny_l
     assert train2 == train and all(g["generated_now"] == 0 for g in again["regenerated"])
     with pytest.raises(ValueError, match="'all'"):
         build_rows(DataConfig(**{**base, "regenerate": "most"}), tiny_tokenizer, tiny_llama)
+
+
+# ------------------------------------------------------------------------------------------------ issue 23
+def _regen_cfg(tmp_path, **kw):
+    base = dict(max_rows=6, max_len=32, val_rows=1, regenerate=4, regen_prompt_len=8, regen_new_tokens=3,
+                regen_batch_size=2, cache_dir=str(tmp_path))
+    return DataConfig(**{**base, **kw})
+
+
+def test_torn_regeneration_line_is_counted_as_generated_not_cached(tmp_path, tiny_llama, tiny_tokenizer):
+    cfg = _regen_cfg(tmp_path)
+    first: dict = {}
+    rows, _ = build_rows(cfg, tiny_tokenizer, tiny_llama, first)
+    assert [(g["from_cache"], g["generated_now"]) for g in first["regenerated"]] == [(0, 4)]
+    cache = next(tmp_path.glob("regen_code_*.jsonl"))
+    raw = cache.read_bytes()
+    cache.write_bytes(raw[: len(raw) - 20])  # a kill mid-write tore the last line
+    again: dict = {}
+    rows2, _ = build_rows(cfg, tiny_tokenizer, tiny_llama, again)
+    assert rows2 == rows
+    # the torn record's batch (items 2, 3) is generated again; only batch 0 came from the cache
+    assert [(g["from_cache"], g["generated_now"]) for g in again["regenerated"]] == [(2, 2)]
+
+
+def test_regeneration_resumed_after_a_partial_batch_draws_the_same_samples(tmp_path, tiny_llama, tiny_tokenizer):
+    """T=1: a kill between two records of one batch (what the 2-3 writes of a batch used to allow) must not
+    change what the resumed run samples."""
+    whole, _ = build_rows(_regen_cfg(tmp_path / "a", regen_temperature=1.0), tiny_tokenizer, tiny_llama)
+    cfg = _regen_cfg(tmp_path / "b", regen_temperature=1.0)
+    build_rows(cfg, tiny_tokenizer, tiny_llama)
+    cache = next((tmp_path / "b").glob("regen_code_*.jsonl"))
+    lines = cache.read_bytes().splitlines(keepends=True)
+    cache.write_bytes(b"".join(lines[:3]))  # batch 0 whole, batch 1 cut after its first record
+    resumed, _ = build_rows(cfg, tiny_tokenizer, tiny_llama)
+    assert resumed == whole
+
+
+def test_conversation_dropped_beyond_max_len_is_counted(tmp_path, tiny_tokenizer, capsys):
+    giant = {"conversations": [{"from": "human", "value": "x " * 400}, {"from": "gpt", "value": "ok"}]}
+    p = tmp_path / "sg.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in [GOOD] * 4 + [giant]))
+    stats: dict = {}
+    build_rows(DataConfig(kind="chat", source=str(p), max_len=32, val_rows=1), tiny_tokenizer, None, stats)
+    assert stats["skipped"] == {"malformed": 0, "unmaskable": 0, "beyond_max_len": 1}
+    assert "dropped 1 of 5 conversations" in capsys.readouterr().out
+
+
+def test_eval_reads_sharegpt_prompt_files_as_training_does(tmp_path, tiny_tokenizer):
+    from eval.bench_setup import load_prompts
+
+    sg, oa = tmp_path / "sg.jsonl", tmp_path / "oa.jsonl"
+    sg.write_text(json.dumps({**GOOD, "category": "chat"}) + "\n")
+    oa.write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"},
+                                           {"role": "assistant", "content": "hello"}], "category": "chat"}) + "\n")
+    got, want = load_prompts(tiny_tokenizer, 1, 256, sg), load_prompts(tiny_tokenizer, 1, 256, oa)
+    assert [p.ids for p in got] == [p.ids for p in want] and got[0].category == "chat"
+    sg.write_text(json.dumps({"conversations": [{"from": "robot", "value": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"sg.jsonl line 1: conversations\[0\].from has unknown role 'robot'"):
+        load_prompts(tiny_tokenizer, 1, 256, sg)
+
+
+def _eval_cfg(target_dir, tmp_path, *over):
+    from hydra import compose, initialize_config_dir
+
+    from tests.faults.fault_helpers import CONF
+
+    base = ["methods=[ar]", f"target.name_or_path={target_dir}", f"out_dir={tmp_path}/e", "max_new_tokens=2",
+            "batch_sizes=[]", "peers=false", "repetitions=1", "warmup=0", "cost_reps=1", "temperatures=[0]",
+            "progress=false", "draft_model=null"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("eval", base + list(over))
+
+
+def test_eval_with_fewer_prompts_than_asked_warns_and_records_both(target_dir, tmp_path, capsys):
+    from eval.__main__ import run as eval_run
+
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(3)))
+    res = eval_run(_eval_cfg(target_dir, tmp_path, f"prompts={p}", "n_prompts=50"))
+    assert (res["prompts"]["n"], res["prompts"]["requested"]) == (3, 50)
+    assert "warning: n_prompts=50 but" in capsys.readouterr().err
+    saved = json.loads((tmp_path / "e" / "results.json").read_text())
+    assert (saved["prompts"]["n"], saved["prompts"]["requested"]) == (3, 50)
+    with pytest.raises(ValueError, match=r"n_prompts=50 but .* has only 3 usable prompts"):
+        eval_run(_eval_cfg(target_dir, tmp_path, f"prompts={p}", "n_prompts=50", "require_n_prompts=true"))
+
+
+def test_recommendation_of_zero_says_speculation_does_not_pay():
+    from eval.report import console_summary
+    from tests.faults.fault_helpers import ROOT
+
+    res = json.loads((ROOT / "bench" / "results" / "results.json").read_text())
+    res.update(recommended_num_speculative_tokens=0, speculation_pays_at_batch_1=False)
+    line = next(x for x in console_summary(res).splitlines() if x.startswith("recommended_num_speculative_tokens"))
+    assert line.startswith("recommended_num_speculative_tokens=0") and "speculation does not pay" in line
+
+
+@pytest.mark.parametrize("over,msg", [
+    ("max_new_tokens=1", r"max_new_tokens=1: must be an integer >= 2"),
+    ("seed=abc", r"seed='abc': must be an integer"),
+])
+def test_eval_settings_that_would_crash_after_the_benchmark_fail_up_front(target_dir, tmp_path, over, msg):
+    from eval.__main__ import run as eval_run
+
+    with pytest.raises(ValueError, match=msg):
+        eval_run(_eval_cfg(target_dir, tmp_path, over))
+    assert not (tmp_path / "e").exists()
+
+
+def test_eval_variant_with_a_bad_option_names_the_variant(target_dir, trained, tmp_path):
+    from eval.__main__ import run as eval_run
+
+    cfg = _eval_cfg(target_dir, tmp_path, "methods=[ar,fast]", f"checkpoints.eagle3={trained}/final",
+                    "+variants.fast={method: eagle3, k: abc}")
+    with pytest.raises(ValueError, match=r"^variants.fast: k must be a positive integer, got 'abc'"):
+        eval_run(cfg)
+
+
+def test_export_check_of_a_missing_path_and_a_bad_dtype(trained, tmp_path, capsys):
+    assert _export(["--check", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --check {tmp_path / 'nope'}: no such file or directory"
+    rc = _export([str(trained / "final"), "--format", "eagle3", "--out", str(tmp_path / "x"), "--dtype", "int8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: --dtype int8: dtype 'int8' not understood")
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_never_goes_inside_a_run_nor_touches_an_existing_tmp(trained, tmp_path, capsys):
+    """An --out under final/ would be deleted by the next training run (final/ is replaced whole); an existing
+    <out>.tmp is someone's directory, not the exporter's scratch space."""
+    for out in (trained / "final" / "exp", trained / "checkpoints" / "exp"):
+        assert _export([str(trained / "final"), "--format", "eagle3", "--out", str(out)]) == 2
+        assert "training rewrites" in capsys.readouterr().err and not out.exists()
+    out = tmp_path / "exp"
+    (tmp_path / "exp.tmp").mkdir()
+    (tmp_path / "exp.tmp" / "mine.txt").write_text("keep me")
+    assert _export([str(trained / "final"), "--format", "eagle3", "--out", str(out)]) == 0
+    assert (tmp_path / "exp.tmp" / "mine.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "exp.tmp"]  # no scratch directory left behind
