@@ -2,7 +2,8 @@
 
 Layers, lowest first; a module may import its own layer or lower ones, never a higher one:
 
-    core      models.{target, target_view, vocab, tokenizer, verify, proposal, spec, checkpoint, drafter, rope, tree}
+    core      models.{target, target_view, vocab, tokenizer, verify, proposal, spec, checkpoint, drafter, rope, tree,
+              block_heads}
     methods   models.{eagle3, medusa, mtp, dflash, ngram, draft_model}  (not each other: only through core)
     registry  models.registry
     data      data.*
@@ -24,7 +25,7 @@ PACKAGES = ("train", "models", "data", "eval")
 
 CORE = {"models.target", "models.target_view", "models.vocab", "models.tokenizer", "models.verify", "models.proposal",
         "models.spec", "models.checkpoint", "models.drafter", "models.rope", "models.tree", "models.losses",
-        "models.ragged"}
+        "models.ragged", "models.block_heads"}
 METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model"}
 # rank of each layer; train and eval share the top rank but are separate groups
 RANK = {"core": 0, "methods": 1, "registry": 2, "data": 3, "export": 4, "train": 5, "eval": 5}
