@@ -713,7 +713,7 @@ def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: 
 
 SPEC = MethodSpec(
     name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
-    export_formats=("dflash_speculators", "dflash_zlab"),
+    export_formats=("dflash_speculators", "dflash_zlab", "dspark_speculators", "dspark_zlab"),
     # k: null → the whole block (B-1); auto → sized by the cost model from the held-out slot agreement
     # min_confidence: DSpark's confidence-scheduled K (0 = verify every drafted slot)
     proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o), {"k": "auto", "min_confidence": 0.0},

@@ -278,3 +278,77 @@ def test_recipe_dspark_trains_and_warm_starts_from_dflash(target_dir, tmp_path):
     with pytest.raises(ValueError, match="num_layers=3 but the warm-start"):
         run(_cfg(target_dir, tmp_path / "bad2", "+recipe=dspark", "draft.config.num_layers=3",
                  f"draft.config.warm_start={tmp_path / 'df' / 'final'}"))
+
+
+# ----------------------------------------------------------------------------------------- export
+def test_dspark_exports_round_trip_and_refuse_what_engines_would_misread(target_dir, tmp_path):
+    import json
+    import shutil
+
+    from models.export import ExportError, export, load_export, validate
+    from tests.test_dflash import _same_proposals
+
+    run(_cfg(target_dir, tmp_path / "run", "+recipe=dspark"))
+    tgt = FrozenTarget.from_pretrained(str(target_dir))
+    d, meta = registry.load_drafter(tmp_path / "run" / "final", tgt)
+    with torch.no_grad():  # a head that matters, so a dropped or misnamed tensor changes the drafts
+        d.block_head.markov_head.markov_w2.weight.normal_(0, 2.0)
+    prompts = [torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for fmt in ("dspark_speculators", "dspark_zlab"):
+        out = export(d, fmt, tmp_path / fmt, tgt, meta=meta)
+        assert validate(out, None, tgt) == fmt  # detected from config.json alone
+        back = load_export(out, tgt)
+        w2 = back.block_head.markov_head.markov_w2.weight
+        torch.testing.assert_close(w2, d.block_head.markov_head.markov_w2.weight)
+        _same_proposals(d, back, tgt, prompts)
+    cfg = json.loads((tmp_path / "dspark_speculators" / "config.json").read_text())
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4  # B, not B-1
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 2, 3] and cfg["sample_from_anchor"] is True
+    z = json.loads((tmp_path / "dspark_zlab" / "config.json").read_text())
+    assert z["dflash_config"]["target_layer_ids"] == [0, 1, 2] and z["dflash_config"]["projector_type"] == "dspark"
+    readme = (tmp_path / "dspark_speculators" / "README.md").read_text()
+    assert '"method": "dspark"' in readme and '"num_speculative_tokens": 4' in readme
+    assert "--speculative-algorithm DSPARK" in (tmp_path / "dspark_zlab" / "README.md").read_text()
+
+    # builders: a DSpark drafter never goes into a DFlash format (its head would be dropped), nor the reverse
+    for fmt in ("dflash_speculators", "dflash_zlab"):
+        with pytest.raises(ExportError, match="would drop its head"):
+            export(d, fmt, tmp_path / f"x_{fmt}", tgt, meta=meta)
+    plain = DFlashDrafter(DFlashConfig(layer_ids=[1, 2, 3], block_size=4, mask_token_id=d.cfg.mask_token_id),
+                          tgt.model.config, tgt.embed.weight, tgt.model.get_output_embeddings().weight)
+    with pytest.raises(ExportError, match="Markov head with sample_from_anchor=true"):
+        export(plain, "dspark_speculators", tmp_path / "x_plain", tgt)
+    small_vocab = DFlashDrafter(DFlashConfig(layer_ids=[1, 2, 3], block_size=4, mask_token_id=d.cfg.mask_token_id,
+                                             draft_vocab_size=100, **DSPARK), tgt.model.config, tgt.embed.weight,
+                                tgt.model.get_output_embeddings().weight)
+    with pytest.raises(ExportError, match="full vocabulary"):
+        export(small_vocab, "dspark_zlab", tmp_path / "x_vocab", tgt)
+
+    def broken(fmt, edit):
+        dst = tmp_path / f"{fmt}_bad"
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(tmp_path / fmt, dst)
+        c = json.loads((dst / "config.json").read_text())
+        edit(c)
+        (dst / "config.json").write_text(json.dumps(c))
+        return dst
+
+    dc = lambda **kw: lambda c: c["dflash_config"].update(**kw)  # noqa: E731
+    cases = [
+        ("dspark_speculators", lambda c: c.update(sample_from_anchor=False), "sample_from_anchor must be true"),
+        ("dspark_speculators", lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=5),
+         "disagrees with block_size"),
+        ("dspark_speculators", lambda c: c.update(markov_rank=0), "markov_rank"),
+        ("dspark_speculators", lambda c: c.update(markov_rank=16), "markov_w1.weight has shape"),
+        ("dspark_speculators", lambda c: c.pop("enable_confidence_head"), "enable_confidence_head"),
+        ("dspark_speculators", lambda c: c.update(confidence_head_with_markov=False), "confidence_head.proj.weight"),
+        ("dspark_speculators", lambda c: c.update(enable_confidence_head=False), "unexpected tensor"),
+        ("dspark_speculators", lambda c: c.update(aux_hidden_state_layer_ids=[0, 1, 2]), "off by one"),
+        ("dspark_speculators", lambda c: c["speculators_config"].update(algorithm="dflash"), "algorithm 'dspark'"),
+        ("dspark_zlab", dc(projector_type=None), "projector_type"),
+        ("dspark_zlab", dc(target_layer_ids=[1, 2, 3]), "off by one|out of range"),
+        ("dspark_zlab", dc(markov_head_type="gated"), "only 'vanilla'"),
+    ]
+    for fmt, edit, msg in cases:
+        with pytest.raises(ExportError, match=msg):
+            validate(broken(fmt, edit), fmt, tgt)
