@@ -4,7 +4,7 @@ Layers, lowest first; a module may import its own layer or lower ones, never a h
 
     core      models.{target, target_view, vocab, tokenizer, verify, proposal, spec, checkpoint, drafter, rope, tree,
               block_heads}
-    methods   models.{eagle3, medusa, mtp, dflash, ngram, draft_model}  (not each other: only through core)
+    methods   models.{eagle3, medusa, mtp, dflash, ngram, draft_model, peagle}  (not each other: only through core)
     registry  models.registry
     data      data.*
     export    models.export.*
@@ -26,7 +26,8 @@ PACKAGES = ("train", "models", "data", "eval")
 CORE = {"models.target", "models.target_view", "models.vocab", "models.tokenizer", "models.verify", "models.proposal",
         "models.spec", "models.checkpoint", "models.drafter", "models.rope", "models.tree", "models.losses",
         "models.ragged", "models.block_heads"}
-METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model"}
+METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model",
+           "models.peagle"}
 # rank of each layer; train and eval share the top rank but are separate groups
 RANK = {"core": 0, "methods": 1, "registry": 2, "data": 3, "export": 4, "train": 5, "eval": 5}
 
