@@ -24,6 +24,7 @@ from .dflash import (
 from .eagle3 import build_eagle3_native, build_eagle3_speculators, check_eagle3, load_eagle3
 from .medusa import build_medusa_fasterdecoding, build_medusa_vllm, check_medusa, load_medusa
 from .mtp import build_mtp_deepseek, build_mtp_sglang_nextn, check_mtp, load_mtp
+from .peagle import build_peagle_speculators, check_peagle, load_peagle
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,11 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
     ExportFormat("dspark_zlab", "dspark", "dflash", "SGLang (DSPARK), z-lab / SpecForge layout",
                  build_dspark_zlab, partial(check_dflash, "dspark_zlab"), partial(load_dflash, "dspark_zlab"),
                  lambda cfg, _p: "DSparkDraftModel" in _arch(cfg)),
+    ExportFormat("peagle_speculators", "peagle-speculators", "peagle", "vLLM (eagle3 + parallel_drafting)",
+                 build_peagle_speculators, lambda cfg, t, side, target, where: check_peagle(cfg, t, side, target,
+                                                                                             where),
+                 lambda cfg, sd, target: load_peagle(cfg, sd, target),
+                 lambda cfg, _p: "PEagleSpeculator" in _arch(cfg) or cfg.get("speculators_model_type") == "peagle"),
 )}
 # Snapshots of the shipped rows (the CLI's choices, docs). The export API reads EXPORT_FORMATS itself, through
 # export_format / detect_format, so a row added to the table later (a new method's exporter, a test) works too.

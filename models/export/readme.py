@@ -139,6 +139,19 @@ def render_readme(fmt: str, cfg: dict, side: dict) -> str:
                       f"  --speculative-algorithm DSPARK --speculative-draft-model-path {path} \\",
                       f"  --speculative-dspark-block-size {blk}", "```", ""]
         spec = None
+    elif fmt == "peagle_speculators":
+        lines += ["## P-EAGLE: parallel drafting", "",
+                  f"- aux layer ids (vLLM capture, input of decoder layer k; = draftsmith's): {side['layer_ids']}",
+                  f"- mask (pard) token id {cfg.get('mask_token_id')}, trained for {cfg.get('para_depths')} parallel "
+                  "depths: `num_speculative_tokens` must not exceed them", "",
+                  "vLLM's speculators reader (`update_peagle`) maps this to architectures `PeagleLlamaForCausalLM`, "
+                  "`pard_token = mask_token_id`, and the method eagle3 with `parallel_drafting` (an engine flag, not "
+                  "a weight). Read against the sources in shared/design/dflash.md §6; draftsmith has not run vLLM "
+                  "on it.", "",
+                  "## vLLM (eagle3, parallel_drafting)", "", "```bash", f"vllm serve {tname} \\",
+                  f"  --speculative-config '{json.dumps({'method': 'eagle3', **spec, 'parallel_drafting': True})}'",
+                  "```", ""]
+        spec = None
     elif not fmt.startswith(("eagle3", "medusa", "mtp")):
         spec = None  # a format no engine snippet is known for: no `--speculative-config` without a method in it
     if spec is not None:
