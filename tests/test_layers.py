@@ -3,7 +3,7 @@
 Layers, lowest first; a module may import its own layer or lower ones, never a higher one:
 
     core      models.{target, target_view, vocab, tokenizer, verify, proposal, spec, checkpoint, drafter, rope, tree,
-              block_heads}
+              block_heads, block_proposers}
     methods   models.{eagle3, medusa, mtp, dflash, ngram, draft_model, peagle}  (not each other: only through core)
     registry  models.registry
     data      data.*
@@ -25,7 +25,7 @@ PACKAGES = ("train", "models", "data", "eval")
 
 CORE = {"models.target", "models.target_view", "models.vocab", "models.tokenizer", "models.verify", "models.proposal",
         "models.spec", "models.checkpoint", "models.drafter", "models.rope", "models.tree", "models.losses",
-        "models.ragged", "models.block_heads"}
+        "models.ragged", "models.block_heads", "models.block_proposers"}
 METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model",
            "models.peagle"}
 # rank of each layer; train and eval share the top rank but are separate groups
