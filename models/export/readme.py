@@ -129,7 +129,11 @@ def render_readme(fmt: str, cfg: dict, side: dict) -> str:
                   "slot.", "",
                   "Read against speculators `models/dspark/*`, vLLM `update_dspark` and SpecForge "
                   "`configs/qwen3-8b-dspark.json` (shared/design/dflash.md §7); draftsmith has not run either "
-                  "engine on it — compare served acceptance with `python -m eval`.", ""]
+                  "engine on it — compare served acceptance with `python -m eval`.", "",
+                  "Check the served slot alignment: vLLM's `update_dspark` sets `dspark_bonus_anchor=true`, and a "
+                  "vLLM fork patches it to `not sample_from_anchor`, saying upstream forces the DFlash-style layout "
+                  "on every speculators checkpoint. vLLM's DSpark runtime does not use the confidence head (SGLang's "
+                  "DSPARK sizes each verify window from it; draftsmith's eval: `options.dflash.min_confidence`).", ""]
         if fmt == "dspark_speculators":
             lines += ["## vLLM (dspark)", "", "```bash", f"vllm serve {tname} \\",
                       f"  --speculative-config '{json.dumps({'method': 'dspark', **spec})}'", "```", ""]
