@@ -321,8 +321,12 @@ def test_dspark_exports_round_trip_and_refuse_what_engines_would_misread(target_
     small_vocab = DFlashDrafter(DFlashConfig(layer_ids=[1, 2, 3], block_size=4, mask_token_id=d.cfg.mask_token_id,
                                              draft_vocab_size=100, **DSPARK), tgt.model.config, tgt.embed.weight,
                                 tgt.model.get_output_embeddings().weight)
-    with pytest.raises(ExportError, match="full vocabulary"):
+    with pytest.raises(ExportError, match="no draft vocabulary"):
         export(small_vocab, "dspark_zlab", tmp_path / "x_vocab", tgt)
+    scramble(small_vocab)  # the speculators format holds it: W1 over target ids, W2 over the draft vocabulary
+    out = export(small_vocab, "dspark_speculators", tmp_path / "x_vocab_spec", tgt)
+    assert validate(out, None, tgt) == "dspark_speculators"
+    _same_proposals(small_vocab, load_export(out, tgt), tgt, prompts)
 
     def broken(fmt, edit):
         dst = tmp_path / f"{fmt}_bad"

@@ -27,8 +27,9 @@ DSpark (shared/design/dflash.md §7; speculators ``models/dspark/config.py``, Sp
 - z-lab / SGLang (SpecForge ``--to hf``): ``architectures: [DSparkDraftModel]``, ``dflash_config.projector_type:
   dspark`` + the same head keys, ``target_layer_ids`` in the z-lab convention (ours − 1); SGLang
   ``--speculative-algorithm DSPARK --speculative-dspark-block-size B``.
-- Only the full vocabulary: speculators' ``build_markov_head`` sizes W1 by ``draft_vocab_size`` while its tensor
-  table and SpecForge index W1 by target ids, so under a reduced draft vocabulary the engines disagree on W1's rows.
+- W1 is indexed by target ids (speculators 0.9.0 ``MarkovHead``: ``Embedding(verifier_vocab_size, r)``), W2 writes
+  draft-vocabulary logits, so the speculators format holds a reduced draft vocabulary; the z-lab layout has none
+  (as for DFlash) and needs the full vocabulary.
 """
 
 from __future__ import annotations
@@ -98,10 +99,7 @@ def _check_kind(d: nn.Module, dspark: bool) -> None:
         raise ExportError(f"the DSpark formats hold a Markov head with sample_from_anchor=true; this drafter has "
                           f"block_head={d.cfg.block_head!r}, sample_from_anchor={d.cfg.sample_from_anchor}"
                           + (" (export --format dflash-speculators or dflash)" if not _is_dspark(d) else ""))
-    if dspark and d.draft_vocab_size < d.vocab_size:
-        raise ExportError(f"the DSpark formats need the full vocabulary (engines disagree on the Markov W1 rows "
-                          f"under a draft vocabulary) but this drafter uses {d.draft_vocab_size} of {d.vocab_size} "
-                          "ids; train with draft.config.draft_vocab_size=null")
+
 
 
 def _dspark_fields(d: nn.Module) -> dict:
@@ -168,6 +166,10 @@ def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
 def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None,
                       dspark: bool = False) -> Bundle:
     _check_kind(d, dspark)
+    if dspark and d.draft_vocab_size < d.vocab_size:
+        raise ExportError(f"the z-lab/SGLang DSpark layout has no draft vocabulary (SGLang drafts over the whole "
+                          f"head) but this drafter uses {d.draft_vocab_size} of {d.vocab_size} ids; export --format "
+                          "dspark-speculators (vLLM) or train with draft.config.draft_vocab_size=null")
     ids = _check_ids_servable(d, target)
     if d.draft_vocab_size < d.vocab_size:
         raise ExportError(f"the z-lab/SGLang DFlash format has no draft vocabulary (SGLang drafts over the target's "
@@ -314,9 +316,6 @@ def _dspark_tensors(c: dict, H: int, V: int, Vd: int, where: str) -> dict[str, t
         fail(where, f"markov_rank must be a positive integer, got {r!r} (0 disables the head: not a DSpark drafter)")
     if c.get("markov_head_type", "vanilla") != "vanilla":
         fail(where, f"markov_head_type {c.get('markov_head_type')!r}: only 'vanilla' is written and checked here")
-    if Vd != V:
-        fail(where, f"draft_vocab_size {Vd} < vocab_size {V}: the DSpark formats hold the full vocabulary only "
-                     "(engines disagree on the Markov W1 rows under a draft vocabulary)")
     for key in ("enable_confidence_head", "confidence_head_with_markov"):
         if not isinstance(c.get(key), bool):
             fail(where, f"{key} must be true or false, got {c.get(key)!r} (write it: defaults differ by engine)")
