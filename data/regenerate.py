@@ -241,7 +241,9 @@ def regenerate_conversations(
 
     def process_batch(idx: list[int]) -> list[dict]:
         work = {i: [dict(m) for m in convs[i]] for i in idx}
-        pending = {i: [j for j, m in enumerate(convs[i]) if m["role"] == "assistant"] for i in idx}
+        # an assistant turn before any user turn (ShareGPT has some) has no prompt to answer: kept verbatim
+        pending = {i: [j for j, m in enumerate(convs[i]) if m["role"] == "assistant"
+                       and any(p["role"] == "user" for p in convs[i][:j])] for i in idx}
         step = 0
         while any(pending.values()):
             active = [i for i in idx if pending[i]]

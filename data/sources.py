@@ -34,7 +34,9 @@ class DataConfig:
     skip_malformed: bool = False  # chat: skip (and count) malformed / unmaskable conversations instead of failing
     chat_template: str | None = None  # chat: a Jinja template (or a path to one) replacing the tokenizer's
     enable_thinking: bool | None = None  # chat: passed to templates that read it (Qwen3); None = template default
-    regenerate: int | str = 0  # code: number of target continuations ("all": one per training window); chat: 1 = all
+    # code: number of target continuations ("all": one per training window); chat: 1 or "all" = every conversation,
+    # N > 1 = N conversations (picked with ``seed``; the rest keep their dataset replies)
+    regenerate: int | str = 0
     regen_prompt_len: int = 64
     regen_new_tokens: int = 128
     regen_batch_size: int = 16
@@ -43,6 +45,7 @@ class DataConfig:
     regen_temperature: float | list[float] = 0.0
     cache_dir: str = "runs/data_cache"
     seed: int = 0
+    max_turns: int | None = None  # chat: keep each conversation's first N user→assistant exchanges (None: all)
 
 
 def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature: float | None = None) -> Path:
@@ -120,6 +123,92 @@ def _regenerated_code(cfg: DataConfig, model, tok, rows: list[dict], stats: dict
     return out_rows
 
 
+def first_exchanges(conv: list[dict], n: int) -> list[dict]:
+    """The conversation's first ``n`` user→assistant exchanges. Assistant turns before the first user turn are
+    dropped (ShareGPT V3 splits long chats into chunks, and a later chunk opens mid-conversation with a reply to
+    nothing); system turns are kept. A conversation without a user turn is returned as is."""
+    if n < 1:
+        raise ValueError(f"data.max_turns={n}: give a number of exchanges >= 1 (or null for whole conversations)")
+    first_user = next((j for j, m in enumerate(conv) if m["role"] == "user"), None)
+    if first_user is not None:
+        conv = [m for m in conv[:first_user] if m["role"] == "system"] + list(conv[first_user:])
+    seen = 0
+    for j, m in enumerate(conv):
+        seen += m["role"] == "assistant"
+        if seen == n:
+            return conv[: j + 1]
+    return conv
+
+
+def chat_regen_count(cfg: DataConfig, n_convs: int) -> int:
+    """Conversations to regenerate: 1 / true / "all" = every one (the historical meaning of 1), N > 1 = N."""
+    r = cfg.regenerate
+    if isinstance(r, str):
+        if r != "all":
+            raise ValueError(f"data.regenerate={r!r}: give 'all', 1 (every conversation) or a count")
+        return n_convs
+    r = int(r)
+    return n_convs if r == 1 else min(r, n_convs)
+
+
+def _first_prompt_len(tok, conv: list[dict], cfg: DataConfig) -> int:
+    """Tokens of the rendered context before the first assistant turn (what its regeneration is prompted with)."""
+    from data.chat import render_chat
+
+    j = next((k for k, m in enumerate(conv) if m["role"] == "assistant"), len(conv))
+    if not any(m["role"] == "user" for m in conv[:j]):
+        return 1 << 30  # nothing to answer: regeneration keeps such a turn verbatim
+    text = render_chat(tok, conv[:j], True, cfg.chat_template, cfg.enable_thinking)
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats: dict | None) -> list[list[dict]]:
+    """``convs`` with the assistant turns of ``chat_regen_count`` of them replaced by the target's own replies,
+    split round-robin over ``regen_temperature`` (e.g. [0, 1]: half greedy, half T=1), each group batched and
+    resumable in its own keyed cache file; the others keep their dataset replies."""
+    import time
+
+    from data.regenerate import regenerate_conversations
+
+    n = chat_regen_count(cfg, len(convs))
+    if n == len(convs):
+        picks = list(range(len(convs)))
+    else:
+        # A reply that would start past max_len is cut from every training row, so generating it only costs time
+        # (a long prompt also pads its whole batch): sample among conversations whose first prompt fits in
+        # max_len // 2 tokens, and batch them by length.
+        plen = {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
+        fits = [i for i in range(len(convs)) if plen[i] <= cfg.max_len // 2]
+        if len(fits) < n:
+            print(f"data: only {len(fits)} of {len(convs)} conversations have a first prompt of <= "
+                  f"{cfg.max_len // 2} tokens (data.max_len // 2); regenerating those", flush=True)
+        picks = sorted(random.Random(cfg.seed).sample(fits, min(n, len(fits))), key=lambda i: (plen[i], i))
+    temps = regen_temperatures(cfg)
+    out = list(convs)
+    for j, temp in enumerate(temps):
+        group = picks[j :: len(temps)]
+        if not group:
+            continue
+        inputs = [convs[i] for i in group]
+        path = regen_cache_path(cfg, model, tok, "chat", inputs, temp)
+        cached = sum(1 for line in open(path, "rb") if line.strip()) if path.exists() else 0
+        t0 = time.time()
+        got = regenerate_conversations(model, tok, inputs, path, batch_size=cfg.regen_batch_size,
+                                       max_new_tokens=cfg.regen_new_tokens, temperature=temp, seed=cfg.seed,
+                                       chat_template=cfg.chat_template, enable_thinking=cfg.enable_thinking)
+        secs = time.time() - t0
+        for i, conv in zip(group, got):
+            out[i] = conv
+        if stats is not None:
+            made = max(len(group) - min(cached, len(group)), 0)
+            stats.setdefault("regenerated", []).append({
+                "temperature": temp, "continuations": len(group), "kind": "conversations",
+                "from_cache": len(group) - made,
+                "generated_now": made, "seconds": round(secs, 1),
+                "items_per_s": round(made / secs, 2) if made and secs > 0 else None, "cache": str(path)})
+    return out
+
+
 def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> tuple[list[dict], list[dict]]:
     """(train rows, validation rows); ``model`` (the target) is needed only to regenerate; ``stats`` (a dict, if
     given) receives the regeneration cost per temperature (continuations, from cache, seconds, items/s)."""
@@ -140,18 +229,12 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
         if read["skipped"]:  # never silently: say how many and the first reason
             print(f"data: skipped {read['skipped']} of {read['rows']} malformed rows in {cfg.source} "
                   f"(data.skip_malformed=true; first: {read['first_error']})", flush=True)
+        if cfg.max_turns is not None:
+            convs = [first_exchanges(c, int(cfg.max_turns)) for c in convs]
         if cfg.regenerate:
-            from data.regenerate import regenerate_conversations
-
-            temps = regen_temperatures(cfg)
-            if len(temps) != 1:
-                raise ValueError(f"data.regen_temperature={temps}: chat data regenerates every conversation at one "
-                                 "temperature; give one")
-            out = regen_cache_path(cfg, model, tok, "chat", convs, temps[0])
-            convs = regenerate_conversations(model, tok, convs, out, batch_size=cfg.regen_batch_size,
-                                             max_new_tokens=cfg.regen_new_tokens,
-                                             temperature=temps[0], seed=cfg.seed,
-                                             chat_template=cfg.chat_template, enable_thinking=cfg.enable_thinking)
+            if model is None:
+                raise ValueError("data.regenerate needs the target model")
+            convs = _regenerated_chat(cfg, model, tok, convs, stats)
         rows, _ = tokenize_conversations(tok, convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
                                          cfg.enable_thinking)
         if not rows:

@@ -138,6 +138,19 @@ class BenchSettings:
         self.batch_sizes = sorted(set(bs))
 
 
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+
+
+def prompt_file(source: str | Path) -> Path:
+    """A prompt file path; a bare name (``mt_bench``, ``humaneval``, ``ood_python``) is a file shipped in
+    eval/prompts/ (sources and licenses: eval/prompts/LICENSES.md)."""
+    p = Path(source).expanduser()
+    shipped = PROMPTS_DIR / f"{source}.jsonl"
+    if not p.exists() and "/" not in str(source) and not p.suffix and shipped.is_file():
+        return shipped
+    return p
+
+
 def load_prompts(tokenizer, n: int, prompt_tokens: int, source: str | Path | None = None) -> list[Prompt]:
     """Evaluation prompts.
 
@@ -161,7 +174,7 @@ def load_prompts(tokenizer, n: int, prompt_tokens: int, source: str | Path | Non
         return [Prompt(list(r["input_ids"]), "code", f"{r['path']}:{r['line']}") for r in rows]
     from data.chat import render_chat
 
-    path = Path(source).expanduser()
+    path = prompt_file(source)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {str(source)!r} does not exist")
     by_cat: dict[str, list[Prompt]] = {}
@@ -187,7 +200,7 @@ def load_prompts(tokenizer, n: int, prompt_tokens: int, source: str | Path | Non
                 too_long += 1
                 continue
             cat = str(row.get("category") or "default")
-            label = str(row.get("question_id", row.get("id", row.get("source", i))))
+            label = str(row.get("question_id", row.get("task_id", row.get("id", row.get("source", i)))))
             by_cat.setdefault(cat, []).append(Prompt(list(ids), cat, label))
     if too_long:
         log.warning("%s: skipped %d prompts longer than prompt_tokens=%d", path, too_long, prompt_tokens)

@@ -53,6 +53,11 @@ def markdown(results: Mapping[str, Any]) -> str:
                  f"{pr['n']} prompts from {pr['source']} (mean {pr['tokens']['mean']:.0f} tokens), "
                  f"{s['max_new_tokens']} new tokens, {s['repetitions']} repetitions after {s['warmup']} "
                  f"warmup, torch {env['torch']} on {env['device']} with {env['threads']} threads, {r['created_utc']}.")
+    if tgt.get("gguf"):  # models/gguf.py: say what the lossless claim is against
+        g = tgt["gguf"]
+        lines += ["", f"The target *is* `{g['file']}` dequantized to {g['dequantized_to']} (sha256 "
+                      f"`{g['sha256'][:16]}…`): losslessness is against that model, not the checkpoint the GGUF was "
+                      "quantized from."]
     lines.append("")
     bad = [n for n, m in r["methods"].items() if not m["lossless"]]
     tolerated = sum(m.get("n_tolerated", 0) for m in r["methods"].values())

@@ -35,9 +35,23 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_name(name_or_path: str) -> str:
-    """`tiny-code` (the embedded default) → its shipped directory; anything else unchanged."""
-    return str(EMBEDDED_DIR) if name_or_path == EMBEDDED_NAME else name_or_path
+def resolve_name(name_or_path: str, gguf_file: str | None = None) -> str:
+    """`tiny-code` (the embedded default) → its shipped directory; a GGUF (``X.gguf``, a directory + ``gguf_file``,
+    or an alias such as ``smollm2``) → its converted HF directory (models/gguf.py; converted once, cached by
+    sha256); anything else unchanged."""
+    if name_or_path == EMBEDDED_NAME:
+        return str(EMBEDDED_DIR)
+    from models import gguf
+
+    source = gguf.gguf_file_of(str(name_or_path), gguf_file)
+    return str(gguf.converted_dir(source)) if source is not None else name_or_path
+
+
+def is_alias(name_or_path: str) -> bool:
+    """A name only draftsmith resolves (the embedded target, a GGUF alias or file): engines need the directory."""
+    from models import gguf
+
+    return name_or_path == EMBEDDED_NAME or name_or_path in gguf.ALIASES or str(name_or_path).endswith(".gguf")
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -48,9 +62,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def check_target_path(name_or_path: str) -> str:
+def check_target_path(name_or_path: str, gguf_file: str | None = None) -> str:
     """The directory or hub id to load ``name_or_path`` from; a missing local target is one clear error."""
-    path = resolve_name(name_or_path)
+    path = resolve_name(name_or_path, gguf_file)
     if name_or_path == EMBEDDED_NAME and not (Path(path) / "model.safetensors").exists():
         raise FileNotFoundError(f"embedded target weights missing under {path}; "
                                 "build them with `python -m train.build_tiny_code`")
@@ -65,14 +79,23 @@ def load_causal_lm(
     dtype: str | torch.dtype = "float32",
     trust_remote_code: bool = False,
     device: str = "cpu",
+    gguf_file: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load model + tokenizer by hub id or local path; eval mode, gradients off."""
-    path = check_target_path(name_or_path)
+    """Load model + tokenizer by hub id, local path or GGUF (see ``resolve_name``); eval mode, gradients off."""
+    from models import gguf
+
+    path = check_target_path(name_or_path, gguf_file)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=True
     )
     model.to(device).eval().requires_grad_(False)
+    source = gguf.source_info(path)
+    if source is not None:  # the target IS the dequantized GGUF: recorded in checkpoints and results
+        model.draftsmith_gguf = {"file": Path(source["gguf"]).name, "sha256": source["sha256"],
+                                 "dequantized_to": source["dequantized_to"]}
+        if name_or_path != path:  # record the name the user gave (an alias / the .gguf), not the cache dir
+            model.config._name_or_path = str(name_or_path)
     return model, tok
 
 
@@ -142,14 +165,14 @@ class FrozenTarget(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False,
-                        device: str = "cpu") -> FrozenTarget:
-        model, tok = load_causal_lm(name_or_path, dtype, trust_remote_code, device)
+                        device: str = "cpu", gguf_file: str | None = None) -> FrozenTarget:
+        model, tok = load_causal_lm(name_or_path, dtype, trust_remote_code, device, gguf_file)
         return cls(model, tok)
 
     def identity(self) -> dict:
         """What a drafter checkpoint records to refuse being used with another target."""
         c = self.model.config
-        return {
+        ident = {
             "name_or_path": getattr(c, "_name_or_path", ""),
             "architectures": list(getattr(c, "architectures", None) or []),
             "num_hidden_layers": c.num_hidden_layers,
@@ -157,6 +180,9 @@ class FrozenTarget(nn.Module):
             "vocab_size": c.vocab_size,
             "embed_fingerprint": self.fingerprint(),
         }
+        if getattr(self.model, "draftsmith_gguf", None):  # models/gguf.py: the dequantized GGUF is the target
+            ident["gguf"] = dict(self.model.draftsmith_gguf)
+        return ident
 
     def fingerprint(self) -> str:
         """Tells two targets of one shape apart (a drafter trained for Llama-3.1-8B must not be used with

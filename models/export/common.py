@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from models.target import EMBEDDED_NAME, FrozenTarget, resolve_name
+from models.target import FrozenTarget, is_alias, resolve_name
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -100,8 +100,8 @@ def norm_name(name: str) -> str:
 
 
 def engine_target_name(name: str) -> str:
-    # Engines cannot resolve draftsmith's alias for the embedded target; give them its directory.
-    return resolve_name(name) if name == EMBEDDED_NAME else name
+    # Engines cannot resolve draftsmith's aliases (the embedded target, a GGUF); give them the directory.
+    return resolve_name(name) if is_alias(name) else name
 
 
 def load_json(path: Path) -> dict:
