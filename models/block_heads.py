@@ -92,15 +92,19 @@ def build_block_head(cfg: Any, hidden: int, vocab: int, draft_vocab: int) -> nn.
 
 
 def draft_block(head: nn.Module | None, z: Tensor, h: Tensor, anchor: Tensor, pick: Callable[[Tensor], tuple],
-                min_confidence: float = 0.0) -> tuple[list[Tensor], list[Any], Tensor | None]:
+                min_confidence: float = 0.0, verify_costs: list[float] | None = None
+                ) -> tuple[list[Tensor], list[Any], Tensor | None]:
     """Draft the slots of a block one after another (rows in parallel).
 
     z [A, k, Vd] backbone logits, h [A, k, H] backbone outputs, anchor [A] the token before slot 0, ``pick``
     (logits [A, Vd]) → (tokens [A] target ids, q or None). Without a head the slots are independent and ``pick``
     sees z as is. With one, slot s reads the token drafted at slot s−1. ``min_confidence`` > 0 (needs a
     confidence head): a row stops before the slot where the running product of the head's acceptance estimates
-    falls below it — the confidence-scheduled K (at least one slot is always drafted). Returns (tokens per slot,
-    q per slot, the number of slots kept per row [A] or None = all k)."""
+    falls below it — the confidence-scheduled K (at least one slot is always drafted). ``verify_costs`` (v(K) for
+    K = 1.., in target steps; needs a confidence head): each row keeps the K maximising
+    (1 + Σ_{j<=K} Π_{i<=j} c_i) / v(K) — the expected tokens per verify cost by the head's own estimates (DSpark's
+    load-aware verification length). Returns (tokens per slot, q per slot, the number of slots kept per row [A] or
+    None = all k)."""
     k = z.shape[1]
     if head is None:
         toks, qs = zip(*(pick(z[:, s]) for s in range(k))) if k else ((), ())
@@ -108,11 +112,13 @@ def draft_block(head: nn.Module | None, z: Tensor, h: Tensor, anchor: Tensor, pi
     state = head.init_state(tuple(z.shape[:1]))
     prev, run = anchor.long(), torch.ones(z.shape[0], device=z.device)
     keep = torch.full((z.shape[0],), k, dtype=torch.long, device=z.device)
-    toks, qs = [], []
+    toks, qs, runs = [], [], []
     for s in range(k):
         logits, conf, state = head.step(z[:, s], h[:, s], prev, state)
-        if conf is not None and min_confidence > 0:
+        if conf is not None:
             run = run * torch.sigmoid(conf.float())
+            runs.append(run)
+        if conf is not None and min_confidence > 0:
             stop = (run < min_confidence) & (keep == k) & (s > 0)
             keep = torch.where(stop, torch.full_like(keep, s), keep)
             if bool((keep <= s).all()):
@@ -121,4 +127,9 @@ def draft_block(head: nn.Module | None, z: Tensor, h: Tensor, anchor: Tensor, pi
         toks.append(tok)
         qs.append(q)
         prev = tok
+    if verify_costs and runs:
+        n = min(len(toks), len(verify_costs))
+        gain = 1 + torch.stack(runs[:n], 1).cumsum(1)  # [A, n] expected tokens when verifying 1..n slots
+        best = (gain / torch.tensor(verify_costs[:n], device=gain.device)).argmax(1) + 1
+        keep = torch.minimum(keep, best)
     return toks, qs, keep

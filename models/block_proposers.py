@@ -28,7 +28,7 @@ class DFlashProposer:
     parallel, so q_k does not depend on the earlier slots' samples — any q is lossless)."""
 
     def __init__(self, drafter: Any, k: int | None = None, sample_drafts: bool = True,
-                 min_confidence: float = 0.0):
+                 min_confidence: float = 0.0, verify_costs: list[float] | None = None):
         self.drafter = drafter.eval()
         self.layer_ids = list(drafter.layer_ids)
         self.k = check_k("k", k if k is not None else drafter.num_spec)
@@ -36,6 +36,7 @@ class DFlashProposer:
             raise ValueError(f"k={k}: a block of {drafter.block_size} drafts at most {drafter.num_spec} "
                              "tokens (slots past the block were never trained); lower k or retrain a larger block")
         self.min_confidence = _check_confidence(drafter, min_confidence)
+        self.verify_costs = _check_costs(drafter, verify_costs)
         self.sample_drafts = sample_drafts
         self.vocab_ids = drafter.draft_ids
         self.vocab_size = drafter.vocab_size
@@ -45,10 +46,10 @@ class DFlashProposer:
         """One proposer for a batch of these (``DFlashBatchProposer``: one block forward per round for all rows);
         rows with different drafters or settings draft one after another instead."""
         p0 = rows[0]
-        key = lambda p: (p.drafter, p.k, p.sample_drafts, p.min_confidence)  # noqa: E731
+        key = lambda p: (p.drafter, p.k, p.sample_drafts, p.min_confidence, p.verify_costs)  # noqa: E731
         if any(key(p) != key(p0) for p in rows):
             return PerRowProposers(rows)
-        return DFlashBatchProposer(p0.drafter, p0.k, p0.sample_drafts, p0.min_confidence)
+        return DFlashBatchProposer(p0.drafter, p0.k, p0.sample_drafts, p0.min_confidence, p0.verify_costs)
 
     @torch.no_grad()
     def begin(self, tokens: Tensor, hidden: dict[int, Tensor], sampling: Sampling) -> None:
@@ -88,7 +89,7 @@ class DFlashProposer:
             return pick_token(logits[0], self.sampling, self.sample_drafts, self.vocab_ids, self.vocab_size)
 
         toks, qs, keep = draft_block(dr.block_head, dr.logits(out), out, self.anchor[:, 0], pick,
-                                     self.min_confidence)
+                                     self.min_confidence, self.verify_costs)
         n = len(toks) if keep is None else int(keep[0])
         return chain_proposal(list(toks[:n]), list(qs[:n]), self.anchor.device)
 
@@ -103,6 +104,17 @@ def _check_confidence(drafter: Any, min_confidence: float) -> float:
     return m
 
 
+def _check_costs(drafter: Any, verify_costs: list[float] | str | None) -> list[float] | None:
+    if not verify_costs or verify_costs == "auto":  # auto: filled in by the cost model (models/dflash.py _size_k)
+        return None
+    if getattr(drafter.block_head, "confidence_head", None) is None:
+        raise ValueError("verify_costs schedule the verified length from a confidence head; this drafter has none")
+    costs = [float(v) for v in verify_costs]
+    if any(v <= 0 for v in costs):
+        raise ValueError(f"verify_costs={verify_costs}: verification costs must be positive")
+    return costs
+
+
 class DFlashBatchProposer:
     """``BatchProposer`` (models/proposal.py) for a DFlash drafter: ONE block forward per round for all rows.
 
@@ -111,11 +123,13 @@ class DFlashBatchProposer:
     padding (none when all rows have the same length); ``accept`` projects all rows' new context features in
     one ``context`` / ``context_kv`` call. Drafts equal the B=1 ``DFlashProposer``'s up to float rounding."""
 
-    def __init__(self, drafter: Any, k: int, sample_drafts: bool = True, min_confidence: float = 0.0):
+    def __init__(self, drafter: Any, k: int, sample_drafts: bool = True, min_confidence: float = 0.0,
+                 verify_costs: list[float] | None = None):
         self.drafter = drafter.eval()
         self.layer_ids = list(drafter.layer_ids)
         self.k, self.sample_drafts = int(k), sample_drafts
         self.min_confidence = _check_confidence(drafter, min_confidence)
+        self.verify_costs = _check_costs(drafter, verify_costs)
         self.vocab_ids, self.vocab_size = drafter.draft_ids, drafter.vocab_size
 
     @torch.no_grad()
@@ -160,7 +174,8 @@ class DFlashBatchProposer:
             idx = torch.multinomial(probs, 1, generator=self.sampling.generator)[:, 0]
             return ids[idx], probs.new_zeros(probs.shape[0], self.vocab_size).index_copy_(1, ids, probs)
 
-        toks, qs, keep = draft_block(dr.block_head, dr.logits(out), out, self.anchor, pick, self.min_confidence)
+        toks, qs, keep = draft_block(dr.block_head, dr.logits(out), out, self.anchor, pick, self.min_confidence,
+                                     self.verify_costs)
         toks = torch.stack(toks, 1)  # [A, k']
         q = None if qs[0] is None else torch.stack(qs, 1)
         if keep is not None:

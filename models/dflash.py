@@ -539,19 +539,29 @@ def _lm_head(target: FrozenTarget) -> Tensor:
 
 def _prepare_k(d: DFlashDrafter, _ckpt_dir: str | None, o: dict) -> dict:
     auto = o["k"] in (None, "auto")
+    if o.get("verify_costs") == "auto" and getattr(d.block_head, "confidence_head", None) is None:
+        raise ValueError("options.dflash.verify_costs=auto schedules K from a confidence head; this drafter has none "
+                         "(train with draft.config.block_head=markov, confidence_head=true)")
     return {**o, "k": d.num_spec if auto else int(o["k"]), "auto_size": o["k"] == "auto"}
 
 
 def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: float | None = None) -> dict | None:
     """``k: auto``: verify the k <= B-1 slots that maximise E(k) / v(k) — E from the held-out conditional slot
     agreement saved with the checkpoint (final/eval.json, acc_0..), v the measured verify cost of k drafted
-    tokens. One draft forward writes every slot, so the draft cost does not grow with k."""
+    tokens. One draft forward writes every slot, so the draft cost does not grow with k.
+    ``verify_costs: auto`` (a confidence head): v(1..S) measured here, and every round verifies the K the head's
+    own acceptance estimates make best (models/block_heads.py ``draft_block``), up to k."""
     import json
     from pathlib import Path
 
+    out = None
+    if o.get("verify_costs") == "auto":
+        costs = [round(float(verify_cost(k)), 4) for k in range(1, d.num_spec + 1)]
+        out = {**o, "verify_costs": costs}
     path = Path(ckpt_dir or "") / "eval.json"
     if not o.get("auto_size") or not path.exists():
-        return None
+        return out
+    o = out or o
     ev = json.loads(path.read_text())
     acc = [float(ev[f"acc_{i}"]) for i in range(d.num_spec) if f"acc_{i}" in ev]
     pred, run, tau = {}, 1.0, 1.0
@@ -560,14 +570,18 @@ def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: 
         tau += run
         pred[k] = tau / float(verify_cost(k))
     best = max(pred, key=pred.get)
+    if o.get("verify_costs"):  # the head schedules each round's K: the block is its cap
+        best = d.num_spec
     return {**o, "k": best, "k_sized": {"k": best, "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
 
 
 SPEC = MethodSpec(
     name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
     export_formats=("dflash_speculators", "dflash_zlab", "dspark_speculators", "dspark_zlab"),
-    # k: null → the whole block (B-1); auto → sized by the cost model from the held-out slot agreement
-    # min_confidence: DSpark's confidence-scheduled K (0 = verify every drafted slot)
-    proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o), {"k": "auto", "min_confidence": 0.0},
+    # k: null → the whole block (B-1; DSpark: B); auto → sized by the cost model from the held-out slot agreement.
+    # DSpark's confidence head: min_confidence stops a block where the running acceptance estimate drops below it;
+    # verify_costs: auto → each round verifies the K maximising the head's expected tokens / measured v(K)
+    proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o),
+                            {"k": "auto", "min_confidence": 0.0, "verify_costs": None},
                             prepare=_prepare_k, size=_size_k),),
 )

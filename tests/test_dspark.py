@@ -181,6 +181,33 @@ def test_confidence_scheduled_k_stops_where_the_running_confidence_drops(target)
         DFlashProposer(drafter(target, block_head="none", sample_from_anchor=False), min_confidence=0.5)
 
 
+def test_verify_costs_schedule_k_from_the_heads_expected_tokens(target, tmp_path):
+    """verify_costs: each round keeps the K maximising (1 + Σ_j Π_{i<=j} c_i) / v(K); with every c = 0.7:
+    gains 1.7, 2.19, 2.54, 2.78. Cheap verification keeps the whole block, a steep v(K) only its start; the
+    cost model fills v in for ``verify_costs: auto``, and decoding stays lossless."""
+    from models.dflash import SPEC
+
+    d = drafter(target)
+    with torch.no_grad():
+        d.block_head.confidence_head.proj.weight.zero_()
+        d.block_head.confidence_head.proj.bias.fill_(torch.logit(torch.tensor(0.7)).item())
+    prompt = torch.randint(0, V - 1, (1, 8), generator=torch.Generator().manual_seed(1))
+    out = target(prompt[:, :-1], layer_ids=d.layer_ids)
+    for costs, want in (([1.0, 1.0, 1.0, 1.0], 4), ([1.0, 1.5, 2.0, 2.5], 1), ([1.0, 1.2, 1.4, 1.6], 2)):
+        p = DFlashProposer(d, verify_costs=costs)  # 1.7/1, 2.19/1.2 = 1.825, 2.54/1.4 = 1.81, 2.78/1.6
+        p.begin(prompt, {k: v.float() for k, v in out.hidden.items()}, Sampling())
+        assert p.propose(4).size == want, costs
+        assert decode.speculative_decode(target, DFlashProposer(d, verify_costs=costs), prompt, 16).tokens == \
+            decode.decode_ar(target, prompt, 16).tokens
+    p = SPEC.proposers[0]
+    o = p.prepare(d, str(tmp_path), p.options({"verify_costs": "auto"}))
+    sized = p.size(d, str(tmp_path), o, lambda k: 1 + 0.2 * k)
+    assert sized["verify_costs"] == [1.2, 1.4, 1.6, 1.8]
+    with pytest.raises(ValueError, match="confidence head"):
+        plain = drafter(target, block_head="none", sample_from_anchor=False)
+        p.prepare(plain, None, p.options({"verify_costs": "auto"}))
+
+
 def test_training_loss_trains_head_and_confidence(target):
     d = drafter(target, label_path="data").train()
     ids = torch.randint(0, V - 1, (2, 20), generator=torch.Generator().manual_seed(0))
