@@ -49,7 +49,7 @@ from models.proposal import check_k
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget, validate_layer_ids
-from models.vocab import build_draft_vocab, check_mapping, count_tokens, draft_to_target
+from models.vocab import build_draft_vocab, check_mapping, choose_mask_token, count_tokens, draft_to_target
 
 
 @dataclass
@@ -95,26 +95,6 @@ def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
     else:
         zl = [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
     return [i + 1 for i in zl]
-
-
-def choose_mask_token(target: FrozenTarget, train_rows: list[dict]) -> int:
-    """An embedding row the data never uses: the first padding row past the tokenizer when the embedding has
-    one (Qwen3: 151669), else the tokenizer's mask token, else the highest id absent from the training data."""
-    tok, rows = target.tokenizer, target.vocab_size
-    n_tok = len(tok) if tok is not None else rows
-    if n_tok < rows:
-        return n_tok
-    if tok is not None and getattr(tok, "mask_token_id", None) is not None:
-        return int(tok.mask_token_id)
-    seen = torch.zeros(rows, dtype=torch.bool)
-    for r in train_rows:
-        seen[torch.as_tensor(r["input_ids"], dtype=torch.long)] = True
-    special = set(getattr(tok, "all_special_ids", []) or []) if tok is not None else set()
-    unused = [i for i in (~seen).nonzero().flatten().tolist() if i not in special]
-    if not unused:
-        raise ValueError("every embedding row occurs in the training data; set draft.config.mask_token_id to a "
-                         "reserved id explicitly")
-    return int(unused[-1])
 
 
 class RMSNorm(nn.Module):

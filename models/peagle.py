@@ -43,7 +43,7 @@ from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_to
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget, validate_layer_ids
-from models.vocab import build_draft_vocab, check_mapping, count_tokens, draft_to_target
+from models.vocab import build_draft_vocab, check_mapping, choose_mask_token, count_tokens, draft_to_target
 
 
 @dataclass
@@ -380,26 +380,10 @@ class PEagleProposer:
 
 
 # --------------------------------------------------------------------------------------------- the method
-def _choose_mask_token(target: FrozenTarget, rows: list[dict]) -> int:
-    """The first embedding row past the tokenizer (Qwen3: 151669), else the highest id the data never uses."""
-    tok, V = target.tokenizer, target.vocab_size
-    n_tok = len(tok) if tok is not None else V
-    if n_tok < V:
-        return n_tok
-    seen = torch.zeros(V, dtype=torch.bool)
-    for r in rows:
-        seen[torch.as_tensor(r["input_ids"], dtype=torch.long)] = True
-    special = set(getattr(tok, "all_special_ids", []) or []) if tok is not None else set()
-    unused = [i for i in (~seen).nonzero().flatten().tolist() if i not in special]
-    if not unused:
-        raise ValueError("every embedding row occurs in the training data; set draft.config.mask_token_id")
-    return int(unused[-1])
-
-
 def build(cfg: PEagleConfig, target: FrozenTarget, train_rows: list[dict]) -> PEagleDrafter:
     V = target.vocab_size
     if cfg.mask_token_id is None:
-        cfg.mask_token_id = _choose_mask_token(target, train_rows)
+        cfg.mask_token_id = choose_mask_token(target, train_rows)
     d2t = t2d = None
     if cfg.draft_vocab_size and cfg.draft_vocab_size < V:
         d2t, t2d = build_draft_vocab(count_tokens(train_rows, V), cfg.draft_vocab_size)
