@@ -94,8 +94,9 @@ def load_causal_lm(
     if source is not None:  # the target IS the dequantized GGUF: recorded in checkpoints and results
         model.draftsmith_gguf = {"file": Path(source["gguf"]).name, "sha256": source["sha256"],
                                  "dequantized_to": source["dequantized_to"]}
-        if name_or_path != path:  # record the name the user gave (an alias / the .gguf), not the cache dir
-            model.config._name_or_path = str(name_or_path)
+        if name_or_path != path:  # record the name the user gave (an alias / the .gguf), not the cache dir; a
+            # directory + gguf_file becomes the file's path, which export and eval resolve without the extra key
+            model.config._name_or_path = str(Path(name_or_path) / gguf_file) if gguf_file else str(name_or_path)
     return model, tok
 
 

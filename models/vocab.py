@@ -64,6 +64,15 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     return d2t, t2d
 
 
+def coverage(counts: torch.Tensor, sizes: Iterable[int]) -> dict[int, float]:
+    """Share of the counted (loss-masked) tokens that the ``n`` most frequent ids cover, for each ``n``: what a
+    draft vocabulary of that size can draft at all (the rest is masked out of the loss and never proposed)."""
+    c = torch.sort(torch.as_tensor(counts).reshape(-1).to(torch.float64), descending=True).values
+    total = float(c.sum()) or 1.0
+    cum = torch.cumsum(c, 0)
+    return {int(n): float(cum[min(int(n), c.numel()) - 1]) / total for n in sizes}
+
+
 def identity_mapping(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d2t, t2d)`` for a draft vocabulary equal to the whole target vocabulary."""
     return torch.zeros(vocab_size, dtype=torch.int64), torch.ones(vocab_size, dtype=torch.bool)

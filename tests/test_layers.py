@@ -2,8 +2,8 @@
 
 Layers, lowest first; a module may import its own layer or lower ones, never a higher one:
 
-    core      models.{target, target_view, vocab, tokenizer, verify, proposal, spec, checkpoint, drafter, rope, tree,
-              block_heads, block_proposers}
+    core      models.{target, gguf, target_view, vocab, tokenizer, verify, proposal, spec, checkpoint, drafter, rope,
+              tree, block_heads, block_proposers}
     methods   models.{eagle3, medusa, mtp, dflash, ngram, draft_model, peagle}  (not each other: only through core)
     registry  models.registry
     data      data.*
@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("train", "models", "data", "eval")
 
-CORE = {"models.target", "models.target_view", "models.vocab", "models.tokenizer", "models.verify", "models.proposal",
-        "models.spec", "models.checkpoint", "models.drafter", "models.rope", "models.tree", "models.losses",
+CORE = {"models.target", "models.gguf", "models.target_view", "models.vocab", "models.tokenizer", "models.verify",
+        "models.proposal", "models.spec", "models.checkpoint", "models.drafter", "models.rope", "models.tree", "models.losses",
         "models.ragged", "models.block_heads", "models.block_proposers"}
 METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model",
            "models.peagle"}

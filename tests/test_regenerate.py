@@ -172,3 +172,44 @@ def test_sampling_is_seeded_and_leaves_global_rng_alone(tmp_path, tiny_llama, ti
     assert a != c
     greedy = regenerate_continuations(tiny_llama, tok, prompts, tmp_path / "g.jsonl", batch_size=2, max_new_tokens=10)
     assert a != greedy
+
+
+def test_chat_regeneration_of_n_conversations_split_over_temperatures(tmp_path, tiny_llama, tiny_tokenizer):
+    """data.regenerate=N (N > 1) on chat data: N conversations, split round-robin over regen_temperature=[0, 1],
+    each group in its own keyed cache; the others keep their dataset replies; a reply-to-nothing turn (ShareGPT V3
+    chunks open with one) is never regenerated and a long first prompt is not picked."""
+    from data.sources import DataConfig, _regenerated_chat
+
+    convs = [[{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}"}]
+             for i in range(6)]
+    convs.append([{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "long"}])
+    convs.append([{"role": "assistant", "content": "a reply to nothing"}])
+    cfg = DataConfig(kind="chat", max_len=128, regenerate=4, regen_temperature=[0.0, 1.0], regen_new_tokens=4,
+                     regen_batch_size=2, cache_dir=str(tmp_path))
+    stats: dict = {}
+    out = _regenerated_chat(cfg, tiny_llama, tiny_tokenizer, convs, stats)
+    groups = stats["regenerated"]
+    assert [g["temperature"] for g in groups] == [0.0, 1.0]
+    assert [g["continuations"] for g in groups] == [2, 2] and all(g["generated_now"] == 2 for g in groups)
+    assert len({g["cache"] for g in groups}) == 2  # one keyed file per temperature
+    changed = [i for i, (a, b) in enumerate(zip(convs, out)) if a != b]
+    kept = [i for i in range(len(convs)) if out[i] == convs[i]]
+    assert len(changed) <= 4 and len(kept) >= 4
+    assert out[6] == convs[6] and out[7] == convs[7]  # the long prompt and the reply to nothing are left alone
+    assert all(out[i][0] == convs[i][0] for i in range(6))  # user turns verbatim
+    # a rerun reads both groups from their caches
+    stats2: dict = {}
+    assert _regenerated_chat(cfg, tiny_llama, tiny_tokenizer, convs, stats2) == out
+    assert all(g["from_cache"] == 2 and g["generated_now"] == 0 for g in stats2["regenerated"])
+
+
+def test_first_exchanges_drops_leading_replies_and_cuts_after_n():
+    from data.sources import first_exchanges
+
+    conv = [{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    assert [m["content"] for m in first_exchanges(conv, 1)] == ["s", "u1", "a1"]
+    assert [m["content"] for m in first_exchanges(conv, 2)] == ["s", "u1", "a1", "u2", "a2"]
+    with pytest.raises(ValueError, match="max_turns"):
+        first_exchanges(conv, 0)

@@ -110,3 +110,10 @@ def test_check_mapping_refuses_d2t_and_t2d_from_different_data():
     _, t2d_b = build_draft_vocab(torch.tensor([0, 0, 0, 7, 8, 9]), 3)  # ids 3, 4, 5
     with pytest.raises(ValueError, match="misaligned"):
         check_mapping(d2t_a, t2d_b)
+
+
+def test_coverage_is_the_top_n_share_of_counted_tokens():
+    from models.vocab import coverage
+
+    counts = torch.tensor([0, 5, 3, 2, 0])  # 10 tokens: top-1 = 5, top-2 = 8, top-3 = 10
+    assert coverage(counts, [1, 2, 3, 9]) == {1: 0.5, 2: 0.8, 3: 1.0, 9: 1.0}

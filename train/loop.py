@@ -213,6 +213,15 @@ def build_drafter_and_meta(t: Training) -> None:
     t.trainable = [p for p in t.drafter.parameters() if p.requires_grad]
     t.log(f"drafter: {cfg.draft.method}, {sum(p.numel() for p in t.trainable) / 1e6:.2f} M trainable params, "
           f"layer ids {list(t.drafter.layer_ids)} of {target.num_layers}")
+    t2d = getattr(t.drafter, "t2d", None)
+    if t2d is not None and int(t2d.sum()) < target.vocab_size:  # a reduced draft vocabulary: what it can cover
+        from models.vocab import count_tokens, coverage
+
+        sizes = sorted({int(t2d.sum()), 1024, 2048, 4096, 8192, 16384, 32768} & set(range(1, target.vocab_size)))
+        cov = coverage(count_tokens(t.train_rows, target.vocab_size), sizes)
+        t.meta["draft_vocab_coverage"] = {str(n): round(v, 4) for n, v in cov.items()}
+        t.log("draft vocab: " + ", ".join(f"{n}: {v:.3f}" for n, v in cov.items())
+              + f" of the training tokens (this drafter: {int(t2d.sum())})")
 
 
 def build_optimizer(t: Training) -> None:
