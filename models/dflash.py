@@ -24,9 +24,12 @@ greedy choices, i.e. where the label is what a verifier accepts after slots 1..k
 agreed*, so ``simulated_tau`` of them is the expected accepted
 length of a greedy block.
 
-Inference: the drafter keeps a KV cache of the injected context only (per layer, positions 0..n−1); a round
-feeds the new context features (one row per newly committed token), then one forward over the block at
-positions n..n+B−1 with no mask (all context precedes the anchor); block K/V are never cached.
+Inference (models/block_proposers.py): the drafter keeps a KV cache of the injected context only (per layer,
+positions 0..n−1); a round feeds the new context features (one row per newly committed token), then one forward
+over the block at positions n..n+B−1 with no mask (all context precedes the anchor); block K/V are never cached.
+
+DSpark (``block_head``, ``sample_from_anchor``; models/block_heads.py): the same backbone; the anchor slot drafts
+too (B tokens, draft j → token a+j+1) and a small head conditions each slot on the token before it.
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
+from models.block_heads import build_block_head
+from models.block_proposers import DFlashBatchProposer, DFlashProposer  # noqa: F401 (re-exported: the method's proposers)
 from models.drafter import simulated_tau
-from models.proposal import PerRowProposers, Proposal, Sampling, chain_proposal, check_k, pick_token
-from models.ragged import RaggedKV
+from models.proposal import check_k
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget, validate_layer_ids
-from models.vocab import build_draft_vocab, check_mapping, count_tokens, draft_to_target
+from models.vocab import build_draft_vocab, check_mapping, choose_mask_token, count_tokens, draft_to_target
 
 
 @dataclass
@@ -68,6 +72,19 @@ class DFlashConfig:
     draft_vocab_size: int | None = None  # None → the target's whole vocabulary
     intermediate_size: int | None = None  # None → the target's
     loss_chunk: int = 2048  # slots per logits chunk (never all N·B slots × V in fp32 at once)
+    # DSpark (arXiv 2607.05147; models/block_heads.py): an intra-block head, and the block convention
+    block_head: str = "none"  # none | markov (| any name in models.block_heads.BLOCK_HEADS)
+    # true (DSpark): the anchor slot drafts too — slot s predicts token a+s+1, B speculative tokens per block;
+    # false (DFlash): slot 0 is the anchor, slots 1..B-1 predict a+1..a+B-1
+    sample_from_anchor: bool = False
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = True  # DSpark's acceptance-rate head (BCE against 1 - TV(p, q)); needs a block head
+    confidence_with_markov: bool = True  # its input is cat(h, W1[prev]) (else h)
+    confidence_alpha: float = 1.0
+    ce_weight: float = 1.0  # per-slot loss = ce_weight * CE (or KL) + tv_weight * TV(p, q) (DSpark: 0.1 / 0.9)
+    tv_weight: float = 0.0
+    warm_start: str | None = None  # a trained DFlash checkpoint dir (…/final): its weights, vocabulary, mask id
 
 
 def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -78,26 +95,6 @@ def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
     else:
         zl = [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
     return [i + 1 for i in zl]
-
-
-def choose_mask_token(target: FrozenTarget, train_rows: list[dict]) -> int:
-    """An embedding row the data never uses: the first padding row past the tokenizer when the embedding has
-    one (Qwen3: 151669), else the tokenizer's mask token, else the highest id absent from the training data."""
-    tok, rows = target.tokenizer, target.vocab_size
-    n_tok = len(tok) if tok is not None else rows
-    if n_tok < rows:
-        return n_tok
-    if tok is not None and getattr(tok, "mask_token_id", None) is not None:
-        return int(tok.mask_token_id)
-    seen = torch.zeros(rows, dtype=torch.bool)
-    for r in train_rows:
-        seen[torch.as_tensor(r["input_ids"], dtype=torch.long)] = True
-    special = set(getattr(tok, "all_special_ids", []) or []) if tok is not None else set()
-    unused = [i for i in (~seen).nonzero().flatten().tolist() if i not in special]
-    if not unused:
-        raise ValueError("every embedding row occurs in the training data; set draft.config.mask_token_id to a "
-                         "reserved id explicitly")
-    return int(unused[-1])
 
 
 class RMSNorm(nn.Module):
@@ -182,6 +179,9 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"draft.config.label_path={cfg.label_path!r}: use 'greedy' or 'data'")
         if cfg.dpace and cfg.loss != "ce":
             raise ValueError("draft.config.dpace=true needs loss=ce (D-PACE weights come from the CE of each slot)")
+        if cfg.ce_weight < 0 or cfg.tv_weight < 0 or cfg.ce_weight + cfg.tv_weight <= 0:
+            raise ValueError(f"draft.config.ce_weight={cfg.ce_weight}, tv_weight={cfg.tv_weight}: both >= 0, "
+                             "one > 0")
         ids = list(cfg.layer_ids) if cfg.layer_ids is not None else default_layer_ids(L, cfg.num_layers)
         if not ids:
             raise ValueError("draft.config.layer_ids is empty; DFlash fuses at least one target hidden state")
@@ -220,6 +220,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(H, inter, heads, kv_heads, head_dim, eps)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, eps)
+        self.block_head = build_block_head(cfg, H, V, vd)
         self.register_buffer("d2t", d2t.clone())
         self.register_buffer("t2d", t2d.clone())
         self._lm_head_full = lm_head_weight.detach()  # rebuild rows when a checkpoint's d2t is loaded
@@ -238,6 +239,16 @@ class DFlashDrafter(nn.Module):
     @property
     def block_size(self) -> int:
         return int(self.cfg.block_size)
+
+    @property
+    def num_spec(self) -> int:
+        """Speculative tokens per block: B−1 (DFlash: slot 0 is the anchor), B with ``sample_from_anchor``."""
+        return self.block_size - (0 if self.cfg.sample_from_anchor else 1)
+
+    @property
+    def slot_offset(self) -> int:
+        """The block slot whose output drafts the first token (0 with ``sample_from_anchor``, else 1)."""
+        return 0 if self.cfg.sample_from_anchor else 1
 
     def config_dict(self) -> dict:
         d = asdict(self.cfg)
@@ -314,9 +325,9 @@ class DFlashDrafter(nn.Module):
         return torch.cat([see_ctx, same], dim=2)[:, None]
 
     def slot_weights(self) -> Tensor:
-        """w_k = exp(−(k−1)/γ) for slots k = 1..B−1 (paper Eq. 4); [B−1]."""
+        """w_j = exp(−j/γ) for drafts j = 0..S−1 (paper Eq. 4: exp(−(k−1)/γ) for DFlash slots k = 1..B−1)."""
         gamma = self.cfg.decay_gamma or (7.0 if self.block_size >= 16 else 4.0)
-        return torch.exp(-torch.arange(self.block_size - 1, dtype=torch.float32) / gamma)
+        return torch.exp(-torch.arange(self.num_spec, dtype=torch.float32) / gamma)
 
     def training_loss(self, input_ids: Tensor, loss_mask: Tensor, hidden: dict[int, Tensor],
                       target_logits: Tensor) -> tuple[Tensor, dict[str, float]]:
@@ -331,69 +342,106 @@ class DFlashDrafter(nn.Module):
         pos_blk = (anchors[:, :, None] + slot).view(b, n * blk)
         ctx_valid = torch.ones_like(loss_mask, dtype=torch.bool)  # the loop right-pads; padding is never < anchor
         mask = self.block_mask(anchors, keep, ctx_valid)
-        out = self.blocks(input_ids.gather(1, anchors), kvs, pos_blk, mask).view(b, n, blk, -1)[:, :, 1:]
-        # labels: slot k at position a+k predicts token a+k = the target's choice at a+k-1
-        lab_pos = anchors[:, :, None] + slot[1:]  # [B, N, B-1]
+        s_, off = self.num_spec, self.slot_offset
+        out = self.blocks(input_ids.gather(1, anchors), kvs, pos_blk, mask).view(b, n, blk, -1)[:, :, off:off + s_]
+        # labels: draft j (block slot j + offset) predicts token a+j+1 = the target's choice at a+j; the token before
+        # it (a+j: the anchor for j = 0) is what an intra-block head conditions on (teacher forced)
+        lab_pos = anchors[:, :, None] + 1 + torch.arange(s_, device=input_ids.device)  # [B, N, S]
         valid = keep[:, :, None] & (lab_pos < t)
         lab_pos = lab_pos.clamp_max(t - 1)
         valid &= loss_mask.gather(1, lab_pos.view(b, -1)).view_as(lab_pos).bool()
-        if self.cfg.label_path == "greedy":  # tokens a+1..a+k-1 must be the target's greedy path
+        if self.cfg.label_path == "greedy":  # tokens a+1..a+j must be the target's greedy path
             on = torch.zeros_like(input_ids, dtype=torch.bool)
             on[:, 1:] = input_ids[:, 1:] == target_logits[:, :-1].argmax(-1)  # token p = target's choice at p-1
-            on_k = on.gather(1, lab_pos.view(b, -1)).view_as(lab_pos)  # token a+k on the path
+            on_k = on.gather(1, lab_pos.view(b, -1)).view_as(lab_pos)  # token a+j+1 on the path
             before = torch.cat([torch.ones_like(on_k[:, :, :1]), on_k[:, :, :-1]], dim=2)
             valid &= torch.cumprod(before.long(), dim=2).bool()
         teacher = target_logits.gather(1, (lab_pos - 1).view(b, -1, 1).expand(-1, -1, target_logits.shape[-1]))
-        teacher = teacher.view(b, n, blk - 1, -1)
-        return self._scored(out, teacher, valid)
+        teacher = teacher.view(b, n, s_, -1)
+        prev = input_ids.gather(1, (lab_pos - 1).view(b, -1)).view_as(lab_pos)
+        return self._scored(out, teacher, valid, prev)
 
-    def _scored(self, out: Tensor, teacher: Tensor, valid: Tensor) -> tuple[Tensor, dict[str, float]]:
-        """out [B, N, S, H], teacher logits over the target vocab [B, N, S, V], valid [B, N, S] → weighted loss."""
-        s = out.shape[2]
+    def _scored(self, out: Tensor, teacher: Tensor, valid: Tensor, prev: Tensor | None = None
+                ) -> tuple[Tensor, dict[str, float]]:
+        """out [B, N, S, H], teacher logits over the target vocab [B, N, S, V], valid [B, N, S], prev [B, N, S] the
+        token before each label (for a block head) → weighted loss. Chunked by whole blocks (a head reads a
+        block's slots in order), never all slots × V at once."""
+        b, n, s = out.shape[:3]
         ids = self.draft_ids.to(out.device)
         label = teacher.argmax(-1)  # the target's greedy token, target ids
         in_vocab = self.t2d.to(out.device)[label]
         valid = valid & in_vocab  # a target token outside the draft vocabulary cannot be drafted: not scored
         label_d = torch.searchsorted(ids, label.clamp_min(0)).clamp_max(ids.numel() - 1)
-        flat_o, flat_t = out.reshape(-1, out.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
-        flat_l, flat_v = label_d.reshape(-1), valid.reshape(-1)
-        sel = flat_v.nonzero().flatten()
-        ce = torch.zeros(flat_v.shape[0], device=out.device)
-        hit = torch.zeros(flat_v.shape[0], dtype=torch.bool, device=out.device)
-        for i in range(0, sel.numel(), int(self.cfg.loss_chunk)):  # chunked: never all slots × V at once
-            rows = sel[i : i + int(self.cfg.loss_chunk)]
-            ce_c, hit_c = checkpoint(self._chunk_loss, flat_o[rows], flat_t[rows][:, ids], flat_l[rows],
-                                     use_reentrant=False)
-            ce = ce.index_put((rows,), ce_c)
-            hit = hit.index_put((rows,), hit_c)
-        ce, hit = ce.view(valid.shape), hit.view(valid.shape)
+        if prev is None:
+            prev = torch.zeros_like(label)
+        flat = [x.reshape(b * n, s, *x.shape[3:]) for x in (out, teacher, label_d, prev)]
+        fv = valid.reshape(b * n, s)
+        sel = fv.any(1).nonzero().flatten()
+        parts = {key: torch.zeros(b * n, s, device=out.device) for key in ("ce", "hit", "bce", "conf", "cstar")}
+        step = max(1, int(self.cfg.loss_chunk) // s)
+        for i in range(0, sel.numel(), step):  # chunked: never all slots × V at once
+            rows = sel[i : i + step]
+            got = checkpoint(self._chunk_loss, *(x[rows] for x in flat), use_reentrant=False)
+            for key, v in zip(parts, got):
+                parts[key] = parts[key].index_put((rows,), v.float())
+        ce, hit = parts["ce"].view(valid.shape), parts["hit"].view(valid.shape).bool()
         w = self.slot_weights().to(out.device).expand_as(ce)
         if self.cfg.dpace:
             w = w * _dpace_weights(ce.detach(), valid, self.cfg.dpace_alpha)
         wv = w * valid
         loss = (wv * ce).sum() / wv.sum().clamp_min(1e-9)
         metrics: dict[str, float] = {}
+        has_conf = self.block_head is not None and getattr(self.block_head, "confidence_head", None) is not None
+        if has_conf:  # the confidence head's BCE against c* = 1 - TV(p, q), same slot weights
+            bce = parts["bce"].view(valid.shape)
+            conf_loss = (wv * bce).sum() / wv.sum().clamp_min(1e-9)
+            loss = loss + float(self.cfg.confidence_alpha) * conf_loss
+            metrics["conf_bce"] = float(conf_loss.detach())
         prefix = torch.ones(valid.shape[:2], dtype=torch.bool, device=out.device)
         accs = []
-        for k in range(s):  # agreement of slot k+1 given slots 1..k agreed (what a greedy verifier accepts)
+        for k in range(s):  # agreement of draft k+1 given drafts 1..k agreed (what a greedy verifier accepts)
             tried = prefix & valid[:, :, k]
             n_k = int(tried.sum())
             a_k = float((tried & hit[:, :, k]).sum()) / max(n_k, 1)
-            ce_k = ce.detach()[:, :, k]
-            metrics[f"loss_{k}"] = float((ce_k * valid[:, :, k]).sum() / valid[:, :, k].sum().clamp_min(1))
+            vk = valid[:, :, k]
+            metrics[f"loss_{k}"] = float((ce.detach()[:, :, k] * vk).sum() / vk.sum().clamp_min(1))
             metrics[f"acc_{k}"], metrics[f"n_{k}"] = a_k, float(n_k)
+            if has_conf:  # mean predicted vs actual acceptance (1 - TV) of the slot: the head's calibration
+                for key in ("conf", "cstar"):
+                    metrics[f"{key}_{k}"] = float((parts[key].view(valid.shape)[:, :, k] * vk).sum()
+                                                  / vk.sum().clamp_min(1))
             accs.append(a_k)
             prefix = tried & hit[:, :, k]
         metrics["sim_tau"] = simulated_tau(accs)
         return loss, metrics
 
-    def _chunk_loss(self, o: Tensor, teacher: Tensor, label: Tensor) -> tuple[Tensor, Tensor]:
+    def _chunk_loss(self, o: Tensor, teacher: Tensor, label: Tensor, prev: Tensor) -> tuple[Tensor, ...]:
+        """One chunk of whole blocks: o [c, S, H], teacher [c, S, V], label [c, S] draft ids, prev [c, S] target
+        ids → per slot (loss, hit, confidence BCE, confidence, c*)."""
         z = self.logits(o).float()
-        if self.cfg.loss == "kl":
-            ce = -(F.softmax(teacher.float(), -1) * F.log_softmax(z, -1)).sum(-1)
+        conf = None
+        if self.block_head is not None:
+            z, conf = self.block_head.block_logits(z, o, prev)
+            z = z.float()
+        cfg = self.cfg
+        logq = F.log_softmax(z, -1)
+        need_p = cfg.loss == "kl" or cfg.tv_weight or conf is not None
+        p = F.softmax(teacher.float(), -1)[..., self.draft_ids.to(o.device)] if need_p else None
+        if cfg.loss == "kl":
+            ce = -(p * logq).sum(-1)
         else:
-            ce = F.cross_entropy(z, label, reduction="none")
-        return ce, z.argmax(-1) == label
+            ce = F.cross_entropy(z.flatten(0, -2), label.flatten(), reduction="none").view(label.shape)
+        ce = ce * float(cfg.ce_weight)
+        # c* = Σ min(p, q) = 1 - TV(p, q) (the target's mass outside the draft ids counts as disagreement)
+        overlap = torch.minimum(p, logq.exp()).sum(-1) if need_p else None
+        if cfg.tv_weight:
+            ce = ce + float(cfg.tv_weight) * (1 - overlap)
+        zero = torch.zeros_like(ce)
+        if conf is None:
+            return ce, z.argmax(-1) == label, zero, zero, zero
+        cstar = overlap.detach()
+        bce = F.binary_cross_entropy_with_logits(conf.float(), cstar, reduction="none")
+        return ce, z.argmax(-1) == label, bce, torch.sigmoid(conf.detach().float()), cstar
 
 
 def _dpace_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
@@ -405,137 +453,12 @@ def _dpace_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
     return torch.flip(torch.cumsum(torch.flip(c, [-1]), -1), [-1])
 
 
-# --------------------------------------------------------------------------------------------- proposers
-class DFlashProposer:
-    """One drafter forward per round drafts min(B−1, max_depth) tokens after the newest one (a chain).
-
-    Draft cache: per layer the K/V of the injected context for positions 0..n−1 (n = tokens with target
-    states); each ``accept`` appends the new rows. Greedy at T=0 (point masses); otherwise each slot's token
-    is sampled from its own distribution q_k, verified with the residual rule (the slots are drafted in
-    parallel, so q_k does not depend on the earlier slots' samples — any q is lossless)."""
-
-    def __init__(self, drafter: DFlashDrafter, k: int | None = None, sample_drafts: bool = True):
-        self.drafter = drafter.eval()
-        self.layer_ids = list(drafter.layer_ids)
-        self.k = check_k("k", k if k is not None else drafter.block_size - 1)
-        if self.k > drafter.block_size - 1:
-            raise ValueError(f"k={k}: a block of {drafter.block_size} drafts at most {drafter.block_size - 1} "
-                             "tokens (slots past the block were never trained); lower k or retrain a larger block")
-        self.sample_drafts = sample_drafts
-        self.vocab_ids = drafter.draft_ids
-        self.vocab_size = drafter.vocab_size
-
-    @classmethod
-    def batched(cls, rows: list[DFlashProposer]) -> DFlashBatchProposer | PerRowProposers:
-        """One proposer for a batch of these (``DFlashBatchProposer``: one block forward per round for all rows);
-        rows with different drafters or settings draft one after another instead."""
-        p0 = rows[0]
-        if any((p.drafter, p.k, p.sample_drafts) != (p0.drafter, p0.k, p0.sample_drafts) for p in rows):
-            return PerRowProposers(rows)
-        return DFlashBatchProposer(p0.drafter, p0.k, p0.sample_drafts)
-
-    @torch.no_grad()
-    def begin(self, tokens: Tensor, hidden: dict[int, Tensor], sampling: Sampling) -> None:
-        self.sampling = sampling
-        self.kv: list[tuple[Tensor, Tensor]] | None = None
-        self.n = 0
-        self.anchor = tokens[:, -1:].long()
-        self._extend(hidden)
-
-    @torch.no_grad()
-    def accept(self, tokens: Tensor, hidden: dict[int, Tensor]) -> None:
-        self.anchor = tokens[:, -1:].long()
-        self._extend(hidden)
-
-    def _extend(self, hidden: dict[int, Tensor]) -> None:
-        """Project the new context rows (positions n..n+r−1) into every layer's cache."""
-        dr = self.drafter
-        ctx = dr.context(hidden)
-        r = ctx.shape[1]
-        if r == 0:
-            return
-        pos = torch.arange(self.n, self.n + r, device=ctx.device)[None]
-        new = dr.context_kv(ctx, pos)
-        self.kv = new if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                                                for (k0, v0), (k1, v1) in zip(self.kv, new)]
-        self.n += r
-
-    @torch.no_grad()
-    def propose(self, max_depth: int) -> Proposal:
-        dr = self.drafter
-        k = min(self.k, max_depth)
-        pos = torch.arange(self.n, self.n + dr.block_size, device=self.anchor.device)[None]
-        out = dr.blocks(self.anchor, self.kv, pos, None)[0, 1 : k + 1]  # [k, H], no mask: all context < anchor
-        logits = dr.logits(out)
-        toks, qs = [], []
-        for s in range(k):
-            tok, q = pick_token(logits[s], self.sampling, self.sample_drafts, self.vocab_ids, self.vocab_size)
-            toks.append(tok)
-            qs.append(q)
-        return chain_proposal(toks, qs, self.anchor.device)
-
-
-class DFlashBatchProposer:
-    """``BatchProposer`` (models/proposal.py) for a DFlash drafter: ONE block forward per round for all rows.
-
-    Rows differ in context length n_a, so the draft cache is ragged (models/ragged.py): ``propose`` runs every
-    row's block at its own positions n_a..n_a+B−1 in one ``blocks`` call with a mask hiding each row's cache
-    padding (none when all rows have the same length); ``accept`` projects all rows' new context features in
-    one ``context`` / ``context_kv`` call. Drafts equal the B=1 ``DFlashProposer``'s up to float rounding."""
-
-    def __init__(self, drafter: DFlashDrafter, k: int, sample_drafts: bool = True):
-        self.drafter = drafter.eval()
-        self.layer_ids = list(drafter.layer_ids)
-        self.k, self.sample_drafts = int(k), sample_drafts
-        self.vocab_ids, self.vocab_size = drafter.draft_ids, drafter.vocab_size
-
-    @torch.no_grad()
-    def begin(self, tokens: list[Tensor], hidden: dict[int, Tensor], sampling: Sampling) -> None:
-        self.sampling = sampling
-        self.cache = RaggedKV(len(tokens), tokens[0].device)
-        self.accept([t[:-1] for t in tokens], hidden)  # the prompts' states, then the first token as anchor
-        self.anchor = torch.stack([t[-1] for t in tokens]).long()
-
-    @torch.no_grad()
-    def accept(self, tokens: list[Tensor], hidden: dict[int, Tensor]) -> None:
-        device = self.cache.n.device
-        self.anchor = torch.stack([t[-1] for t in tokens]).long().to(device)
-        r = torch.tensor([t.shape[0] for t in tokens], dtype=torch.long, device=device)
-        ctx = self.drafter.context({k: hidden[k] for k in self.layer_ids})  # [A, R, H], all rows at once
-        pos = self.cache.n[:, None] + torch.arange(ctx.shape[1], device=device)
-        self.cache.extend(self.drafter.context_kv(ctx, pos), r)
-
-    def retain(self, rows: list[int]) -> None:
-        self.cache.retain(rows)
-        self.anchor = self.anchor[torch.tensor(rows, dtype=torch.long, device=self.anchor.device)]
-
-    @torch.no_grad()
-    def propose(self, max_depth: list[int]) -> list[Proposal]:
-        dr, device = self.drafter, self.anchor.device
-        ks = [min(self.k, d) for d in max_depth]
-        kmax, blk = max(ks, default=0), dr.block_size
-        if kmax == 0:
-            return [Proposal.empty(device) for _ in ks]
-        mask = self.cache.visible()  # row a sees its own context 0..n_a−1 and its whole block
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], blk)], 1)[:, None, None].expand(-1, 1, blk, -1)
-        pos = self.cache.n[:, None] + torch.arange(blk, device=device)
-        logits = dr.logits(dr.blocks(self.anchor[:, None], self.cache.kv, pos, mask)[:, 1 : kmax + 1])
-        ids = self.vocab_ids.to(device)
-        if self.sampling.greedy or not self.sample_drafts:
-            toks, q = ids[logits.argmax(-1)], None
-        else:  # every row's every slot from its own q, one draw call
-            probs = self.sampling.probs(logits)  # [A, kmax, V']
-            idx = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=self.sampling.generator)
-            toks = ids[idx.view(probs.shape[:2])]
-            q = probs.new_zeros(*probs.shape[:2], self.vocab_size).index_copy_(2, ids, probs)
-        return [Proposal(tokens=toks[a, :k].clone(), q=None if q is None else q[a, :k].clone()) if k
-                else Proposal.empty(device) for a, k in enumerate(ks)]
-
-
 # --------------------------------------------------------------------------------------------- the method
 def build(cfg: DFlashConfig, target: FrozenTarget, train_rows: list[dict]) -> DFlashDrafter:
-    """A new drafter: the mask token and (if reduced) the draft vocabulary chosen from the training data."""
+    """A new drafter: the mask token and (if reduced) the draft vocabulary chosen from the training data — or,
+    with ``warm_start``, taken from that DFlash checkpoint together with its weights."""
+    if cfg.warm_start:
+        return _warm_start(cfg, target)
     V = target.vocab_size
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(target, train_rows)
@@ -543,6 +466,47 @@ def build(cfg: DFlashConfig, target: FrozenTarget, train_rows: list[dict]) -> DF
     if cfg.draft_vocab_size and cfg.draft_vocab_size < V:
         d2t, t2d = build_draft_vocab(count_tokens(train_rows, V), cfg.draft_vocab_size)
     return DFlashDrafter(cfg, target.model.config, target.embed.weight, _lm_head(target), d2t, t2d)
+
+
+def _warm_start(cfg: DFlashConfig, target: FrozenTarget) -> DFlashDrafter:
+    """DSpark's contract is "DFlash + extra tensors": start from a trained DFlash checkpoint's backbone (every
+    tensor it has; a block head it lacks starts fresh — W2 = 0, so the drafts start as the checkpoint's). The
+    checkpoint fixes what its weights were trained with: target, layer ids, layers, vocabulary, mask id."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from models.checkpoint import CONFIG, WEIGHTS, check_finite
+
+    src = Path(cfg.warm_start)
+    if not (src / WEIGHTS).exists():
+        raise ValueError(f"draft.config.warm_start={src}: no {WEIGHTS} there; pass a DFlash run's …/final")
+    meta = json.loads((src / CONFIG).read_text())
+    if meta.get("method") != "dflash":
+        raise ValueError(f"draft.config.warm_start={src} is a {meta.get('method')!r} checkpoint, not a DFlash one")
+    if (meta.get("target") or {}).get("embed_fingerprint") not in (None, target.identity()["embed_fingerprint"]):
+        raise ValueError(f"draft.config.warm_start={src} was trained for another target "
+                         f"({meta['target'].get('name_or_path')!r})")
+    had = meta.get("draft") or {}
+    for key in ("layer_ids", "num_layers", "mask_token_id", "draft_vocab_size", "intermediate_size"):
+        mine, theirs = getattr(cfg, key), had.get(key)
+        if key == "draft_vocab_size" and theirs == target.vocab_size:
+            theirs = None
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ValueError(f"draft.config.{key}={mine} but the warm-start checkpoint {src} has {theirs}; drop the "
+                             "override (the checkpoint's weights fix it)")
+        setattr(cfg, key, theirs if theirs is not None else mine)
+    state = load_file(str(src / WEIGHTS))
+    check_finite(state, src)
+    d = DFlashDrafter(cfg, target.model.config, target.embed.weight, _lm_head(target), state.get("d2t"),
+                      state.get("t2d"))
+    own = d.state_dict()
+    bad = sorted(k for k, v in state.items() if k not in own or own[k].shape != v.shape)
+    if bad:
+        raise ValueError(f"draft.config.warm_start={src}: tensors {bad[:4]} do not fit this drafter")
+    d.load_state_dict(state, strict=False)
+    return d
 
 
 def rebuild(cfg: DFlashConfig, target: FrozenTarget) -> DFlashDrafter:
@@ -555,34 +519,49 @@ def _lm_head(target: FrozenTarget) -> Tensor:
 
 def _prepare_k(d: DFlashDrafter, _ckpt_dir: str | None, o: dict) -> dict:
     auto = o["k"] in (None, "auto")
-    return {**o, "k": d.block_size - 1 if auto else int(o["k"]), "auto_size": o["k"] == "auto"}
+    if o.get("verify_costs") == "auto" and getattr(d.block_head, "confidence_head", None) is None:
+        raise ValueError("options.dflash.verify_costs=auto schedules K from a confidence head; this drafter has none "
+                         "(train with draft.config.block_head=markov, confidence_head=true)")
+    return {**o, "k": d.num_spec if auto else int(o["k"]), "auto_size": o["k"] == "auto"}
 
 
 def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: float | None = None) -> dict | None:
     """``k: auto``: verify the k <= B-1 slots that maximise E(k) / v(k) — E from the held-out conditional slot
     agreement saved with the checkpoint (final/eval.json, acc_0..), v the measured verify cost of k drafted
-    tokens. One draft forward writes every slot, so the draft cost does not grow with k."""
+    tokens. One draft forward writes every slot, so the draft cost does not grow with k.
+    ``verify_costs: auto`` (a confidence head): v(1..S) measured here, and every round verifies the K the head's
+    own acceptance estimates make best (models/block_heads.py ``draft_block``), up to k."""
     import json
     from pathlib import Path
 
+    out = None
+    if o.get("verify_costs") == "auto":
+        costs = [round(float(verify_cost(k)), 4) for k in range(1, d.num_spec + 1)]
+        out = {**o, "verify_costs": costs}
     path = Path(ckpt_dir or "") / "eval.json"
     if not o.get("auto_size") or not path.exists():
-        return None
+        return out
+    o = out or o
     ev = json.loads(path.read_text())
-    acc = [float(ev[f"acc_{i}"]) for i in range(d.block_size - 1) if f"acc_{i}" in ev]
+    acc = [float(ev[f"acc_{i}"]) for i in range(d.num_spec) if f"acc_{i}" in ev]
     pred, run, tau = {}, 1.0, 1.0
     for k in range(1, len(acc) + 1):
         run *= acc[k - 1]
         tau += run
         pred[k] = tau / float(verify_cost(k))
     best = max(pred, key=pred.get)
+    if o.get("verify_costs"):  # the head schedules each round's K: the block is its cap
+        best = d.num_spec
     return {**o, "k": best, "k_sized": {"k": best, "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
 
 
 SPEC = MethodSpec(
     name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
-    export_formats=("dflash_speculators", "dflash_zlab"),
-    # k: null → the whole block (B-1); auto → sized by the cost model from the held-out slot agreement
-    proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o), {"k": "auto"},
+    export_formats=("dflash_speculators", "dflash_zlab", "dspark_speculators", "dspark_zlab"),
+    # k: null → the whole block (B-1; DSpark: B); auto → sized by the cost model from the held-out slot agreement.
+    # DSpark's confidence head: min_confidence stops a block where the running acceptance estimate drops below it;
+    # verify_costs: auto → each round verifies the K maximising the head's expected tokens / measured v(K)
+    proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o),
+                            {"k": "auto", "min_confidence": 0.0, "verify_costs": None},
                             prepare=_prepare_k, size=_size_k),),
 )

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from models import dflash, draft_model, eagle3, medusa, mtp, ngram
+from models import dflash, draft_model, eagle3, medusa, mtp, ngram, peagle
 from models.checkpoint import WEIGHTS, load_trainable_state, read_meta
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
@@ -23,6 +23,7 @@ METHODS: dict[str, MethodSpec] = {
     "medusa": medusa.SPEC,
     "mtp": mtp.SPEC,
     "dflash": dflash.SPEC,
+    "peagle": peagle.SPEC,
     "ngram": ngram.SPEC,
     "draft_model": draft_model.SPEC,
 }

@@ -110,3 +110,24 @@ def check_mapping(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     if not bool(t2d_cpu[target].all()):
         bad = int(target[~t2d_cpu[target]][0])
         raise ValueError(f"d2t maps to target id {bad} which t2d does not mark; d2t and t2d are misaligned")
+
+
+def choose_mask_token(target, train_rows: list[dict]) -> int:
+    """The mask token of a block / parallel drafter (DFlash, DSpark, P-EAGLE; ``target`` a FrozenTarget): an
+    embedding row the data never uses: the first padding row past the tokenizer when the embedding has
+    one (Qwen3: 151669), else the tokenizer's mask token, else the highest id absent from the training data."""
+    tok, rows = target.tokenizer, target.vocab_size
+    n_tok = len(tok) if tok is not None else rows
+    if n_tok < rows:
+        return n_tok
+    if tok is not None and getattr(tok, "mask_token_id", None) is not None:
+        return int(tok.mask_token_id)
+    seen = torch.zeros(rows, dtype=torch.bool)
+    for r in train_rows:
+        seen[torch.as_tensor(r["input_ids"], dtype=torch.long)] = True
+    special = set(getattr(tok, "all_special_ids", []) or []) if tok is not None else set()
+    unused = [i for i in (~seen).nonzero().flatten().tolist() if i not in special]
+    if not unused:
+        raise ValueError("every embedding row occurs in the training data; set draft.config.mask_token_id to a "
+                         "reserved id explicitly")
+    return int(unused[-1])

@@ -66,6 +66,8 @@ def _train(target_dir: Path, out: Path, method: str) -> str:
         over += ["draft.config.num_modules=2"]
     if method == "dflash":
         over += ["draft.config.layer_ids=[1,2,3]", "draft.config.block_size=4", "draft.config.num_anchors=4"]
+    if method == "peagle":
+        over += ["draft.config.layer_ids=[1,2,3]", "draft.config.num_depths=3"]
     if method == "medusa":  # rank accuracies saved with the checkpoint: the bench sizes the tree from them
         over += ["draft.config.metric_top_k=3", "draft.config.tree_nodes=8"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -163,7 +165,7 @@ def test_end_to_end_results_have_every_measurement(full, env):
 def test_batch_sweep_and_recommendation(full):
     b = full["batch"]
     assert b["batch_sizes"] == [1, 2] and set(b["ar_tokens_per_s"]) == {1, 2}
-    assert set(b["methods"]) == {"ngram", "draft_model", "eagle3", "mtp", "dflash"}  # chains only
+    assert set(b["methods"]) == {"ngram", "draft_model", "eagle3", "mtp", "dflash", "peagle"}  # chains only
     for name, m in b["methods"].items():
         assert m["lossless"] is True
         rows = m["by_batch"]
@@ -406,7 +408,7 @@ def test_cli_run_writes_report(env, tmp_path):
         cfg = compose(config_name="eval", overrides=_cli_overrides(env, tmp_path, "batch_sizes=[1]",
                                                                    "temperatures=[0]", "peers=false"))
     res = run(cfg)
-    assert set(res["skipped"]) == {"draft_model", "mtp", "dflash"}
+    assert set(res["skipped"]) == {"draft_model", "mtp", "dflash", "peagle"}
     assert set(res["methods"]) == {"ar", "ngram", "eagle3", "eagle3_bf16", "eagle3_int8", "eagle3_tree",
                                    "eagle3_tree_t1", "medusa"}
     assert res["lossless"] and res["methods"]["eagle3_int8"]["options"]["weights"] == "int8"  # conf variants

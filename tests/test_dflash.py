@@ -75,8 +75,8 @@ def test_slot_labels_are_the_targets_tokens_at_anchor_plus_k(target, monkeypatch
     monkeypatch.setattr(d, "sample_anchors", lambda m: (torch.tensor([[1, 5]]), torch.tensor([[True, True]])))
     seen = {}
 
-    def spy(out, teacher, valid):
-        seen["label"], seen["valid"] = teacher.argmax(-1), valid
+    def spy(out, teacher, valid, prev=None):
+        seen["label"], seen["valid"], seen["prev"] = teacher.argmax(-1), valid, prev
         return torch.zeros(()), {}
 
     monkeypatch.setattr(d, "_scored", spy)
@@ -86,6 +86,7 @@ def test_slot_labels_are_the_targets_tokens_at_anchor_plus_k(target, monkeypatch
     d.training_loss(ids, mask, {k: torch.randn(1, t, 32) for k in d.layer_ids}, logits)
     # anchor 1: slots 1..3 predict tokens 2, 3, 4 → target's choices at 1, 2, 3 → ids 11, 12, 13
     assert seen["label"][0, 0].tolist() == [11, 12, 13]
+    assert seen["prev"][0, 0].tolist() == [1, 2, 3]  # the token before each label (a block head's condition)
     assert seen["valid"][0, 0].tolist() == [True, False, True]  # token 3 is masked
     # anchor 5: tokens 6, 7, 8 → only token 6 exists in a row of 7
     assert seen["label"][0, 1, 0].item() == 15

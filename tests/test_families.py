@@ -2,10 +2,11 @@
 
 Per family: hidden-state capture equals ``output_hidden_states``; code rows and chat masks are built with the
 family's tokenizer and template; an EAGLE-3 checkpoint reloads with the shapes it was trained with; every
-method decodes losslessly past the sliding window (batch 2 too); (slow) a 2-step train of every recipe and an
-export + check of every format, with refusals asserted where a format cannot hold the family. Chat data
-(data=sharegpt) as a user runs it: gpt-oss regeneration in harmony channels, DFlash on Phi-3's few assistant
-tokens, validation rows and the tree sizing that reads them.
+method (DSpark and P-EAGLE too) decodes losslessly past the sliding window (batch 2 too); DSpark and P-EAGLE train 2
+steps, decode and export on the Llama and Qwen3 targets; (slow) a 2-step train of every recipe and an export + check
+of every format, with refusals asserted where a format cannot hold the family. Chat data (data=sharegpt) as a user
+runs it: gpt-oss regeneration in harmony channels, DFlash on Phi-3's few assistant tokens, validation rows and the
+tree sizing that reads them.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from hydra import compose, initialize_config_dir
 
 from data.corpus import SourceFile, file_windows
 from eval import decode, decode_batch
+from models.dflash import DFlashConfig, DFlashDrafter, DFlashProposer
 from models.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
 from models.medusa import MedusaConfig, MedusaHeads, MedusaProposer, default_medusa_choices
 from models.mtp import MTPConfig, MTPDrafter, MTPProposer
 from models.ngram import NGramProposer
+from models.peagle import PEagleConfig, PEagleDrafter, PEagleProposer
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
 from tests.families import CONVERSATION, FAMILIES, SPECS, WINDOW, make_family, save_family
@@ -50,7 +53,14 @@ def drafters_of(family: str) -> dict:
                           t.embed.weight.detach().clone(), d2t, t2d).eval()
     medusa = MedusaHeads(MedusaConfig(num_heads=2), tc, t.model.get_output_embeddings().weight.detach()).eval()
     mtp = MTPDrafter.from_target(MTPConfig(num_modules=2), t).eval()
-    return {"eagle3": eagle, "medusa": medusa, "mtp": mtp}
+    head = t.model.get_output_embeddings().weight.detach()
+    dspark = DFlashDrafter(DFlashConfig(layer_ids=[1, 2, 3], block_size=4, mask_token_id=V - 1, block_head="markov",
+                                        sample_from_anchor=True, markov_rank=8), tc, t.embed.weight, head).eval()
+    with torch.no_grad():
+        dspark.block_head.markov_head.markov_w2.weight.normal_()  # a head that changes the drafts
+    peagle = PEagleDrafter(PEagleConfig(layer_ids=[1, 2, 3], num_depths=3, mask_token_id=V - 1), tc,
+                           t.embed.weight, head).eval()
+    return {"eagle3": eagle, "medusa": medusa, "mtp": mtp, "dspark": dspark, "peagle": peagle}
 
 
 @FAM
@@ -97,10 +107,14 @@ def _proposer(name: str, dr: dict):
         return Eagle3TreeProposer(dr["eagle3"], depth=3, top_k=3, total_tokens=10)
     if name == "medusa":
         return MedusaProposer(dr["medusa"], choices=default_medusa_choices(2, top_k=3, num_nodes=8))
+    if name == "dspark":
+        return DFlashProposer(dr["dspark"])
+    if name == "peagle":
+        return PEagleProposer(dr["peagle"])
     return MTPProposer(dr["mtp"], k=2)
 
 
-METHODS = ("ngram", "eagle3", "eagle3_tree", "medusa", "mtp")
+METHODS = ("ngram", "eagle3", "eagle3_tree", "medusa", "mtp", "dspark", "peagle")
 
 
 @FAM
@@ -121,7 +135,7 @@ def test_lossless_greedy_decode_past_the_window(family):
         assert decode.speculative_decode(t, _proposer(m, dr), prompts[0], n).tokens == ref, m
     single = [decode.decode_ar(t, p, n).tokens for p in prompts]
     assert [r.tokens for r in decode_batch.decode_ar_batch(t, prompts, n)] == single
-    for m in ("ngram", "eagle3", "mtp"):
+    for m in ("ngram", "eagle3", "mtp", "dspark"):
         out = decode_batch.speculative_decode_batch(t, [_proposer(m, dr), _proposer(m, dr)], prompts, n)
         assert [r.tokens for r in out] == single, m
 
@@ -434,3 +448,48 @@ def test_chat_val_rows_are_honoured_and_tree_sizing_falls_back_without_eval_json
                                         {"total_tokens": "auto"})
     assert o["total_tokens"] == 10 and "no held-out rank metrics" in caplog.text
     assert make(None) is not None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("recipe", ["dspark", "peagle"])
+def test_block_drafters_train_decode_and_export_on_family_targets(family, recipe, tmp_path):
+    """DSpark (DFlash + Markov/confidence head) and P-EAGLE on the family matrix's Llama and Qwen3 targets: a
+    2-step train through the loop, a lossless greedy decode past the sliding window (B=1 and batched), every
+    export format of the recipe + --check."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from models.registry import load_drafter, make_proposer_factory
+    from tests.families import save_family
+    from train.export import main as export_main
+    from train.loop import run
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    tdir = save_family(family, tmp_path / "target")
+    extra = {"dspark": ["draft.config.block_size=4", "draft.config.markov_rank=8", "draft.config.num_anchors=4",
+                        "draft.config.draft_vocab_size=null"],
+             "peagle": ["draft.config.num_depths=3", "draft.config.draft_vocab_size=64"]}[recipe]
+    out = tmp_path / recipe
+    over = [f"target.name_or_path={tdir}", f"output_dir={out}", "tracking=none", "data.max_rows=6",
+            "data.val_rows=2", "data.max_len=32", f"data.cache_dir={out}/data", "data.regenerate=0",
+            "train.steps=2", "train.batch_size=2", "train.ckpt_every=100", "train.eval_every=100",
+            "optim.warmup_steps=1", f"+recipe={recipe}", "draft.config.layer_ids=[1,2,3]", *extra]
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        res = run(compose(config_name="config", overrides=over))
+    assert "acc_2" in res["val"]
+    t = target_of(family)
+    d, _ = load_drafter(out / "final", t)
+    make, _ = make_proposer_factory("dflash" if recipe == "dspark" else "peagle", d, t, str(out / "final"), {})
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(len(t.tokenizer), (WINDOW + 3,), generator=g),
+               torch.randint(len(t.tokenizer), (WINDOW + 7,), generator=g)]
+    n = WINDOW + 4
+    single = [decode.decode_ar(t, p, n).tokens for p in prompts]
+    assert decode.speculative_decode(t, make(), prompts[0], n).tokens == single[0]
+    assert [r.tokens for r in decode_batch.speculative_decode_batch(t, [make(), make()], prompts, n)] == single
+    formats = {"dspark": ["dspark-speculators", "dspark"], "peagle": ["peagle-speculators"]}[recipe]
+    for fmt in formats:
+        e = tmp_path / f"x_{fmt}"
+        assert export_main([str(out / "final"), "--format", fmt, "--out", str(e), "--target", str(tdir)]) == 0
+        assert export_main(["--check", str(e), "--target", str(tdir)]) == 0, (family, fmt)

@@ -3,8 +3,8 @@
 Layers, lowest first; a module may import its own layer or lower ones, never a higher one:
 
     core      models.{target, gguf, target_view, vocab, tokenizer, verify, proposal, spec, checkpoint, drafter, rope,
-              tree}
-    methods   models.{eagle3, medusa, mtp, dflash, ngram, draft_model}  (not each other: only through core)
+              tree, block_heads, block_proposers}
+    methods   models.{eagle3, medusa, mtp, dflash, ngram, draft_model, peagle}  (not each other: only through core)
     registry  models.registry
     data      data.*
     export    models.export.*
@@ -25,9 +25,9 @@ PACKAGES = ("train", "models", "data", "eval")
 
 CORE = {"models.target", "models.gguf", "models.target_view", "models.vocab", "models.tokenizer", "models.verify",
         "models.proposal", "models.spec", "models.checkpoint", "models.drafter", "models.rope", "models.tree",
-        "models.losses",
-        "models.ragged"}
-METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model"}
+        "models.losses", "models.ragged", "models.block_heads", "models.block_proposers"}
+METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model",
+           "models.peagle"}
 # rank of each layer; train and eval share the top rank but are separate groups
 RANK = {"core": 0, "methods": 1, "registry": 2, "data": 3, "export": 4, "train": 5, "eval": 5}
 

@@ -76,3 +76,55 @@ def test_speculators_drafts_the_same_logits(target, tmp_path, flags, attn):
     for k in range(K):
         n = T - 1 - k  # positions whose step-k token t_{i+1+k} exists
         torch.testing.assert_close(theirs[k][0, :n], ours[k][0, :n].detach(), rtol=0, atol=2e-5)
+
+
+def test_speculators_loads_our_dspark_and_peagle_exports(target, tmp_path):
+    """speculators 0.9.0's own DSparkDraftModel / PEagleDraftModel ``from_pretrained`` read our dspark and peagle
+    exports with every tensor in place (no key left initialised): the Markov W1 over target ids and W2 over the
+    draft vocabulary, the confidence head, P-EAGLE's mask_hidden, trained embedding and second layer."""
+    from speculators.models.dspark import DSparkSpeculatorConfig
+    from speculators.models.dspark.core import DSparkDraftModel
+    from speculators.models.peagle import PEagleSpeculatorConfig
+    from speculators.models.peagle.core import PEagleDraftModel
+
+    from models.dflash import DFlashConfig, DFlashDrafter
+    from models.peagle import PEagleConfig, PEagleDrafter
+    from tests.test_dflash import scramble
+
+    V, head = target.vocab_size, target.model.get_output_embeddings().weight
+    d = scramble(DFlashDrafter(DFlashConfig(layer_ids=[1, 2, 3], block_size=4, mask_token_id=V - 1, markov_rank=8,
+                                            num_layers=2,
+                                            block_head="markov", sample_from_anchor=True, draft_vocab_size=100),
+                               target.model.config, target.embed.weight, head))
+    p = scramble(PEagleDrafter(PEagleConfig(layer_ids=[1, 2, 3], num_depths=3, mask_token_id=V - 1, num_layers=2),
+                               target.model.config, target.embed.weight, head))
+    for drafter, fmt, cfg_cls, model_cls in ((d, "dspark_speculators", DSparkSpeculatorConfig, DSparkDraftModel),
+                                            (p, "peagle_speculators", PEagleSpeculatorConfig, PEagleDraftModel)):
+        out = ex.export(drafter, fmt, tmp_path / fmt, target)
+        cfg = cfg_cls.from_pretrained(str(out))
+        cfg.transformer_layer_config._attn_implementation = "sdpa"
+        model = model_cls.from_pretrained(str(out), config=cfg)
+        theirs = model.state_dict()
+        from safetensors.torch import load_file
+
+        file = load_file(str(out / "model.safetensors"))
+        assert set(file) <= set(theirs), (fmt, sorted(set(file) - set(theirs)))  # no tensor of ours is dropped
+        own = {k for k in theirs if not k.startswith("verifier_")}  # their verifier copies come from the target
+        assert own <= set(file) | {"d2t", "t2d"}, (fmt, sorted(own - set(file)))  # none of theirs left at init
+        for k, v in file.items():
+            assert torch.equal(theirs[k].to(v.dtype), v), (fmt, k)
+        ours = ex.load_export(out, target)
+        if fmt == "dspark_speculators":
+            assert cfg.sample_from_anchor is True and cfg.markov_rank == 8 and cfg.enable_confidence_head
+            pairs = {"markov_head.markov_w1.weight": d.block_head.markov_head.markov_w1.weight,
+                     "markov_head.markov_w2.weight": d.block_head.markov_head.markov_w2.weight,
+                     "confidence_head.proj.weight": d.block_head.confidence_head.proj.weight,
+                     "fc.weight": d.fc.weight, "layers.1.mlp.down_proj.weight": d.layers[1].mlp["down_proj"].weight}
+        else:
+            assert cfg.mask_token_id == V - 1 and cfg.norm_before_residual is False
+            pairs = {"mask_hidden": p.mask_hidden, "embed_tokens.weight": p.embed_tokens.weight,
+                     "layers.1.self_attn.q_proj.weight": p.layers[1].self_attn["q_proj"].weight,
+                     "layers.0.self_attn.q_proj.weight": p.layers[0].self_attn["q_proj"].weight}
+        for k, v in pairs.items():
+            torch.testing.assert_close(theirs[k].float(), v.detach().float(), rtol=0, atol=0, msg=f"{fmt} {k}")
+        assert ours is not None

@@ -16,6 +16,20 @@ Facts (shared/design/dflash.md §4, read against vllm-project/speculators ``mode
 - speculators stores ``embed_tokens.weight`` and ``lm_head.weight [Vd, H]`` (frozen copies of the verifier's)
   and d2t/t2d when the draft vocabulary is reduced; z-lab stores neither embedding nor head (SGLang uses the
   target's whole head), so a reduced-vocabulary drafter cannot be written there without changing its drafts.
+
+DSpark (shared/design/dflash.md §7; speculators ``models/dspark/config.py``, SpecForge
+``configs/qwen3-8b-dspark.json``, vLLM ``update_dspark``) is "DFlash + extra tensors + an architecture switch":
+- the same body plus ``markov_head.markov_w1.weight [V, r]``, ``markov_head.markov_w2.weight [Vd, r]`` and (with the
+  confidence head) ``confidence_head.proj.weight [1, H (+ r)]``, ``confidence_head.proj.bias [1]``;
+- speculators: ``speculators_model_type: dspark``, ``architectures: [DSparkSpeculator]``, ``sample_from_anchor:
+  true``, ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``, the
+  loss weights; ``speculative_tokens`` = B (the anchor slot drafts too; vLLM ``method: dspark``);
+- z-lab / SGLang (SpecForge ``--to hf``): ``architectures: [DSparkDraftModel]``, ``dflash_config.projector_type:
+  dspark`` + the same head keys, ``target_layer_ids`` in the z-lab convention (ours − 1); SGLang
+  ``--speculative-algorithm DSPARK --speculative-dspark-block-size B``.
+- W1 is indexed by target ids (speculators 0.9.0 ``MarkovHead``: ``Embedding(verifier_vocab_size, r)``), W2 writes
+  draft-vocabulary logits, so the speculators format holds a reduced draft vocabulary; the z-lab layout has none
+  (as for DFlash) and needs the full vocabulary.
 """
 
 from __future__ import annotations
@@ -63,12 +77,36 @@ def _layer_config(d: nn.Module, target: FrozenTarget) -> dict:
 
 
 def _body(d: nn.Module) -> dict[str, torch.Tensor]:
+    """The backbone (and a DSpark head under its export names: ``block_head.`` dropped)."""
     out = {}
     for k, v in d.state_dict().items():
         if k in ("embed_tokens", "lm_head", "d2t", "t2d"):
             continue
-        out[k] = v.detach().clone()
+        out[k.removeprefix("block_head.")] = v.detach().clone()
     return out
+
+
+def _is_dspark(d: nn.Module) -> bool:
+    return d.block_head is not None or bool(d.cfg.sample_from_anchor)
+
+
+def _check_kind(d: nn.Module, dspark: bool) -> None:
+    if not dspark and _is_dspark(d):
+        raise ExportError(f"this drafter has block_head={d.cfg.block_head!r}, sample_from_anchor="
+                          f"{d.cfg.sample_from_anchor}: a DFlash format would drop its head or shift its slots; "
+                          "export --format dspark-speculators (vLLM) or dspark (SGLang)")
+    if dspark and (d.cfg.block_head != "markov" or not d.cfg.sample_from_anchor):
+        raise ExportError(f"the DSpark formats hold a Markov head with sample_from_anchor=true; this drafter has "
+                          f"block_head={d.cfg.block_head!r}, sample_from_anchor={d.cfg.sample_from_anchor}"
+                          + (" (export --format dflash-speculators or dflash)" if not _is_dspark(d) else ""))
+
+
+
+def _dspark_fields(d: nn.Module) -> dict:
+    c = d.cfg
+    return {"markov_rank": int(c.markov_rank), "markov_head_type": c.markov_head_type,
+            "enable_confidence_head": bool(c.confidence_head),
+            "confidence_head_with_markov": bool(c.confidence_head and c.confidence_with_markov)}
 
 
 def _check_ids_servable(d: nn.Module, target: FrozenTarget) -> list[int]:
@@ -81,13 +119,14 @@ def _check_ids_servable(d: nn.Module, target: FrozenTarget) -> list[int]:
 
 
 def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
-                              meta: dict | None) -> Bundle:
+                              meta: dict | None, dspark: bool = False) -> Bundle:
+    _check_kind(d, dspark)
     ids = _check_ids_servable(d, target)
-    B = d.block_size
-    k = k or B - 1
-    if k > B - 1:
-        raise ExportError(f"num_speculative_tokens={k} exceeds block_size-1={B - 1}: slots past the block were never "
-                          "trained")
+    B, S = d.block_size, d.num_spec
+    k = k or S
+    if k > S:
+        raise ExportError(f"num_speculative_tokens={k} exceeds the {S} drafts of a block of {B}: slots past the block "
+                          "were never trained")
     layer = _layer_config(d, target)
     layer.pop("torch_dtype")
     cfg = {
@@ -99,9 +138,9 @@ def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
         "aux_hidden_state_layer_ids": ids,
         "mask_token_id": int(d.cfg.mask_token_id),
         "sliding_window_non_causal": False,  # no sliding layers; vLLM maps it to dflash_config.causal for all
-        "sample_from_anchor": False,  # DFlash: slot 0 is the anchor, B-1 speculative tokens (DSpark: true)
+        "sample_from_anchor": dspark,  # DFlash: slot 0 is the anchor, B-1 speculative tokens; DSpark: B
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": "dspark" if dspark else "dflash",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": engine_target_name(name),
@@ -109,17 +148,28 @@ def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
         },
         "torch_dtype": DTYPE_NAMES.get(d.fc.weight.dtype, "float32"),
     }
+    if dspark:
+        c = d.cfg
+        cfg.update(architectures=["DSparkSpeculator"], speculators_model_type="dspark", num_anchors=c.num_anchors,
+                   ce_loss_alpha=c.ce_weight, l1_loss_alpha=c.tv_weight, confidence_head_alpha=c.confidence_alpha,
+                   loss_decay_gamma=c.decay_gamma or (7.0 if B >= 16 else 4.0), **_dspark_fields(d))
     tensors = _body(d)
     # frozen copies of the verifier's, as speculators' own save_pretrained writes them
     tensors["embed_tokens.weight"] = d.embed_tokens.detach().clone()
     tensors["lm_head.weight"] = d.lm_head.detach().clone()
     if d.draft_vocab_size < d.vocab_size:
         tensors["d2t"], tensors["t2d"] = d.d2t.clone(), d.t2d.clone()
-    side = make_sidecar("dflash_speculators", d, target, name, k, meta)
-    return Bundle("dflash_speculators", cfg, tensors, side)
+    fmt = "dspark_speculators" if dspark else "dflash_speculators"
+    return Bundle(fmt, cfg, tensors, make_sidecar(fmt, d, target, name, k, meta))
 
 
-def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
+def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None,
+                      dspark: bool = False) -> Bundle:
+    _check_kind(d, dspark)
+    if dspark and d.draft_vocab_size < d.vocab_size:
+        raise ExportError(f"the z-lab/SGLang DSpark layout has no draft vocabulary (SGLang drafts over the whole "
+                          f"head) but this drafter uses {d.draft_vocab_size} of {d.vocab_size} ids; export --format "
+                          "dspark-speculators (vLLM) or train with draft.config.draft_vocab_size=null")
     ids = _check_ids_servable(d, target)
     if d.draft_vocab_size < d.vocab_size:
         raise ExportError(f"the z-lab/SGLang DFlash format has no draft vocabulary (SGLang drafts over the target's "
@@ -134,8 +184,22 @@ def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | No
         # z-lab convention: output of decoder layer k = our id - 1; SGLang requires [0, num_target_layers)
         "dflash_config": {"mask_token_id": int(d.cfg.mask_token_id), "target_layer_ids": [i - 1 for i in ids]},
     }
-    side = make_sidecar("dflash_zlab", d, target, name, k or B - 1, meta)
-    return Bundle("dflash_zlab", cfg, _body(d), side)
+    if dspark:  # SpecForge --to hf (configs/qwen3-8b-dspark.json)
+        cfg["architectures"] = ["DSparkDraftModel"]
+        cfg["auto_map"] = {"AutoModel": "dspark.DSparkDraftModel"}
+        cfg["dflash_config"].update(projector_type="dspark", confidence_head_alpha=d.cfg.confidence_alpha,
+                                    **_dspark_fields(d))
+    fmt = "dspark_zlab" if dspark else "dflash_zlab"
+    return Bundle(fmt, cfg, _body(d), make_sidecar(fmt, d, target, name, k or d.num_spec, meta))
+
+
+def build_dspark_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None
+                             ) -> Bundle:
+    return build_dflash_speculators(d, target, name, k, meta, dspark=True)
+
+
+def build_dspark_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
+    return build_dflash_zlab(d, target, name, k, meta, dspark=True)
 
 
 # ============================================================================================ check
@@ -145,10 +209,11 @@ def _int_list(v: Any) -> bool:
 
 def check_dflash(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | None,
                   where: str) -> tuple[dict, dict]:
-    spec = fmt == "dflash_speculators"
+    spec, dspark = fmt.endswith("_speculators"), fmt.startswith("dspark")
+    kind = "dspark" if dspark else "dflash"
     if spec:
-        if cfg.get("speculators_model_type") != "dflash":
-            fail(where, f"speculators_model_type must be 'dflash', got {cfg.get('speculators_model_type')!r}")
+        if cfg.get("speculators_model_type") != kind:
+            fail(where, f"speculators_model_type must be {kind!r}, got {cfg.get('speculators_model_type')!r}")
         layer = cfg.get("transformer_layer_config")
         if not isinstance(layer, dict):
             fail(where, "config.json needs a transformer_layer_config object")
@@ -156,25 +221,33 @@ def check_dflash(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
         mask_id = cfg.get("mask_token_id")
         sc = cfg.get("speculators_config") or {}
         pm = (sc.get("proposal_methods") or [{}])[0]
-        if sc.get("algorithm") != "dflash" or not isinstance(pm.get("speculative_tokens"), int):
-            fail(where, "speculators_config needs algorithm 'dflash' and proposal_methods[0].speculative_tokens")
+        if sc.get("algorithm") != kind or not isinstance(pm.get("speculative_tokens"), int):
+            fail(where, f"speculators_config needs algorithm {kind!r} and proposal_methods[0].speculative_tokens")
         if not (sc.get("verifier") or {}).get("name_or_path"):
             fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
-        if cfg.get("sample_from_anchor") not in (False, None):
+        if dspark and cfg.get("sample_from_anchor") is not True:
+            fail(where, "sample_from_anchor must be true for DSpark (the anchor slot drafts: B speculative tokens); "
+                         "a mismatch with the engine shifts every slot")
+        if not dspark and cfg.get("sample_from_anchor") not in (False, None):
             fail(where, "sample_from_anchor must be false for DFlash (slot 0 is the anchor); true is DSpark's layout")
-        shift = 0
+        head_cfg, shift = cfg, 0
     else:
-        if cfg.get("architectures") != ["DFlashDraftModel"]:
-            fail(where, f"architectures must be ['DFlashDraftModel'], got {cfg.get('architectures')}")
+        arch = ["DSparkDraftModel"] if dspark else ["DFlashDraftModel"]
+        if cfg.get("architectures") != arch:
+            fail(where, f"architectures must be {arch}, got {cfg.get('architectures')}")
         layer = cfg
         dc = cfg.get("dflash_config") or {}
         ids, mask_id, pm, shift = dc.get("target_layer_ids"), dc.get("mask_token_id"), {}, 1
+        if dspark and dc.get("projector_type") != "dspark":
+            fail(where, f"dflash_config.projector_type must be 'dspark', got {dc.get('projector_type')!r}")
+        head_cfg = dc
     B = require(cfg, "block_size", where)
     if B < 2:
         fail(where, f"block_size={B}: a block needs the anchor and at least one drafted slot")
-    if spec and not 1 <= pm["speculative_tokens"] <= B - 1:
+    S = B if dspark else B - 1
+    if spec and not 1 <= pm["speculative_tokens"] <= S:
         fail(where, f"speculative_tokens={pm['speculative_tokens']} disagrees with block_size={B}: vLLM verifies "
-                     f"1..B-1 = 1..{B - 1} drafted slots (slots past the block were never trained)")
+                     f"1..{'B' if dspark else 'B-1'} = 1..{S} drafted slots (slots past the block were never trained)")
     H = require(layer, "hidden_size", where)
     I_ = require(layer, "intermediate_size", where)
     nh = require(layer, "num_attention_heads", where)
@@ -219,6 +292,8 @@ def check_dflash(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
                     p + "mlp.gate_proj.weight": (I_, H), p + "mlp.up_proj.weight": (I_, H),
                     p + "mlp.down_proj.weight": (H, I_), p + "input_layernorm.weight": (H,),
                     p + "post_attention_layernorm.weight": (H,)})
+    if dspark:
+        exp.update(_dspark_tensors(head_cfg, H, V, Vd, where))
     if spec:
         exp.update({"embed_tokens.weight": (V, H), "lm_head.weight": (Vd, H)})
         if Vd < V:
@@ -235,28 +310,52 @@ def check_dflash(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
     return exp, {"hidden_size": H, "vocab_size": V, "name": name, "rope_theta": layer.get("rope_theta")}
 
 
+def _dspark_tensors(c: dict, H: int, V: int, Vd: int, where: str) -> dict[str, tuple[int, ...]]:
+    r = c.get("markov_rank")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        fail(where, f"markov_rank must be a positive integer, got {r!r} (0 disables the head: not a DSpark drafter)")
+    if c.get("markov_head_type", "vanilla") != "vanilla":
+        fail(where, f"markov_head_type {c.get('markov_head_type')!r}: only 'vanilla' is written and checked here")
+    for key in ("enable_confidence_head", "confidence_head_with_markov"):
+        if not isinstance(c.get(key), bool):
+            fail(where, f"{key} must be true or false, got {c.get(key)!r} (write it: defaults differ by engine)")
+    exp = {"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (Vd, r)}
+    if c["enable_confidence_head"]:
+        exp.update({"confidence_head.proj.weight": (1, H + (r if c["confidence_head_with_markov"] else 0)),
+                    "confidence_head.proj.bias": (1,)})
+    return exp
+
+
 # ============================================================================================ load back
 def load_dflash(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     from models.dflash import DFlashConfig, DFlashDrafter
 
-    spec = fmt == "dflash_speculators"
+    spec, dspark = fmt.endswith("_speculators"), fmt.startswith("dspark")
     layer = cfg["transformer_layer_config"] if spec else cfg
     ids = list(cfg["aux_hidden_state_layer_ids"]) if spec else [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
     mask_id = cfg["mask_token_id"] if spec else cfg["dflash_config"]["mask_token_id"]
     V = layer["vocab_size"]
     vd = cfg.get("draft_vocab_size") or V
+    head: dict = {}
+    if dspark:
+        c = cfg if spec else cfg["dflash_config"]
+        head = dict(block_head="markov", sample_from_anchor=True, markov_rank=c["markov_rank"],
+                    markov_head_type=c.get("markov_head_type", "vanilla"),
+                    confidence_head=c["enable_confidence_head"],
+                    confidence_with_markov=c["confidence_head_with_markov"])
     dc = DFlashConfig(layer_ids=ids, num_layers=layer["num_hidden_layers"], block_size=cfg["block_size"],
                       mask_token_id=mask_id, draft_vocab_size=None if vd == V else vd,
-                      intermediate_size=layer["intermediate_size"])
+                      intermediate_size=layer["intermediate_size"], **head)
     tc = target.model.config
-    head = target.model.get_output_embeddings().weight
-    d = DFlashDrafter(dc, tc, target.embed.weight, head, sd.get("d2t"), sd.get("t2d"))
+    out_head = target.model.get_output_embeddings().weight
+    d = DFlashDrafter(dc, tc, target.embed.weight, out_head, sd.get("d2t"), sd.get("t2d"))
     for key, mine in (("num_attention_heads", d.num_attention_heads), ("num_key_value_heads", d.num_key_value_heads),
                       ("head_dim", d.head_dim), ("hidden_size", d.hidden_size)):
         if layer.get(key, mine) != mine:
             raise ExportError(f"export {key}={layer.get(key)} cannot be rebuilt on this target "
                               f"(drafter derives {mine})")
-    state = {k: v for k, v in sd.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    state = {("block_head." + k if k.startswith(("markov_head.", "confidence_head.")) else k): v
+             for k, v in sd.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
     state["embed_tokens"], state["lm_head"] = d.embed_tokens, d.lm_head
     if "d2t" not in state:
         state["d2t"], state["t2d"] = d.d2t, d.t2d

@@ -13,10 +13,18 @@ from functools import partial
 from pathlib import Path
 
 from .common import MEDUSA_WEIGHTS, WEIGHTS, ExportError
-from .dflash import build_dflash_speculators, build_dflash_zlab, check_dflash, load_dflash
+from .dflash import (
+    build_dflash_speculators,
+    build_dflash_zlab,
+    build_dspark_speculators,
+    build_dspark_zlab,
+    check_dflash,
+    load_dflash,
+)
 from .eagle3 import build_eagle3_native, build_eagle3_speculators, check_eagle3, load_eagle3
 from .medusa import build_medusa_fasterdecoding, build_medusa_vllm, check_medusa, load_medusa
 from .mtp import build_mtp_deepseek, build_mtp_sglang_nextn, check_mtp, load_mtp
+from .peagle import build_peagle_speculators, check_peagle, load_peagle
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,19 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
     ExportFormat("dflash_zlab", "dflash", "dflash", "SGLang (DFLASH), z-lab layout",
                  build_dflash_zlab, partial(check_dflash, "dflash_zlab"), partial(load_dflash, "dflash_zlab"),
                  lambda cfg, _p: "DFlashDraftModel" in _arch(cfg)),
+    # DSpark = a DFlash drafter with block_head=markov, sample_from_anchor=true (the same method)
+    ExportFormat("dspark_speculators", "dspark-speculators", "dflash", "vLLM (dspark, speculators format)",
+                 build_dspark_speculators, partial(check_dflash, "dspark_speculators"),
+                 partial(load_dflash, "dspark_speculators"),
+                 lambda cfg, _p: "DSparkSpeculator" in _arch(cfg) or cfg.get("speculators_model_type") == "dspark"),
+    ExportFormat("dspark_zlab", "dspark", "dflash", "SGLang (DSPARK), z-lab / SpecForge layout",
+                 build_dspark_zlab, partial(check_dflash, "dspark_zlab"), partial(load_dflash, "dspark_zlab"),
+                 lambda cfg, _p: "DSparkDraftModel" in _arch(cfg)),
+    ExportFormat("peagle_speculators", "peagle-speculators", "peagle", "vLLM (eagle3 + parallel_drafting)",
+                 build_peagle_speculators, lambda cfg, t, side, target, where: check_peagle(cfg, t, side, target,
+                                                                                             where),
+                 lambda cfg, sd, target: load_peagle(cfg, sd, target),
+                 lambda cfg, _p: "PEagleSpeculator" in _arch(cfg) or cfg.get("speculators_model_type") == "peagle"),
 )}
 # Snapshots of the shipped rows (the CLI's choices, docs). The export API reads EXPORT_FORMATS itself, through
 # export_format / detect_format, so a row added to the table later (a new method's exporter, a test) works too.

@@ -117,6 +117,45 @@ def render_readme(fmt: str, cfg: dict, side: dict) -> str:
             lines += ["## SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {tname} \\",
                       f"  --speculative-algorithm DFLASH --speculative-draft-model-path {path} \\",
                       f"  --speculative-num-draft-tokens {blk}", "```", ""]
+    elif fmt in ("dspark_speculators", "dspark_zlab"):
+        ours, blk = side["layer_ids"], cfg.get("block_size")
+        lines += ["## DSpark: DFlash + a Markov head + a confidence head", "",
+                  f"- draftsmith / vLLM / speculators `aux_hidden_state_layer_ids` (input of decoder layer k): {ours}",
+                  f"- z-lab / SpecForge / SGLang `dflash_config.target_layer_ids` (output of decoder layer k): "
+                  f"{[i - 1 for i in ours]}",
+                  f"- block size {blk}, `sample_from_anchor: true`: the anchor slot drafts too, so a block holds "
+                  f"{blk} speculative tokens (vLLM `num_speculative_tokens` <= {blk}; SGLang "
+                  f"`--speculative-dspark-block-size {blk}`). Serving it with DFlash's B-1 convention shifts every "
+                  "slot.", "",
+                  "Read against speculators `models/dspark/*`, vLLM `update_dspark` and SpecForge "
+                  "`configs/qwen3-8b-dspark.json` (shared/design/dflash.md §7); draftsmith has not run either "
+                  "engine on it — compare served acceptance with `python -m eval`.", "",
+                  "Check the served slot alignment: vLLM's `update_dspark` sets `dspark_bonus_anchor=true`, and a "
+                  "vLLM fork patches it to `not sample_from_anchor`, saying upstream forces the DFlash-style layout "
+                  "on every speculators checkpoint. vLLM's DSpark runtime does not use the confidence head (SGLang's "
+                  "DSPARK sizes each verify window from it; draftsmith's eval: `options.dflash.min_confidence`).", ""]
+        if fmt == "dspark_speculators":
+            lines += ["## vLLM (dspark)", "", "```bash", f"vllm serve {tname} \\",
+                      f"  --speculative-config '{json.dumps({'method': 'dspark', **spec})}'", "```", ""]
+        else:
+            lines += ["## SGLang (DSPARK, SGLang PR #30261)", "", "```bash",
+                      f"python -m sglang.launch_server --model-path {tname} \\",
+                      f"  --speculative-algorithm DSPARK --speculative-draft-model-path {path} \\",
+                      f"  --speculative-dspark-block-size {blk}", "```", ""]
+        spec = None
+    elif fmt == "peagle_speculators":
+        lines += ["## P-EAGLE: parallel drafting", "",
+                  f"- aux layer ids (vLLM capture, input of decoder layer k; = draftsmith's): {side['layer_ids']}",
+                  f"- mask (pard) token id {cfg.get('mask_token_id')}, trained for {cfg.get('para_depths')} parallel "
+                  "depths: `num_speculative_tokens` must not exceed them", "",
+                  "vLLM's speculators reader (`update_peagle`) maps this to architectures `PeagleLlamaForCausalLM`, "
+                  "`pard_token = mask_token_id`, and the method eagle3 with `parallel_drafting` (an engine flag, not "
+                  "a weight). Read against the sources in shared/design/dflash.md §6; draftsmith has not run vLLM "
+                  "on it.", "",
+                  "## vLLM (eagle3, parallel_drafting)", "", "```bash", f"vllm serve {tname} \\",
+                  f"  --speculative-config '{json.dumps({'method': 'eagle3', **spec, 'parallel_drafting': True})}'",
+                  "```", ""]
+        spec = None
     elif not fmt.startswith(("eagle3", "medusa", "mtp")):
         spec = None  # a format no engine snippet is known for: no `--speculative-config` without a method in it
     if spec is not None:
