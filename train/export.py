@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target name or path (default: the checkpoint's / the export's)")
     p.add_argument("--results", help="eval results JSON with recommended_num_speculative_tokens")
     p.add_argument("--dtype", help="cast float weights (float32, bfloat16, float16); default: as trained")
+    p.add_argument("--serve-name", help="the target as engines should name it (speculators verifier.name_or_path, "
+                   "the README's serve commands); default: its hub id, the embedded target's models/tiny_code, "
+                   "else the target directory's name, never a path of this machine")
     p.add_argument("--force", action="store_true", help="replace a previous export in --out (nothing else)")
     p.add_argument("--check", metavar="DIR", help="validate an export directory instead of exporting")
     return p
@@ -83,7 +86,7 @@ def _export(args: argparse.Namespace) -> str:
     k = recommended_k_from_results(args.results) if args.results else None
     dtype = parse_dtype(args.dtype) if args.dtype else None
     out = export(drafter, args.format, args.out, target, target_name=name, recommended_k=k, meta=meta, dtype=dtype,
-                 overwrite=args.force)
+                 overwrite=args.force, serve_name=args.serve_name)
     fmt = CLI_FORMATS[args.format]
     n_files = sum(1 for _ in out.iterdir())
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20

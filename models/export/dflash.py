@@ -98,7 +98,10 @@ def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
         # speculators / vLLM capture convention = ours; vLLM's update_dflash requires it (and mask_token_id)
         "aux_hidden_state_layer_ids": ids,
         "mask_token_id": int(d.cfg.mask_token_id),
-        "sliding_window_non_causal": False,  # no sliding layers; vLLM maps it to dflash_config.causal for all
+        # vLLM 0.32 (transformers_utils/configs/speculators/algos.py update_dflash) turns this key into
+        # dflash_config.causal = not value for EVERY draft layer (qwen3_dflash.py), sliding or not: false would
+        # serve our bidirectional in-block attention as causal. True (or absent) gives causal=False.
+        "sliding_window_non_causal": True,
         "sample_from_anchor": False,  # DFlash: slot 0 is the anchor, B-1 speculative tokens (DSpark: true)
         "speculators_config": {
             "algorithm": "dflash",
@@ -160,6 +163,10 @@ def check_dflash(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
             fail(where, "speculators_config needs algorithm 'dflash' and proposal_methods[0].speculative_tokens")
         if not (sc.get("verifier") or {}).get("name_or_path"):
             fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
+        if cfg.get("sliding_window_non_causal") is False:
+            fail(where, "sliding_window_non_causal=false: vLLM serves every draft layer with causal in-block "
+                         "attention then, but DFlash drafters attend bidirectionally inside the block (write true "
+                         "or leave it out)")
         if cfg.get("sample_from_anchor") not in (False, None):
             fail(where, "sample_from_anchor must be false for DFlash (slot 0 is the anchor); true is DSpark's layout")
         shift = 0

@@ -7,6 +7,7 @@ format-specific checks live in the format modules; the shape comparison and the 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ from .common import (
     ExportError,
     TargetInfo,
     Tensors,
+    engine_target_name,
     fail,
+    is_machine_path,
     load_json,
     norm_name,
     target_info,
@@ -77,6 +80,11 @@ def check_export(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
                          f"expected {LAYER_ID_CONVENTION!r}")
     expected, tgt_dims = export_format(fmt).check(cfg, t, side, target, where)
     _check_same_target(fmt, cfg, t, side, target, tgt_dims, where)  # first: "another target" explains the rest
+    for n in (tgt_dims.get("name"), cfg.get("base_model_name_or_path")):
+        if n and is_machine_path(n):
+            warnings.warn(f"{where}: the engine-read target name {n!r} is a path on the machine that exported it; "
+                          "re-export (draftsmith now writes the target's id) or pass --serve-name", UserWarning,
+                          stacklevel=2)
     _compare_tensors(expected, t, where, fmt)
 
 
@@ -139,8 +147,14 @@ def _check_same_target(fmt: str, cfg: dict, t: Tensors, side: dict | None, targe
                 verified = True
     names = [n for n in (dims.get("name"), cfg.get("base_model_name_or_path"),
                          (side or {}).get("target_name")) if n]
-    if not verified and target.name and names and norm_name(names[0]) != norm_name(target.name):
+    if not verified and target.name and names and not _same_name(names[0], str(target.name)):
         fail(where, f"exported for another target: verifier {names[0]!r} != the target {target.name!r}")
+
+
+def _same_name(a: str, b: str) -> bool:
+    """One target under two spellings: the same resolved path, or the same portable name (exports write the target
+    as engine_target_name gives it, e.g. the HF-cache id or the directory name, not the training machine's path)."""
+    return norm_name(a) == norm_name(b) or engine_target_name(a) == engine_target_name(b)
 
 
 def _rope_theta_of(c: Any) -> float | None:
