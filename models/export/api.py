@@ -55,6 +55,7 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
     bundle = spec.build(drafter, target, name, recommended_k, meta)
     bundle.sidecar["k_from_results"] = recommended_k is not None
     _set_serve_name(bundle, serve_name or engine_target_name(name))
+    bundle.sidecar["serve_name_from_user"] = serve_name is not None  # a path set on purpose is not warned about
     if dtype is not None:
         bundle.tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in bundle.tensors.items()}
         _set_dtype(bundle, dtype)

@@ -81,7 +81,7 @@ def check_export(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
     expected, tgt_dims = export_format(fmt).check(cfg, t, side, target, where)
     _check_same_target(fmt, cfg, t, side, target, tgt_dims, where)  # first: "another target" explains the rest
     for n in (tgt_dims.get("name"), cfg.get("base_model_name_or_path")):
-        if n and is_machine_path(n):
+        if n and is_machine_path(n) and not (side or {}).get("serve_name_from_user"):
             warnings.warn(f"{where}: the engine-read target name {n!r} is a path on the machine that exported it; "
                           "re-export (draftsmith now writes the target's id) or pass --serve-name", UserWarning,
                           stacklevel=2)
