@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
                    "else the target directory's name, never a path of this machine")
     p.add_argument("--force", action="store_true", help="replace a previous export in --out (nothing else)")
     p.add_argument("--check", metavar="DIR", help="validate an export directory instead of exporting")
+    p.add_argument("--thinking", choices=["on", "off"], help="with --check: the thinking mode it will be served in "
+                   "(refused if the drafter was trained in the other one)")
+    p.add_argument("--chat-template", help="with --check: the serving chat template (a file or the template; "
+                   "default: the target tokenizer's); another than the trained one is warned about")
     return p
 
 
@@ -51,7 +56,15 @@ def _check(args: argparse.Namespace) -> str:
     target = None
     if args.target:
         target = TargetView.from_pretrained(args.target)
-    fmt = validate(args.check, None, target)
+    from data.chat_spans import resolve_template
+
+    think = None if args.thinking is None else args.thinking == "on"
+    tmpl = resolve_template(args.chat_template) if args.chat_template else None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fmt = validate(args.check, None, target, enable_thinking=think, chat_template=tmpl)
+    for w in seen:
+        print(f"warning: {w.message}", file=sys.stderr)
     against = f" against {args.target}" if args.target else " (self-consistency only; pass --target to compare)"
     return f"{args.check}: valid {fmt} export{against}"
 

@@ -26,7 +26,9 @@ from .common import (
     target_info,
 )
 from .formats import EXPORT_FORMATS, export_format
+from .identity import STAMP_KEY
 from .readme import render_readme
+from .serving import SERVING_KEY, serving_manifest
 from .validate import check_export, validate
 
 
@@ -56,6 +58,9 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
     bundle.sidecar["k_from_results"] = recommended_k is not None
     _set_serve_name(bundle, serve_name or engine_target_name(name))
     bundle.sidecar["serve_name_from_user"] = serve_name is not None  # a path set on purpose is not warned about
+    bundle.sidecar[SERVING_KEY] = serving_manifest(target, meta)  # target revision, chat template, thinking mode
+    if isinstance(bundle.config.get(STAMP_KEY), dict):  # config.json travels where draftsmith.json may not
+        bundle.config[STAMP_KEY][SERVING_KEY] = bundle.sidecar[SERVING_KEY]
     if dtype is not None:
         bundle.tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in bundle.tensors.items()}
         _set_dtype(bundle, dtype)

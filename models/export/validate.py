@@ -31,6 +31,7 @@ from .common import (
 from .formats import detect_format as _detect
 from .formats import export_format
 from .identity import check_stamp
+from .serving import check_serving
 
 
 def detect_format(path: str | Path) -> str:
@@ -38,11 +39,14 @@ def detect_format(path: str | Path) -> str:
     return _detect(path, load_json(Path(path) / CONFIG)).name
 
 
-def validate(path: str | Path, fmt: str | None = None, target_config: Any = None) -> str:
+def validate(path: str | Path, fmt: str | None = None, target_config: Any = None, *,
+             enable_thinking: bool | None = None, chat_template: str | None = None) -> str:
     """Check an export directory; raise ExportError with a one-line reason, else return its format.
 
     ``target_config``: a FrozenTarget (also checks the embedding fingerprint), a transformers config or a dict
     with num_hidden_layers/hidden_size/vocab_size(/_name_or_path) — or None for self-consistency only.
+    ``enable_thinking`` / ``chat_template``: the serving mode to check the export's manifest against (a thinking
+    mode other than the trained one is refused, another template warned about; models/export/serving.py).
     """
     path = Path(path)
     cfg = load_json(path / CONFIG)
@@ -57,7 +61,11 @@ def validate(path: str | Path, fmt: str | None = None, target_config: Any = None
     except Exception as e:  # noqa: BLE001 - any unreadable file is one reason to refuse
         raise ExportError(f"{wfile}: unreadable safetensors ({type(e).__name__}: {e})") from None
     _check_finite(tensors, wfile)
-    check_export(fmt, cfg, tensors, side, target_info(target_config), str(path))
+    info = target_info(target_config)
+    check_export(fmt, cfg, tensors, side, info, str(path))
+    # the serving mode (models/export/serving.py): target revision and head, thinking mode, chat template
+    check_serving(cfg, side, info.frozen if info is not None else None, str(path), enable_thinking=enable_thinking,
+                  chat_template=chat_template)
     return fmt
 
 
