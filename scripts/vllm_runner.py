@@ -8,7 +8,7 @@ it as a subprocess:
 
 JOB: {"target": DIR, "prompts": [[ids...], ...], "max_new_tokens": N, "runs": [{"name": str,
       "speculative_config": {...} | null, "model": DIR (optional: serve this instead of target)}, ...],
-      "max_model_len": 512, "max_num_seqs": 8, "batch": true}
+      "max_model_len": 512, "max_num_seqs": 8, "batch": true, "batch_sizes": [1, 4] (optional)}
 OUT: {"vllm": version, "runs": [{"name", "ok", "error", "outputs": [[ids...]], "seconds", "generated",
       "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": [...]}}]}
 
@@ -66,21 +66,27 @@ def run_one(job: dict, run: dict) -> dict:
         prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
         if job.get("warmup", True):  # one short request: the first forward pays one-off costs
             llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        before = _spec_counters(llm)
-        t0 = time.perf_counter()
-        if job.get("batch", True):
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-        else:  # batch 1: one request at a time
-            outs = [o for p in prompts for o in llm.generate([p], sp, use_tqdm=False)]
-        res["seconds"] = time.perf_counter() - t0
-        res["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
-        res["generated"] = sum(len(o) for o in res["outputs"])
-        after = _spec_counters(llm)
-        n = max(len(after["accepted_per_pos"]), len(before["accepted_per_pos"]))
-        pad = lambda v: v + [0] * (n - len(v))  # noqa: E731
-        res["spec"] = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-        res["spec"]["accepted_per_pos"] = [a - b for a, b in zip(pad(after["accepted_per_pos"]),
-                                                                  pad(before["accepted_per_pos"]))]
+        # batch_sizes: requests in flight at once (chunks of B prompts per generate call); the first size's
+        # outputs and counters are the run's own ("outputs", "spec", "seconds"), every size's go to "by_batch"
+        sizes = job.get("batch_sizes") or ([len(prompts)] if job.get("batch", True) else [1])
+        res["by_batch"] = {}
+        for i, b in enumerate(sizes):
+            before = _spec_counters(llm)
+            t0 = time.perf_counter()
+            outs = [o for j in range(0, len(prompts), b) for o in llm.generate(prompts[j:j + b], sp, use_tqdm=False)]
+            secs = time.perf_counter() - t0
+            after = _spec_counters(llm)
+            n = max(len(after["accepted_per_pos"]), len(before["accepted_per_pos"]))
+            pad = lambda v, n=n: v + [0] * (n - len(v))  # noqa: E731
+            spec = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+            spec["accepted_per_pos"] = [a - c for a, c in zip(pad(after["accepted_per_pos"]),
+                                                               pad(before["accepted_per_pos"]))]
+            outputs = [list(o.outputs[0].token_ids) for o in outs]
+            gen = sum(len(o) for o in outputs)
+            res["by_batch"][str(b)] = {"seconds": secs, "generated": gen, "tokens_per_s": gen / secs, "spec": spec,
+                                       "same_outputs": True if i == 0 else outputs == res["outputs"]}
+            if i == 0:
+                res.update(outputs=outputs, generated=gen, seconds=secs, spec=spec)
         res["ok"] = True
     except Exception as e:  # noqa: BLE001 - the engine's own reason is the result
         res["error"] = f"{type(e).__name__}: {e}"

@@ -31,15 +31,15 @@ import pytest
 
 from eval import engines as E
 
-K = 3  # num_speculative_tokens for EAGLE-3 and DFlash (Medusa: its 3 heads); the README's default
+K = 3  # num_speculative_tokens for EAGLE-3 (the README's default); Medusa: its 3 heads; DFlash: its block - 1
 N_PROMPTS, PROMPT_TOKENS, MAX_NEW = 4, 64, 48
 # Small step counts (CPU minutes), enough for acceptance at later slots: DFlash needs the target's own
 # continuations (data.regenerate) for slots >= 2 (conf/recipe/dflash.yaml).
 RECIPES = {
-    "eagle3": ["train.steps=120", "data.regenerate=0", "data.max_len=128"],
-    "medusa": ["train.steps=40", "data.regenerate=0", "data.max_len=128", "draft.config.num_heads=3"],
-    "dflash": ["train.steps=150", "data.regenerate=256", "data.max_rows=1024"],
+    "eagle3": ["train.steps=60", "data.regenerate=0", "data.max_len=128"],
+    "medusa": ["train.steps=20", "data.regenerate=0", "data.max_len=128", "draft.config.num_heads=3"],
     "mtp": ["train.steps=2", "data.regenerate=0", "data.max_len=64", "draft.config.num_modules=1"],
+    "dflash": ["train.steps=150", "data.regenerate=256", "data.max_rows=1024"],
 }
 COMMON = ["tracking=none", "train.ckpt_every=100000", "train.eval_every=100000", "train.log_every=50"]
 FORMATS = {"eagle3_native": "eagle3", "eagle3_speculators": "eagle3", "medusa_vllm": "medusa",
@@ -79,7 +79,10 @@ def _build(root: Path) -> dict:
     prompts = [p["input_ids"] for p in heldout_prompts(target.tokenizer, N_PROMPTS, PROMPT_TOKENS)]
     ckpts = {m: _train(m, _runs_dir(root) / m) for m in RECIPES}
     drafters = {m: load_drafter(c, target) for m, c in ckpts.items()}
-    k_of = {"eagle3": K, "dflash": K, "medusa": drafters["medusa"][0].cfg.num_heads, "mtp": 1}
+    # DFlash: the whole block (K = B-1, the export's default). Our proposer always runs the full block of B slots;
+    # an engine may build K+1 slots instead, and with bidirectional attention fewer mask slots change the drafts.
+    k_of = {"eagle3": K, "dflash": drafters["dflash"][0].block_size - 1,
+            "medusa": drafters["medusa"][0].cfg.num_heads, "mtp": 1}
     runs = [{"name": "ar", "speculative_config": None},
             {"name": "ngram", "speculative_config": {"method": "ngram", "num_speculative_tokens": K,
                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}}]
@@ -98,7 +101,7 @@ def _build(root: Path) -> dict:
     cfg["sliding_window_non_causal"] = False
     (causal / "config.json").write_text(json.dumps(cfg))
     runs.append({"name": "dflash_causal_control",
-                 "speculative_config": E.speculative_config("dflash_speculators", causal, K)})
+                 "speculative_config": E.speculative_config("dflash_speculators", causal, k_of["dflash"])})
     # control 2: the speculators export as the model; vLLM finds the target through verifier.name_or_path
     # (models/tiny_code, relative to the repo root the runner works in; no path of the exporting machine)
     runs.append({"name": "eagle3_speculators_as_model", "model": exports["eagle3_speculators"],
