@@ -20,6 +20,7 @@ Facts (shared/design/dflash.md §4, read against vllm-project/speculators ``mode
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -182,6 +183,13 @@ def check_dflash(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
     if spec and not 1 <= pm["speculative_tokens"] <= B - 1:
         fail(where, f"speculative_tokens={pm['speculative_tokens']} disagrees with block_size={B}: vLLM verifies "
                      f"1..B-1 = 1..{B - 1} drafted slots (slots past the block were never trained)")
+    if spec and pm["speculative_tokens"] < B - 1:
+        # vLLM 0.32 v1/spec_decode/dflash.py queries 1 + num_speculative_tokens slots, not the trained block: with
+        # bidirectional in-block attention fewer mask slots change every draft (draftsmith runs the whole block)
+        warnings.warn(f"{where}: speculative_tokens={pm['speculative_tokens']} < block_size-1={B - 1}: vLLM then "
+                      f"builds a block of {pm['speculative_tokens'] + 1} slots instead of the trained {B}, so its "
+                      "drafts differ from draftsmith's; serve num_speculative_tokens = block_size - 1", UserWarning,
+                      stacklevel=2)
     H = require(layer, "hidden_size", where)
     I_ = require(layer, "intermediate_size", where)
     nh = require(layer, "num_attention_heads", where)

@@ -111,7 +111,9 @@ def render_readme(fmt: str, cfg: dict, side: dict) -> str:
                   f"- z-lab / SGLang `dflash_config.target_layer_ids` (output of decoder layer k): "
                   f"{[i - 1 for i in ours]}",
                   f"- block size {blk}: vLLM `num_speculative_tokens` = {blk - 1} (B-1), SGLang "
-                  f"`--speculative-num-draft-tokens` = {blk} (B, anchor included)", "",
+                  f"`--speculative-num-draft-tokens` = {blk} (B, anchor included). vLLM 0.32 builds a block of "
+                  "1 + num_speculative_tokens slots: a smaller K than B-1 attends over fewer mask slots than "
+                  "trained and serves other drafts than draftsmith measured", "",
                   "Checked against vLLM `model_executor/models/qwen3_dflash.py` + speculators `algos.py` "
                   "`update_dflash`, and SGLang `srt/speculative/dflash_utils.py` (sources and commits: "
                   "shared/design/dflash.md §0).", ""]
