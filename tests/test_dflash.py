@@ -297,7 +297,10 @@ def test_export_round_trips_and_refusals(target_dir, tmp_path, vocab):
         ("dflash_speculators", lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=4),
          "disagrees with block_size"),
         ("dflash_speculators", lambda c: c.update(sample_from_anchor=True), "sample_from_anchor"),
+        # vLLM 0.32 reads false as causal in-block attention on every draft layer (tests/engines serve it)
+        ("dflash_speculators", lambda c: c.update(sliding_window_non_causal=False), "sliding_window_non_causal"),
     ]
+    assert json.loads((tmp_path / "dflash_speculators" / "config.json").read_text())["sliding_window_non_causal"]
     for fmt, edit, msg in cases:
         with pytest.raises(ExportError, match=msg):
             validate(broken(fmt, edit), fmt, target)

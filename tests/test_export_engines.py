@@ -315,3 +315,46 @@ def test_mtp_export_records_the_hidden_state_depth_two_was_trained_on(target, tm
     assert f"trained on the `{between}` hidden state" in text
     assert ("served acceptance at depth >= 2 differs" in text) == (between == "pre_norm")
     assert MTPConfig().hidden_between_depths == "post_norm"  # the default is what vLLM/SGLang feed
+
+
+# --------------------------------------------------------------------------------------------- portable names
+def _engine_names(out: Path) -> list[str]:
+    cfg = _cfg(out)
+    names = [(cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path"),
+             cfg.get("base_model_name_or_path")]
+    return [n for n in names if n]
+
+
+def test_exports_name_the_target_not_this_machines_path_to_it(target, tmp_path):
+    """verifier.name_or_path and the README's `vllm serve` line travel with the export: a training machine's
+    absolute path there is wrong on any server (issue 22)."""
+    here = str(Path(target.model.config._name_or_path).resolve())
+    out = ex.export(make_drafter(target), "eagle3_speculators", tmp_path / "e3s", target)
+    assert _engine_names(out) == [Path(here).name]
+    readme = (out / ex.README).read_text()
+    assert here not in readme and f"vllm serve {Path(here).name}" in readme
+    assert here not in (out / ex.CONFIG).read_text()
+    # the user sets another name; the validator still identifies the target (by its embedding)
+    out2 = ex.export(make_drafter(target), "eagle3_speculators", tmp_path / "e3s2", target,
+                     serve_name="org/my-target")
+    assert _engine_names(out2) == ["org/my-target"] and "vllm serve org/my-target" in (out2 / ex.README).read_text()
+    assert ex.validate(out2, None, target) == "eagle3_speculators"
+    # an old export with an absolute path still loads, with a warning naming the fix
+    bad = tmp_path / "old"
+    shutil.copytree(out, bad)
+    cfg = _cfg(bad)
+    cfg["speculators_config"]["verifier"]["name_or_path"] = here
+    (bad / ex.CONFIG).write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="path on the machine that exported it"):
+        ex.validate(bad, None, target)
+
+
+def test_engine_target_name_spellings():
+    from models.export.common import engine_target_name
+    from models.target import EMBEDDED_DIR
+
+    assert engine_target_name("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+    assert engine_target_name("tiny-code") == engine_target_name(str(EMBEDDED_DIR)) == "models/tiny_code"
+    snap = "/root/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/abc123"
+    assert engine_target_name(snap) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert engine_target_name("/data/ckpts/my-llama") == "my-llama"

@@ -60,7 +60,10 @@ CASES = [({"norm_before_residual": False}, "eager"), ({"norm_before_residual": T
     f"{k}={v}" for k, v in x.items()))
 def test_speculators_drafts_the_same_logits(target, tmp_path, flags, attn):
     d = make_drafter(target, (3, 1, 2), **flags)
-    out = ex.export(d, "eagle3_speculators", tmp_path / "spec", target)
+    # speculators' from_pretrained loads the verifier from verifier.name_or_path: the user sets where it lives
+    # (by default the export names the target's id, not this machine's path to it)
+    out = ex.export(d, "eagle3_speculators", tmp_path / "spec", target,
+                    serve_name=target.model.config._name_or_path)
     model = _speculators_model(out, attn)
     for f in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         assert getattr(model.config, f) is bool(flags.get(f, False)), f  # read from our config.json, not defaulted
@@ -100,7 +103,8 @@ def test_speculators_loads_our_dspark_and_peagle_exports(target, tmp_path):
                                target.model.config, target.embed.weight, head))
     for drafter, fmt, cfg_cls, model_cls in ((d, "dspark_speculators", DSparkSpeculatorConfig, DSparkDraftModel),
                                             (p, "peagle_speculators", PEagleSpeculatorConfig, PEagleDraftModel)):
-        out = ex.export(drafter, fmt, tmp_path / fmt, target)
+        # speculators loads the verifier from verifier.name_or_path: the user sets where it lives (serve_name)
+        out = ex.export(drafter, fmt, tmp_path / fmt, target, serve_name=target.model.config._name_or_path)
         cfg = cfg_cls.from_pretrained(str(out))
         cfg.transformer_layer_config._attn_implementation = "sdpa"
         model = model_cls.from_pretrained(str(out), config=cfg)

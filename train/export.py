@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,8 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target name or path (default: the checkpoint's / the export's)")
     p.add_argument("--results", help="eval results JSON with recommended_num_speculative_tokens")
     p.add_argument("--dtype", help="cast float weights (float32, bfloat16, float16); default: as trained")
+    p.add_argument("--serve-name", help="the target as engines should name it (speculators verifier.name_or_path, "
+                   "the README's serve commands); default: its hub id, the embedded target's models/tiny_code, "
+                   "else the target directory's name, never a path of this machine")
     p.add_argument("--force", action="store_true", help="replace a previous export in --out (nothing else)")
     p.add_argument("--check", metavar="DIR", help="validate an export directory instead of exporting")
+    p.add_argument("--thinking", choices=["on", "off"], help="with --check: the thinking mode it will be served in "
+                   "(refused if the drafter was trained in the other one)")
+    p.add_argument("--chat-template", help="with --check: the serving chat template (a file or the template; "
+                   "default: the target tokenizer's); another than the trained one is warned about")
     return p
 
 
@@ -53,7 +61,15 @@ def _check(args: argparse.Namespace) -> str:
     target = None
     if args.target:
         target = TargetView.from_pretrained(args.target)
-    fmt = validate(args.check, None, target)
+    from data.chat_spans import resolve_template
+
+    think = None if args.thinking is None else args.thinking == "on"
+    tmpl = resolve_template(args.chat_template) if args.chat_template else None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fmt = validate(args.check, None, target, enable_thinking=think, chat_template=tmpl)
+    for w in seen:
+        print(f"warning: {w.message}", file=sys.stderr)
     against = f" against {args.target}" if args.target else " (self-consistency only; pass --target to compare)"
     return f"{args.check}: valid {fmt} export{against}"
 
@@ -93,7 +109,7 @@ def _export(args: argparse.Namespace) -> str:
         raise ExportError(str(e)) from None
     k = recommended_k_from_results(args.results) if args.results else None
     out = export(drafter, args.format, args.out, target, target_name=name, recommended_k=k, meta=meta, dtype=dtype,
-                 overwrite=args.force)
+                 overwrite=args.force, serve_name=args.serve_name)
     fmt = CLI_FORMATS[args.format]
     n_files = sum(1 for _ in out.iterdir())
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20

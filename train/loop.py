@@ -25,6 +25,7 @@ from data.features import FeatureCache, pad_ids
 from data.sources import build_rows
 from models import registry
 from models.drafter import simulated_tau
+from models.export.serving import training_serving
 from models.target import FrozenTarget
 from train import checkpoint as ckpt
 from train.checks import check_resume_step, check_step_finite, check_weights_finite, validate_train_config
@@ -223,7 +224,10 @@ def build_drafter_and_meta(t: Training) -> None:
     cfg, target = t.cfg, t.target
     t.drafter = build_drafter(cfg.draft, target, t.train_rows)
     t.meta = {"method": cfg.draft.method, "target": target.identity(), "draft": t.drafter.config_dict(),
-              "layer_ids": list(t.drafter.layer_ids), "layer_id_convention": "hf_output_hidden_states_index"}
+              "layer_ids": list(t.drafter.layer_ids), "layer_id_convention": "hf_output_hidden_states_index",
+              # the serving mode the drafter is trained for (exports record it; --check compares it)
+              "serving": training_serving(target, cfg.data.get("chat_template"), cfg.data.get("enable_thinking"),
+                                          cfg.data.get("kind"))}
     t.trainable = [p for p in t.drafter.parameters() if p.requires_grad]
     t.log(f"drafter: {cfg.draft.method}, {sum(p.numel() for p in t.trainable) / 1e6:.2f} M trainable params, "
           f"layer ids {list(t.drafter.layer_ids)} of {target.num_layers}")

@@ -23,23 +23,29 @@ from .common import (
     Bundle,
     ExportError,
     Tensors,
+    engine_target_name,
     load_json,
     target_info,
 )
 from .formats import EXPORT_FORMATS, export_format
+from .identity import STAMP_KEY
 from .readme import render_readme
+from .serving import SERVING_KEY, serving_manifest
 from .validate import check_export, validate
 
 
 # ============================================================================================ writing
 def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, *, target_name: str | None = None,
            recommended_k: int | None = None, meta: dict | None = None, dtype: torch.dtype | None = None,
-           overwrite: bool = False) -> Path:
+           overwrite: bool = False, serve_name: str | None = None) -> Path:
     """Write ``drafter`` (trained for ``target``) to ``out`` in ``fmt`` (one of FORMATS or a CLI name).
 
     ``target_name``: how engines should find the target (default: the target config's name_or_path).
     ``recommended_k``: num_speculative_tokens for the serving snippets (e.g. from an eval results JSON).
     ``dtype``: cast float weights (default: keep the trained dtype; d2t/t2d are never cast).
+    ``serve_name``: the target as the engine-read fields (speculators ``verifier.name_or_path``, Medusa's
+    ``base_model_name_or_path``) and the README's serve commands name it (default: ``engine_target_name`` of the
+    target name: a hub id, never an absolute path of the training machine).
     The export is validated in memory first, written atomically, then validated again from disk.
     """
     spec = export_format(fmt)
@@ -52,6 +58,11 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
     name = target_name or getattr(target.model.config, "_name_or_path", "") or "UNKNOWN-TARGET"
     bundle = spec.build(drafter, target, name, recommended_k, meta)
     bundle.sidecar["k_from_results"] = recommended_k is not None
+    _set_serve_name(bundle, serve_name or engine_target_name(name))
+    bundle.sidecar["serve_name_from_user"] = serve_name is not None  # a path set on purpose is not warned about
+    bundle.sidecar[SERVING_KEY] = serving_manifest(target, meta)  # target revision, chat template, thinking mode
+    if isinstance(bundle.config.get(STAMP_KEY), dict):  # config.json travels where draftsmith.json may not
+        bundle.config[STAMP_KEY][SERVING_KEY] = bundle.sidecar[SERVING_KEY]
     if dtype is not None:
         bundle.tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in bundle.tensors.items()}
         _set_dtype(bundle, dtype)
@@ -64,6 +75,15 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
         shutil.rmtree(path, ignore_errors=True)
         raise ExportError(f"written export failed re-validation and was removed: {e}") from None
     return path
+
+
+def _set_serve_name(bundle: Bundle, serve: str) -> None:
+    bundle.sidecar["serve_name"] = serve
+    verifier = (bundle.config.get("speculators_config") or {}).get("verifier")
+    if isinstance(verifier, dict):
+        verifier["name_or_path"] = serve
+    if "base_model_name_or_path" in bundle.config:
+        bundle.config["base_model_name_or_path"] = serve
 
 
 def _set_dtype(bundle: Bundle, dtype: torch.dtype) -> None:

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from models.target import FrozenTarget, is_alias, resolve_name
+from models.target import EMBEDDED_NAME, FrozenTarget, resolve_name
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -99,9 +99,30 @@ def norm_name(name: str) -> str:
     return str(p.resolve()) if p.exists() else r.rstrip("/")
 
 
+EMBEDDED_SERVE_PATH = "models/tiny_code"  # the embedded target's directory, relative to a draftsmith checkout
+
+
 def engine_target_name(name: str) -> str:
-    # Engines cannot resolve draftsmith's aliases (the embedded target, a GGUF); give them the directory.
-    return resolve_name(name) if is_alias(name) else name
+    """The target as the engines' fields and commands name it, never a path on the training machine (an export
+    travels; `/home/me/ckpts/llama` means nothing on the server): a hub id unchanged; the embedded target by its
+    directory in a draftsmith checkout; any other local directory by the hub id in its HF-cache path
+    (``…/models--org--name/snapshots/…``) or else its directory name. ``export(serve_name=...)`` (CLI
+    ``--serve-name``) sets another one."""
+    name = str(name)
+    p = Path(name).expanduser()
+    if name == EMBEDDED_NAME or (p.exists() and p.resolve() == Path(resolve_name(EMBEDDED_NAME)).resolve()):
+        return EMBEDDED_SERVE_PATH
+    if p.is_absolute() or name.startswith((".", "~")) or p.exists():
+        for part in reversed(p.parts):
+            if part.startswith("models--") and len(part) > len("models--"):
+                return part[len("models--"):].replace("--", "/", 1)
+        return p.resolve().name or name
+    return name
+
+
+def is_machine_path(name: str) -> bool:
+    """An absolute (or home-relative) path: what an export must not carry in an engine-read field."""
+    return str(name).startswith(("/", "~")) or Path(str(name)).is_absolute()
 
 
 def load_json(path: Path) -> dict:

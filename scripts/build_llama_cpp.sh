@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# llama.cpp from the sources vendored in PyPI's llama-cpp-python sdist (no git, no other index), only the
+# targets the engine tier runs. Cached by version: .engines/llama.cpp-$VER/build/bin/ is reused when present.
+# Usage: scripts/build_llama_cpp.sh [DEST]   (needs cmake and a C++ compiler: apt-get install cmake build-essential)
+set -euo pipefail
+VER="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+DEST="${1:-.engines}"
+SRC="$DEST/llama.cpp-$VER"
+TARGETS="${LLAMA_CPP_TARGETS:-llama-speculative-simple llama-cli}"
+PIP="${PIP:-.venv/bin/pip}"
+if [ -f "$SRC/.built" ]; then
+  echo "llama.cpp (llama-cpp-python $VER sources) already built in $SRC/build/bin"
+  exit 0
+fi
+mkdir -p "$DEST/src"
+if [ ! -f "$DEST/src/llama_cpp_python-$VER.tar.gz" ]; then
+  "$PIP" download -q --no-deps --no-binary :all: "llama-cpp-python==$VER" -d "$DEST/src"
+fi
+rm -rf "$SRC" "$DEST/src/llama_cpp_python-$VER"
+tar xzf "$DEST/src/llama_cpp_python-$VER.tar.gz" -C "$DEST/src"
+mv "$DEST/src/llama_cpp_python-$VER/vendor/llama.cpp" "$SRC"
+rm -rf "$DEST/src/llama_cpp_python-$VER"
+cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$SRC/cmake.log"
+# shellcheck disable=SC2086
+cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log"
+touch "$SRC/.built"
+echo "built $TARGETS in $SRC/build/bin"

