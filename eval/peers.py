@@ -26,7 +26,10 @@ def hf_generate(target: FrozenTarget, ids: Tensor, s: BenchSettings, eos: int | 
 
     cfg = target.model.config
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos if eos is not None else 0)
-    gc = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad,
+    # eos None means "never stop": an empty list, because transformers fills an unset eos_token_id from the
+    # model's generation_config.json (SmolLM2's <|im_end|>) and would stop there while our methods go on
+    gc = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False,
+                          eos_token_id=eos if eos is not None else [], pad_token_id=pad,
                           **{k: v for k, v in extra.items() if k != "assistant_model"})
     device = ids.device
     t = device_time(device)

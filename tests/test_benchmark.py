@@ -505,3 +505,25 @@ def test_eagle2_tree_is_sized_by_the_cost_model(env, size_for):
     p = m.make(None)
     assert (p.depth, p.top_k, p.total_tokens) == (o["depth"], o["top_k"], o["total_tokens"])
     assert "mass1_0" in ev and "top1_0" in ev
+
+
+def test_hf_peer_does_not_stop_at_the_models_own_eos_when_we_do_not(tiny_llama, tiny_tokenizer):
+    """stop_at_eos=false: the HF peer must generate max_new_tokens like our AR, even when the model's
+    generation_config names an eos it emits (transformers fills an unset eos_token_id from it: SmolLM2 stopped at
+    <|im_end|> and its peer rows read "same tokens: NO")."""
+    from types import SimpleNamespace
+
+    from eval.decode import decode_ar
+    from eval.peers import hf_generate
+    from models.target import FrozenTarget
+
+    target = FrozenTarget(tiny_llama, tiny_tokenizer)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    ours = [int(x) for x in decode_ar(target, ids[0], 8).tokens][-8:]
+    old = tiny_llama.generation_config.eos_token_id
+    tiny_llama.generation_config.eos_token_id = ours[1]  # the model "ends" at its second token
+    try:
+        toks, _ = hf_generate(target, ids, SimpleNamespace(max_new_tokens=8), None, {})
+    finally:
+        tiny_llama.generation_config.eos_token_id = old
+    assert toks == ours
