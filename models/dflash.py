@@ -45,6 +45,7 @@ from transformers import PretrainedConfig
 from models.block_heads import build_block_head
 from models.block_proposers import DFlashBatchProposer, DFlashProposer  # noqa: F401 (re-exported: the method's proposers)
 from models.drafter import simulated_tau
+from models.norm import RMSNorm
 from models.proposal import check_k
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.spec import MethodSpec, ProposerSpec
@@ -95,17 +96,6 @@ def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
     else:
         zl = [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
     return [i + 1 for i in zl]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
 class DFlashAttention(nn.Module):

@@ -41,6 +41,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from models.drafter import simulated_tau
+from models.norm import RMSNorm
 from models.proposal import (
     MAX_TREE_NODES,
     PerRowProposers,
@@ -86,22 +87,6 @@ class Eagle3Config:
 def default_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's fused layers (2, L//2, L-3) in our hidden-state index convention."""
     return [2, num_layers // 2, num_layers - 3]
-
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in float32, scale by ``weight`` in the input dtype."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 == self.weight.dtype:  # same maths, one fused op (decode is op-bound)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from models.drafter import simulated_tau
+from models.norm import RMSNorm
 from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.spec import MethodSpec, ProposerSpec
@@ -63,17 +64,6 @@ class PEagleConfig:
 
 def default_layer_ids(L: int) -> list[int]:
     return [2, L // 2, L - 3]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
 class PEagleLayer(nn.Module):

@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("train", "models", "data", "eval")
 
-CORE = {"models.target", "models.gguf", "models.target_view", "models.vocab", "models.tokenizer", "models.verify",
-        "models.proposal", "models.spec", "models.checkpoint", "models.drafter", "models.rope", "models.tree",
-        "models.losses", "models.ragged", "models.block_heads", "models.block_proposers"}
+CORE = {"models.norm", "models.target", "models.gguf", "models.target_view", "models.vocab", "models.tokenizer",
+        "models.verify", "models.proposal", "models.spec", "models.checkpoint", "models.drafter", "models.rope",
+        "models.tree", "models.losses", "models.ragged", "models.block_heads", "models.block_proposers"}
 METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model",
            "models.peagle"}
 # rank of each layer; train and eval share the top rank but are separate groups
