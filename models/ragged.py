@@ -13,7 +13,7 @@ from torch import Tensor
 
 
 class RaggedKV:
-    """Padded per-row KV cache of ``layers`` layers (models/dflash.py's batched proposer uses it)."""
+    """Padded per-row KV cache of ``layers`` layers (models/methods/dflash's batched proposer uses it)."""
 
     def __init__(self, rows: int, device: torch.device | str = "cpu"):
         self.kv: list[tuple[Tensor, Tensor]] | None = None

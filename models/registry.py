@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from models import dflash, draft_model, eagle3, medusa, mtp, ngram, peagle
 from models.checkpoint import WEIGHTS, load_trainable_state, read_meta
+from models.methods import dflash, draft_model, eagle3, medusa, mtp, ngram, peagle
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
 

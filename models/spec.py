@@ -55,6 +55,25 @@ class ProposerSpec:
 
 
 @dataclass(frozen=True)
+class ExportFormat:
+    """One checkpoint format an engine loads, declared by the method whose drafters it holds (its
+    ``export.py``; ``MethodSpec.export_formats``). ``build(drafter, target, target_name, k, meta) → Bundle``;
+    ``check(cfg, tensors, sidecar, target, where) → (expected shapes, target dims)``; ``load(cfg, state_dict,
+    target) → module``; ``detect(cfg, dir)`` → bool (tried in registry order, so a more specific format comes
+    first within a method)."""
+
+    name: str
+    cli: str
+    method: str
+    served_by: str
+    build: Callable
+    check: Callable
+    load: Callable
+    detect: Callable[[dict, Any], bool]
+    weights_file: str = "model.safetensors"
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """``build(cfg, target, train_rows)`` → a new drafter to train; ``rebuild(cfg, target)`` → a drafter of the
     shapes ``cfg`` describes, whose trainable weights and buffers the caller loads from a checkpoint.
@@ -70,7 +89,7 @@ class MethodSpec:
     build: Callable[..., Any] | None = None
     rebuild: Callable[..., Any] | None = None
     source: str = "checkpoint"
-    export_formats: tuple[str, ...] = ()
+    export_formats: tuple[ExportFormat, ...] = ()
     after_training: Callable[..., Any] | None = None
     load: Callable[..., Any] | None = None
     # values for config fields a checkpoint written before they existed does not store (what it was trained with)

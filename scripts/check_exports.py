@@ -70,7 +70,7 @@ def main() -> int:
     prompts = [p["input_ids"] for p in heldout_prompts(target.tokenizer, args.prompts, 128)]
     ok = True
     for method in registry.trainable_methods():
-        fmts = registry.method(method).export_formats
+        fmts = [f.name for f in registry.method(method).export_formats]
         ckpt = Path(args.runs) / method / "final"
         if not (ckpt / "model.safetensors").exists():
             print(f"{method:7s} -- no checkpoint at {ckpt}, skipped")

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from eval import decode, decode_batch
-from models.dflash import DFlashBatchProposer, DFlashConfig, DFlashDrafter, DFlashProposer
-from models.ngram import NGramBatchProposer, NGramProposer
+from models.methods.dflash import DFlashBatchProposer, DFlashConfig, DFlashDrafter, DFlashProposer
+from models.methods.ngram import NGramBatchProposer, NGramProposer
 from models.proposal import PerRowProposers, Sampling, batch_proposer
 from models.target import FrozenTarget
 from tests.test_decode import chi2_pvalue, exact_joint, sharp_tiny_llama
@@ -271,7 +271,7 @@ def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
     """EAGLE-3 chains of 3 ragged rows: one ``Eagle3ChainBatchProposer`` whose every midlayer pass carries all
     active rows; greedy output equals per-row AR and every row's drafts equal the B=1 proposer's, round for round
     (the ragged cache, per-row RoPE positions and the scratch drafts are where a bug would show)."""
-    import models.eagle3 as e3
+    import models.methods.eagle3 as e3
     from tests.test_decode import drafters, prompts
     from tests.test_decode import target as target_fixture
 
@@ -304,7 +304,7 @@ def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
 def test_sampled_batched_eagle3_chains_reproduce_target_distribution():
     """Sampled EAGLE-3 chain drafts of rows with prompts of two lengths in one batch (padded ragged cache): each
     row's first 4 tokens follow the target's exact joint for its prompt (χ²)."""
-    from models.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter
+    from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter
     from tests.test_decode import make_tiny_llama
 
     m = make_tiny_llama(3, layers=2, hidden=16, seed=5)  # sharp_tiny_llama's recipe with the 2 layers EAGLE-3 fuses

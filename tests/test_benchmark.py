@@ -112,7 +112,7 @@ def full(env):
 def test_medusa_tree_is_sized_by_the_cost_model(full, env):
     """num_nodes=auto: the tree is the checkpoint's greedy tree of the size that maximises expected τ / v(n)."""
     from eval.cost_model import interp
-    from models.medusa import build_medusa_tree, expected_tree_tau, load_rank_accuracy
+    from models.methods.medusa import build_medusa_tree, expected_tree_tau, load_rank_accuracy
 
     o = full["methods"]["medusa"]["options"]
     pred = {int(k): v for k, v in o["choices_sized"]["predicted_bound"].items()}
@@ -480,7 +480,7 @@ def test_training_cost_and_learning_curve_come_from_the_run_directories(full, en
 def test_eagle2_tree_is_sized_by_the_cost_model(env, size_for):
     """total_tokens auto: prepared at max_nodes (so the cost tables cover it), then the n whose static rank tree
     (held-out greedy hits at T=0, target mass at T=1) maximises τ(n) / (root pass + (D−1) passes of W + v(n))."""
-    from models.eagle3 import eagle_rank_accuracy
+    from models.methods.eagle3 import eagle_rank_accuracy
     from models.tree import build_rank_tree, expected_tree_tau
 
     opts = {"eagle3_tree": {"depth": 3, "top_k": 3, "total_tokens": "auto", "max_nodes": 10, "size_for": size_for}}

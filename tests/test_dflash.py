@@ -1,4 +1,4 @@
-"""DFlash (models/dflash.py): block mask, slot/label alignment, cached drafting, lossless decoding, training on
+"""DFlash (models/methods/dflash): block mask, slot/label alignment, cached drafting, lossless decoding, training on
 the shared loop (resume), export in both formats, and another family (Qwen3: QK-norm, GQA) end to end."""
 
 from pathlib import Path
@@ -11,8 +11,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from eval import decode
 from models import registry
-from models.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, build, default_layer_ids
 from models.export import ExportError, export, load_export, validate
+from models.methods.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, build, default_layer_ids
 from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from tests.test_decode import chi2_pvalue, exact_joint, sharp_tiny_llama
@@ -185,7 +185,7 @@ def test_k_auto_is_sized_from_heldout_agreement_and_verify_cost(target, tmp_path
     """k: auto verifies the k maximising E(k)/v(k) with E from final/eval.json's conditional slot agreement."""
     import json
 
-    from models.dflash import SPEC
+    from models.methods.dflash import SPEC
 
     p = SPEC.proposers[0]
     d = drafter(target, block_size=4)

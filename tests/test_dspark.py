@@ -1,4 +1,4 @@
-"""DSpark on the DFlash backbone (models/block_heads.py, models/dflash.py ``block_head``): the Markov head's decode
+"""DSpark on the DFlash backbone (models/methods/dflash: heads.py, ``block_head``): the Markov head's decode
 step equals its teacher-forced training form, the anchor-slot block convention (B drafts, labels a+j+1), lossless
 greedy and sampled (χ²) decoding with the head feeding each drafted token into the next slot, the confidence-
 scheduled K, a warm start from a DFlash checkpoint, a second head as one small module (a test-only toy GRU), and
@@ -12,8 +12,9 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 
 from eval import decode, decode_batch
-from models import block_heads, registry
-from models.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, build
+from models import registry
+from models.methods.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, build
+from models.methods.dflash import heads as block_heads
 from models.proposal import Sampling
 from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
@@ -185,7 +186,7 @@ def test_verify_costs_schedule_k_from_the_heads_expected_tokens(target, tmp_path
     """verify_costs: each round keeps the K maximising (1 + Σ_j Π_{i<=j} c_i) / v(K); with every c = 0.7:
     gains 1.7, 2.19, 2.54, 2.78. Cheap verification keeps the whole block, a steep v(K) only its start; the
     cost model fills v in for ``verify_costs: auto``, and decoding stays lossless."""
-    from models.dflash import SPEC
+    from models.methods.dflash import SPEC
 
     d = drafter(target)
     with torch.no_grad():

@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from eval import decode
 from models import export as ex
-from models.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter
+from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
 

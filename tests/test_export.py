@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models import export as ex
-from models.eagle3 import Eagle3Config, Eagle3Drafter
-from models.medusa import propose
-from models.mtp import propose_chain
+from models.methods.eagle3 import Eagle3Config, Eagle3Drafter
+from models.methods.medusa import propose
+from models.methods.mtp import propose_chain
 from models.registry import load_drafter
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
@@ -367,7 +367,7 @@ def test_validator_rejects_export_for_another_target(native, target, tiny_tokeni
     ("medusa_vllm", lambda c: c.update(num_attention_heads=4), "would overwrite num_heads"),
 ])
 def test_validator_rejects_engine_traps(ckpts, target, tmp_path, fmt, edit, msg):
-    method = ex.METHOD_OF[fmt]
+    method = ex.export_format(fmt).method
     drafter, meta = load_drafter(ckpts[method], target)
     out = ex.export(drafter, fmt, tmp_path / fmt, target, meta=meta)
     _edit_config(out, edit)
@@ -422,7 +422,7 @@ def test_cli_exports_checks_and_refuses(ckpts, llama_dir, target, tiny_tokenizer
 @pytest.mark.parametrize("fmt", ["medusa_fasterdecoding", "medusa_vllm"])
 def test_shared_lm_head_medusa_round_trip(target, tmp_path, fmt):
     """The CPU recipe's heads borrow the target's frozen lm_head; both formats must reproduce its proposals."""
-    from models.medusa import MedusaConfig, MedusaHeads
+    from models.methods.medusa import MedusaConfig, MedusaHeads
 
     torch.manual_seed(0)
     lm = target.model.get_output_embeddings().weight.detach()

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models import export as ex
-from models.eagle3 import Eagle3Config, Eagle3Drafter
+from models.methods.eagle3 import Eagle3Config, Eagle3Drafter
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
 
@@ -142,7 +142,7 @@ def test_exported_files_are_world_readable(target, tmp_path, fmt):
 
 # --------------------------------------------------------------------------------------------- 4. identity
 def _medusa(target: FrozenTarget):
-    from models.medusa import MedusaConfig, MedusaHeads
+    from models.methods.medusa import MedusaConfig, MedusaHeads
 
     lm = target.model.get_output_embeddings().weight.detach()
     return MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.model.config, lm).eval()
@@ -242,7 +242,7 @@ def test_validator_refuses_consistently_shifted_ids(tiny_tokenizer, tmp_path):
 
 # --------------------------------------------------------------------------------------------- 5. engine versions
 def _all_exports(target: FrozenTarget, root: Path) -> dict[str, Path]:
-    from models.mtp import MTPConfig, MTPDrafter
+    from models.methods.mtp import MTPConfig, MTPDrafter
 
     out = {f: ex.export(make_drafter(target), f, root / f, target) for f in ("eagle3_native", "eagle3_speculators")}
     for f in ("medusa_fasterdecoding", "medusa_vllm"):
@@ -268,7 +268,7 @@ def test_readmes_name_engine_versions_and_offer_no_removed_method(target, tmp_pa
 
 
 def test_sglang_plus_one_rule_per_family():
-    from models.export.identity import sglang_reads
+    from models.export_identity import sglang_reads
 
     assert sglang_reads([0, 1, 2], "llama") == [1, 2, 3]  # llama.py: always +1
     assert sglang_reads([1, 3, 5], "deepseek_v3") == [2, 4, 6]  # first id 1: +1 (the default layers)
@@ -306,7 +306,7 @@ def test_validator_warns_when_sglang_would_read_the_ids_differently(tiny_tokeniz
 # --------------------------------------------------------------------------------------------- 7. MTP depth input
 @pytest.mark.parametrize("between", ["post_norm", "pre_norm"])
 def test_mtp_export_records_the_hidden_state_depth_two_was_trained_on(target, tmp_path, between):
-    from models.mtp import MTPConfig, MTPDrafter
+    from models.methods.mtp import MTPConfig, MTPDrafter
 
     d = MTPDrafter.from_target(MTPConfig(num_modules=2, hidden_between_depths=between), target).eval()
     out = ex.export(d, "mtp", tmp_path / "mtp", target)
@@ -350,7 +350,7 @@ def test_exports_name_the_target_not_this_machines_path_to_it(target, tmp_path):
 
 
 def test_engine_target_name_spellings():
-    from models.export.common import engine_target_name
+    from models.export_common import engine_target_name
     from models.target import EMBEDDED_DIR
 
     assert engine_target_name("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"

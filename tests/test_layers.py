@@ -1,18 +1,17 @@
-"""The package's import graph is a layered DAG (issue 10, Build 3), checked by parsing the source with ``ast``.
+"""The package's import graph is a layered DAG, checked by parsing the source with ``ast``.
 
-Layers, lowest first; a module may import its own layer or lower ones, never a higher one:
+Layers come from paths (no hand-kept module list), lowest first; a module may import its own layer or lower ones:
 
-    core      models.{target, gguf, target_view, vocab, tokenizer, verify, proposal, spec, checkpoint, drafter, rope,
-              tree, block_heads, block_proposers}
-    methods   models.{eagle3, medusa, mtp, dflash, ngram, draft_model, peagle}  (not each other: only through core)
-    registry  models.registry
-    data      data.*
-    export    models.export.*
-    top       train.* and eval.* (not each other)
+    core      every models/ module outside the three below (target, decoding, verification, shared draft blocks)
+    methods   models/methods/<name>/  — one package per method; a method imports core and its own package only
+    registry  models/registry.py
+    data      data/
+    export    models/export/
+    top       train/ and eval/ (not each other)
 
 Also: no import cycle (module-level and function-level imports both count, so a lazy import cannot hide one),
 and no private name (``_x``) taken from another package module, by ``from m import _x`` or by ``m._x``. A
-helper two modules need is public in one place.
+helper two modules need is public in one place (within one method package, its modules share freely).
 """
 
 from __future__ import annotations
@@ -23,28 +22,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("train", "models", "data", "eval")
 
-CORE = {"models.norm", "models.target", "models.gguf", "models.target_view", "models.vocab", "models.tokenizer",
-        "models.verify", "models.proposal", "models.spec", "models.checkpoint", "models.drafter", "models.rope",
-        "models.tree", "models.losses", "models.ragged", "models.block_heads", "models.block_proposers"}
-METHODS = {"models.eagle3", "models.medusa", "models.mtp", "models.dflash", "models.ngram", "models.draft_model",
-           "models.peagle"}
 # rank of each layer; train and eval share the top rank but are separate groups
 RANK = {"core": 0, "methods": 1, "registry": 2, "data": 3, "export": 4, "train": 5, "eval": 5}
 
 
 def layer(mod: str) -> str | None:
-    if mod in CORE:
-        return "core"
-    if mod in METHODS:
+    parts = mod.split(".")
+    if parts[:2] == ["models", "methods"] and len(parts) > 2:
         return "methods"
     if mod == "models.registry":
         return "registry"
-    if mod == "models.export" or mod.startswith("models.export."):
+    if parts[:2] == ["models", "export"]:
         return "export"
-    top = mod.split(".")[0]
-    if top in ("data", "train", "eval") or mod == "models":
-        return {"models": "core"}.get(top, top)
-    return None
+    return {"models": "core", "data": "data", "train": "train", "eval": "eval"}.get(parts[0])
+
+
+def method_package(mod: str) -> str:
+    """``models.methods.eagle3.net`` → ``models.methods.eagle3``."""
+    return ".".join(mod.split(".")[:3])
+
+
+def same_method_package(a: str, b: str) -> bool:
+    return layer(a) == layer(b) == "methods" and method_package(a) == method_package(b)
 
 
 def package_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -87,16 +86,18 @@ def scan(mods: dict[str, Path], root: Path = ROOT) -> tuple[dict[str, dict[str, 
                 src = _resolve(mod, is_pkg, node)
                 for a in node.names:
                     sub = f"{src}.{a.name}"
-                    if sub in mods:  # `from models import eagle3`: the submodule itself
+                    if sub in mods:  # `from models.methods import eagle3`: the submodule itself
                         edges[mod].setdefault(sub, node.lineno)
                         bound[a.asname or a.name] = sub
                     elif src in mods:
                         edges[mod].setdefault(src, node.lineno)
-                        if a.name.startswith("_") and not a.name.startswith("__"):
+                        if (a.name.startswith("_") and not a.name.startswith("__")
+                                and not same_method_package(mod, src)):
                             private.append(f"{where(node)}: {mod} imports private {src}.{a.name}")
         for node in ast.walk(tree):  # m._x on a name bound to a package module
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
-                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                    and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not same_method_package(mod, bound[node.value.id])):
                 private.append(f"{where(node)}: {mod} uses private {bound[node.value.id]}.{node.attr}")
         edges[mod].pop(mod, None)
     return edges, private
@@ -142,7 +143,7 @@ def arrow_violations(edges: dict[str, dict[str, int]], mods: dict[str, Path], ro
     for a, targets in sorted(edges.items()):
         la = layer(a)
         if la is None:
-            bad.append(f"{mods[a].relative_to(root)}: module {a} is in no layer; add it to tests/test_layers.py")
+            bad.append(f"{mods[a].relative_to(root)}: module {a} is in no layer (models/, data/, train/ or eval/)")
             continue
         for b, line in sorted(targets.items()):
             lb = layer(b)
@@ -153,7 +154,7 @@ def arrow_violations(edges: dict[str, dict[str, int]], mods: dict[str, Path], ro
                 bad.append(f"{at}: upward arrow")
             elif la != lb and RANK[la] == RANK[lb]:
                 bad.append(f"{at}: {la} and {lb} must not import each other")
-            elif la == lb == "methods":
+            elif la == lb == "methods" and method_package(a) != method_package(b):
                 bad.append(f"{at}: methods share code only through core")
     return bad
 
@@ -172,8 +173,9 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
     files = {
         "models/target.py": "def f():\n    from models import registry\n",
         "models/registry.py": "from models import target\n",
-        "models/eagle3.py": "from models import medusa\n",
-        "models/medusa.py": "from models.target import _fp\nfrom models import vocab\nvocab._x\n",
+        "models/methods/eagle3/__init__.py": "from models.methods import medusa\n",
+        "models/methods/medusa/__init__.py": "from models.target import _fp\nfrom models import vocab\nvocab._x\n",
+        "models/methods/medusa/net.py": "from models.methods.medusa import _own\n",  # its own package: allowed
         "models/vocab.py": "",
         "train/loop.py": "import eval.decode\n",
         "eval/decode.py": "",
@@ -181,7 +183,7 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    for pkg in ("models", "train", "eval", "data"):
+    for pkg in ("models", "models/methods", "train", "eval", "data"):
         (tmp_path / pkg).mkdir(exist_ok=True)
         (tmp_path / pkg / "__init__.py").write_text("")
     mods = package_modules(tmp_path)
@@ -189,7 +191,9 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
     found = "\n".join([str(c) for c in cycles(edges)] + arrow_violations(edges, mods, tmp_path) + private)
     assert "['models.registry', 'models.target']" in found
     assert "models.target (core) imports models.registry (registry): upward arrow" in found
-    assert "models.eagle3 (methods) imports models.medusa (methods): methods share code only through core" in found
+    assert ("models.methods.eagle3 (methods) imports models.methods.medusa (methods):"
+            " methods share code only through core") in found
     assert "train.loop (train) imports eval.decode (eval): train and eval must not import each other" in found
     assert "imports private models.target._fp" in found
     assert "uses private models.vocab._x" in found
+    assert "_own" not in found and "models.methods.medusa.net" not in found

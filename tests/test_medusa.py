@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import make_tiny_llama
 from transformers import LlamaConfig
 
-from models.medusa import (
+from models.methods.medusa import (
     MedusaConfig,
     MedusaHeads,
     build_medusa_tree,
@@ -288,7 +288,7 @@ def test_static_tree_from_training_metrics(target, tmp_path):
 
 
 def test_tree_sizing_trades_expected_tau_against_verify_cost():
-    from models.medusa import expected_tree_tau, size_tree
+    from models.methods.medusa import expected_tree_tau, size_tree
 
     acc = torch.tensor([[0.9, 0.5, 0.1], [0.8, 0.3, 0.05]])
     # (0,) .9  (0,0) .72  (1,) .5 → 1 + .9 + .72 + .5

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import make_tiny_llama
 from transformers import LlamaConfig
 
-from models.mtp import MTPConfig, MTPDrafter, init_from_native, propose_chain, to_native_state_dict
+from models.methods.mtp import MTPConfig, MTPDrafter, init_from_native, propose_chain, to_native_state_dict
 from models.target import FrozenTarget
 
 V, H = 48, 32
@@ -296,7 +296,7 @@ def test_hidden_between_depths_cached_proposer_equals_reference(target, between)
     """Depth >= 2 reads shared_head.norm(h) (vLLM/SGLang) or h: the KV-cached proposer follows either exactly, and
     the option really changes the chain (non-unit norm gains, O(1) weights)."""
     from eval import decode
-    from models.mtp import MTPProposer
+    from models.methods.mtp import MTPProposer
 
     torch.manual_seed(4)
     drs = {}

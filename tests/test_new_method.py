@@ -22,7 +22,6 @@ from eval.bench_setup import build_methods
 from eval.decode import decode_ar, speculative_decode
 from models import registry
 from models.export import export, export_format, load_export, validate
-from models.export import formats as export_formats
 from models.proposal import Sampling
 from models.target import FrozenTarget
 from train.loop import run as train_run
@@ -111,12 +110,10 @@ def test_a_toy_method_trains_decodes_benchmarks_and_exports(toy_env):
     assert speculative_decode(target, m.make(None), p, 24).tokens == decode_ar(target, p, 24).tokens
 
     # exported through one added format row, validated, detected and loaded back: the same proposals
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(export_formats.EXPORT_FORMATS, "toy_native", toy.EXPORT_FORMAT)
-        assert export_format("toy").name == "toy_native"  # its CLI spelling
-        path = export(head, "toy_native", tmp / "export", target)
-        assert validate(path, None, target) == "toy_native"  # detected from config.json
-        back = load_export(path, target)
+    assert export_format("toy").name == "toy_native"  # its CLI spelling
+    path = export(head, "toy_native", tmp / "export", target)
+    assert validate(path, None, target) == "toy_native"  # detected from config.json
+    back = load_export(path, target)
     readme = (path / "README.md").read_text()
     assert "# draftsmith export: toy_native" in readme and "vllm serve" not in readme  # no engine snippet invented
     assert isinstance(back, toy.BigramHead)

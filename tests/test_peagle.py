@@ -1,4 +1,4 @@
-"""P-EAGLE (models/peagle.py): the COD chains and their attention mask, cached parallel drafting equals a
+"""P-EAGLE (models/methods/peagle): the COD chains and their attention mask, cached parallel drafting equals a
 from-scratch forward, lossless greedy and sampled (χ²) decoding, training on the loop, and the speculators
 ``peagle`` export (vLLM ``{"method": "eagle3", "parallel_drafting": true}``) with round trip and refusals."""
 
@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from eval import decode
 from models import registry
-from models.peagle import PEagleConfig, PEagleDrafter, PEagleProposer, build
+from models.methods.peagle import PEagleConfig, PEagleDrafter, PEagleProposer, build
 from models.proposal import Sampling
 from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama

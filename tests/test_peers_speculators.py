@@ -90,8 +90,8 @@ def test_speculators_loads_our_dspark_and_peagle_exports(target, tmp_path):
     from speculators.models.peagle import PEagleSpeculatorConfig
     from speculators.models.peagle.core import PEagleDraftModel
 
-    from models.dflash import DFlashConfig, DFlashDrafter
-    from models.peagle import PEagleConfig, PEagleDrafter
+    from models.methods.dflash import DFlashConfig, DFlashDrafter
+    from models.methods.peagle import PEagleConfig, PEagleDrafter
     from tests.test_dflash import scramble
 
     V, head = target.vocab_size, target.model.get_output_embeddings().weight

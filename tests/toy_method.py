@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from models.export import WEIGHTS, ExportFormat
-from models.export.common import Bundle, TargetInfo, Tensors, engine_target_name, fail, make_sidecar, require
+from models.export_common import Bundle, TargetInfo, Tensors, engine_target_name, fail, make_sidecar, require
 from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget, validate_layer_ids
@@ -102,12 +102,6 @@ def build(cfg: ToyConfig, target: FrozenTarget, train_rows: list[dict] | None = 
     return BigramHead(cfg, c.hidden_size, c.vocab_size, target.num_layers)
 
 
-SPEC = MethodSpec(
-    name="toy", config=ToyConfig, build=build, rebuild=build, export_formats=("toy_native",),
-    proposers=(ProposerSpec("toy", lambda head, _t, **o: BigramChainProposer(head, **o), {"k": 3}),),
-)
-
-
 # --------------------------------------------------------------------------------------------- its exporter
 def export_build(d: BigramHead, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
     cfg = {"architectures": [ARCH], "base_model_name_or_path": engine_target_name(name), "rank": d.cfg.rank,
@@ -135,6 +129,11 @@ def export_load(cfg: dict, sd: dict, target: FrozenTarget) -> BigramHead:
 
 EXPORT_FORMAT = ExportFormat("toy_native", "toy", "toy", "nothing (a test format)", export_build, export_check,
                              export_load, lambda cfg, _p: ARCH in (cfg.get("architectures") or []), WEIGHTS)
+
+SPEC = MethodSpec(
+    name="toy", config=ToyConfig, build=build, rebuild=build, export_formats=(EXPORT_FORMAT,),
+    proposers=(ProposerSpec("toy", lambda head, _t, **o: BigramChainProposer(head, **o), {"k": 3}),),
+)
 
 
 def training_loss_reference(head: BigramHead, ids: Tensor, mask: Tensor, hidden: dict[int, Tensor],

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from models.checkpoint import NoSpaceError
-from models.export import CLI_FORMATS, ExportError, export, recommended_k_from_results, validate
+from models.export import ExportError, cli_formats, export, recommended_k_from_results, validate
 from models.target import EMBEDDED_NAME, parse_dtype, resolve_name
 from models.target_view import TargetView
 
@@ -36,7 +36,7 @@ def _default_target(meta: dict) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", nargs="?", help="drafter checkpoint directory (config.json + model.safetensors)")
-    p.add_argument("--format", choices=sorted(CLI_FORMATS), help="export format")
+    p.add_argument("--format", choices=sorted(cli_formats()), help="export format")
     p.add_argument("--out", help="output directory")
     p.add_argument("--target", help="target name or path (default: the checkpoint's / the export's)")
     p.add_argument("--results", help="eval results JSON with recommended_num_speculative_tokens")
@@ -110,7 +110,7 @@ def _export(args: argparse.Namespace) -> str:
     k = recommended_k_from_results(args.results) if args.results else None
     out = export(drafter, args.format, args.out, target, target_name=name, recommended_k=k, meta=meta, dtype=dtype,
                  overwrite=args.force, serve_name=args.serve_name)
-    fmt = CLI_FORMATS[args.format]
+    fmt = cli_formats()[args.format]
     n_files = sum(1 for _ in out.iterdir())
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     return (f"exported {meta['method']} checkpoint {ckpt} -> {out} as {fmt} ({n_files} files, {size:.1f} MiB), "

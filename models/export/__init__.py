@@ -28,10 +28,7 @@ Modules: api (export, load_export), validate (detect_format, validate), eagle3 /
 and load back each family's two formats), readme (the README.md), common (constants, ExportError, helpers).
 """
 
-from models.target import embed_fingerprint
-
-from .api import export, load_export
-from .common import (
+from models.export_common import (
     CONFIG,
     DEFAULT_K,
     LAYER_ID_CONVENTION,
@@ -42,13 +39,17 @@ from .common import (
     ExportError,
     recommended_k_from_results,
 )
-from .formats import CLI_FORMATS, EXPORT_FORMATS, FORMATS, METHOD_OF, ExportFormat, export_format
-from .mtp import fuse_experts, unfuse_experts
+from models.methods.mtp.export import fuse_experts, unfuse_experts
+from models.spec import ExportFormat
+from models.target import embed_fingerprint
+
+from .api import export, load_export
+from .formats import cli_formats, export_format, export_formats
 from .validate import detect_format, validate
 
 __all__ = [
-    "CLI_FORMATS", "EXPORT_FORMATS", "ExportFormat", "export_format", "CONFIG", "DEFAULT_K", "FORMATS",
-    "LAYER_ID_CONVENTION", "MEDUSA_WEIGHTS", "METHOD_OF", "README",
+    "cli_formats", "export_formats", "ExportFormat", "export_format", "CONFIG", "DEFAULT_K",
+    "LAYER_ID_CONVENTION", "MEDUSA_WEIGHTS", "README",
     "SIDECAR", "WEIGHTS", "ExportError", "detect_format", "embed_fingerprint", "export", "load_export",
     "recommended_k_from_results", "validate", "fuse_experts", "unfuse_experts",
 ]

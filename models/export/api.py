@@ -13,9 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models.checkpoint import out_of_space_as_error
-from models.target import FrozenTarget
-
-from .common import (
+from models.export_common import (
     CONFIG,
     DTYPE_NAMES,
     README,
@@ -27,8 +25,10 @@ from .common import (
     load_json,
     target_info,
 )
-from .formats import EXPORT_FORMATS, export_format
-from .identity import STAMP_KEY
+from models.export_identity import STAMP_KEY
+from models.target import FrozenTarget
+
+from .formats import export_format, export_formats
 from .readme import render_readme
 from .serving import SERVING_KEY, serving_manifest
 from .validate import check_export, validate
@@ -156,7 +156,7 @@ def _check_replaceable(out: Path) -> None:
     entries = list(out.iterdir())
     if not entries:
         return
-    ours = {CONFIG, SIDECAR, README, *(f.weights_file for f in EXPORT_FORMATS.values())}
+    ours = {CONFIG, SIDECAR, README, *(f.weights_file for f in export_formats().values())}
     foreign = sorted(p.name for p in entries if p.name not in ours or not p.is_file())
     if not (out / SIDECAR).is_file() or foreign:
         what = f"it holds {foreign[:4]}" if foreign else f"it has no {SIDECAR} marker"

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
+from models.export_common import EMBEDDED_SERVE_PATH, engine_target_name
+from models.export_identity import SGLANG_PLUS1_IF_FIRST_IS_1, sglang_reads, stamp_of
 from models.target import EMBEDDED_NAME
-
-from .common import EMBEDDED_SERVE_PATH, engine_target_name
-from .identity import SGLANG_PLUS1_IF_FIRST_IS_1, sglang_reads, stamp_of
 
 # The engine releases whose loaders (read from their wheels) each snippet was checked against.
 VLLM_CHECKED = "vLLM 0.33.0 and 0.32.0"

@@ -21,9 +21,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from models.export_common import fail
 from models.target import embed_fingerprint
-
-from .common import fail
 
 SERVING_KEY = "serving"
 
@@ -68,7 +67,7 @@ def serving_manifest(target: Any, meta: Mapping | None) -> dict:
 
 
 def manifest_of(cfg: Mapping, side: Mapping | None) -> dict:
-    from .identity import stamp_of
+    from models.export_identity import stamp_of
 
     m = (side or {}).get(SERVING_KEY) or stamp_of(cfg).get(SERVING_KEY)
     return dict(m) if isinstance(m, Mapping) else {}

@@ -12,9 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from models.target import embed_fingerprint
-
-from .common import (
+from models.export_common import (
     CONFIG,
     LAYER_ID_CONVENTION,
     SIDECAR,
@@ -28,9 +26,11 @@ from .common import (
     norm_name,
     target_info,
 )
+from models.export_identity import check_stamp
+from models.target import embed_fingerprint
+
 from .formats import detect_format as _detect
 from .formats import export_format
-from .identity import check_stamp
 from .serving import check_serving
 
 

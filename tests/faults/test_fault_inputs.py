@@ -157,7 +157,7 @@ def test_truncated_feature_shard_names_the_path(target_dir, tmp_path):
 def test_batched_decode_rows_all_finished_at_prefill(tiny_llama, n, eos_first):
     from eval.decode import decode_ar, speculative_decode
     from eval.decode_batch import decode_ar_batch, speculative_decode_batch
-    from models.ngram import NGramProposer
+    from models.methods.ngram import NGramProposer
     from models.target import FrozenTarget
 
     target = FrozenTarget(tiny_llama)

@@ -1,9 +1,9 @@
 """Proposers of a block drafter (core): ONE drafter forward per round drafts a block (DFlash, DSpark).
 
-Split out of models/dflash.py (which keeps the module, loss and SPEC) and written against the drafter's
+Split out of models/methods/dflash (which keeps the module, loss and SPEC) and written against the drafter's
 interface only — ``layer_ids``, ``block_size``, ``num_spec``, ``slot_offset``, ``draft_ids``, ``vocab_size``,
-``block_head``, ``context``, ``context_kv``, ``blocks``, ``logits`` (models/dflash.py ``DFlashDrafter``) — so
-the proposers stay in the core layer. An intra-block head (models/block_heads.py) drafts the slots one after
+``block_head``, ``context``, ``context_kv``, ``blocks``, ``logits`` (models/methods/dflash ``DFlashDrafter``) — so
+the proposers stay in the core layer. An intra-block head (models/methods/dflash/heads.py) drafts the slots one after
 another; ``min_confidence`` is the confidence-scheduled K.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.block_heads import draft_block
+from models.methods.dflash.heads import draft_block
 from models.proposal import PerRowProposers, Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.ragged import RaggedKV
 
@@ -105,7 +105,7 @@ def _check_confidence(drafter: Any, min_confidence: float) -> float:
 
 
 def _check_costs(drafter: Any, verify_costs: list[float] | str | None) -> list[float] | None:
-    if not verify_costs or verify_costs == "auto":  # auto: filled in by the cost model (models/dflash.py _size_k)
+    if not verify_costs or verify_costs == "auto":  # auto: filled in by the cost model (models/methods/dflash _size_k)
         return None
     if getattr(drafter.block_head, "confidence_head", None) is None:
         raise ValueError("verify_costs schedule the verified length from a confidence head; this drafter has none")

@@ -24,11 +24,11 @@ greedy choices, i.e. where the label is what a verifier accepts after slots 1..k
 agreed*, so ``simulated_tau`` of them is the expected accepted
 length of a greedy block.
 
-Inference (models/block_proposers.py): the drafter keeps a KV cache of the injected context only (per layer,
+Inference (models/methods/dflash/proposers.py): the drafter keeps a KV cache of the injected context only (per layer,
 positions 0..n−1); a round feeds the new context features (one row per newly committed token), then one forward
 over the block at positions n..n+B−1 with no mask (all context precedes the anchor); block K/V are never cached.
 
-DSpark (``block_head``, ``sample_from_anchor``; models/block_heads.py): the same backbone; the anchor slot drafts
+DSpark (``block_head``, ``sample_from_anchor``; heads.py): the same backbone; the anchor slot drafts
 too (B tokens, draft j → token a+j+1) and a small head conditions each slot on the token before it.
 """
 
@@ -42,9 +42,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
-from models.block_heads import build_block_head
-from models.block_proposers import DFlashBatchProposer, DFlashProposer  # noqa: F401 (re-exported: the method's proposers)
 from models.drafter import simulated_tau
+from models.methods.dflash import export
+from models.methods.dflash.heads import build_block_head
+from models.methods.dflash.proposers import DFlashBatchProposer, DFlashProposer  # noqa: F401 (re-exported: the method's proposers)
 from models.norm import RMSNorm
 from models.proposal import check_k
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -73,8 +74,8 @@ class DFlashConfig:
     draft_vocab_size: int | None = None  # None → the target's whole vocabulary
     intermediate_size: int | None = None  # None → the target's
     loss_chunk: int = 2048  # slots per logits chunk (never all N·B slots × V in fp32 at once)
-    # DSpark (arXiv 2607.05147; models/block_heads.py): an intra-block head, and the block convention
-    block_head: str = "none"  # none | markov (| any name in models.block_heads.BLOCK_HEADS)
+    # DSpark (arXiv 2607.05147; models/methods/dflash/heads.py): an intra-block head, and the block convention
+    block_head: str = "none"  # none | markov (| any name in models.methods.dflash.heads.BLOCK_HEADS)
     # true (DSpark): the anchor slot drafts too — slot s predicts token a+s+1, B speculative tokens per block;
     # false (DFlash): slot 0 is the anchor, slots 1..B-1 predict a+1..a+B-1
     sample_from_anchor: bool = False
@@ -520,7 +521,7 @@ def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: 
     agreement saved with the checkpoint (final/eval.json, acc_0..), v the measured verify cost of k drafted
     tokens. One draft forward writes every slot, so the draft cost does not grow with k.
     ``verify_costs: auto`` (a confidence head): v(1..S) measured here, and every round verifies the K the head's
-    own acceptance estimates make best (models/block_heads.py ``draft_block``), up to k."""
+    own acceptance estimates make best (models/methods/dflash/heads.py ``draft_block``), up to k."""
     import json
     from pathlib import Path
 
@@ -547,7 +548,7 @@ def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: 
 
 SPEC = MethodSpec(
     name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
-    export_formats=("dflash_speculators", "dflash_zlab", "dspark_speculators", "dspark_zlab"),
+    export_formats=export.FORMATS,
     # k: null → the whole block (B-1; DSpark: B); auto → sized by the cost model from the held-out slot agreement.
     # DSpark's confidence head: min_confidence stops a block where the running acceptance estimate drops below it;
     # verify_costs: auto → each round verifies the K maximising the head's expected tokens / measured v(K)

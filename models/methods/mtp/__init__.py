@@ -30,6 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from models.drafter import softcap
 from models.losses import distill_step, step_metrics, weighted_total
+from models.methods.mtp import export
 from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
@@ -418,7 +419,7 @@ class _Stream:
 
 
 class MTPProposer:
-    """MTP chain with a KV cache per depth, identical to models/mtp.py ``propose_chain`` (each step j runs
+    """MTP chain with a KV cache per depth, identical to models/methods/mtp ``propose_chain`` (each step j runs
     module min(j, D-1) over the whole context; entries that read a drafted token are recomputed each round)."""
 
     def __init__(self, drafter, k: int | None = None, sample_drafts: bool = True):
@@ -489,7 +490,7 @@ def _default_k(drafter: MTPDrafter, _ckpt_dir: str | None, o: dict) -> dict:
 
 SPEC = MethodSpec(
     name="mtp", config=MTPConfig, build=lambda cfg, target, rows=None: MTPDrafter.from_target(cfg, target),
-    rebuild=MTPDrafter.from_target, export_formats=("mtp_deepseek", "mtp_sglang_nextn"),
+    rebuild=MTPDrafter.from_target, export_formats=export.FORMATS,
     # checkpoints written before hidden_between_depths existed chained the pre-norm state
     checkpoint_defaults={"hidden_between_depths": "pre_norm"},
     proposers=(ProposerSpec("mtp", lambda d, _t, **o: MTPProposer(d, **o), {"k": None}, prepare=_default_k),),

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from models.drafter import simulated_tau
+from models.methods.peagle import export
 from models.norm import RMSNorm
 from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -386,7 +387,7 @@ def rebuild(cfg: PEagleConfig, target: FrozenTarget) -> PEagleDrafter:
 
 
 SPEC = MethodSpec(
-    name="peagle", config=PEagleConfig, build=build, rebuild=rebuild, export_formats=("peagle_speculators",),
+    name="peagle", config=PEagleConfig, build=build, rebuild=rebuild, export_formats=export.FORMATS,
     proposers=(ProposerSpec("peagle", lambda d, _t, **o: PEagleProposer(d, **o), {"k": None},
                             prepare=lambda d, _c, o: {**o, "k": d.cfg.num_depths if o["k"] is None else int(o["k"])}),),
 )

@@ -4,12 +4,12 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from models.target import FrozenTarget
-
-from .common import (
+from models.export_common import (
     DTYPE_NAMES,
     MEDUSA_WEIGHTS,
     Bundle,
@@ -21,7 +21,9 @@ from .common import (
     make_sidecar,
     require,
 )
-from .identity import STAMP_KEY, target_stamp
+from models.export_identity import STAMP_KEY, target_stamp
+from models.spec import ExportFormat
+from models.target import FrozenTarget
 
 
 # ============================================================================================ build
@@ -132,7 +134,7 @@ def check_medusa(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
 
 # ============================================================================================ load back
 def load_medusa(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
-    from models.medusa import MedusaConfig, MedusaHeads
+    from models.methods.medusa import MedusaConfig, MedusaHeads
 
     lm = target.model.get_output_embeddings().weight.detach()
     if fmt == "medusa_fasterdecoding":
@@ -152,3 +154,15 @@ def load_medusa(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Modul
     heads = MedusaHeads(MedusaConfig(num_heads=K, num_layers=n, share_lm_head=shared), target.model.config, lm)
     heads.load_state_dict(state, strict=True)
     return heads.to(next(v.dtype for v in sd.values() if v.is_floating_point())).eval()
+
+
+# the engine formats this method's drafters export to (SPEC.export_formats; detect() is tried in this order)
+FORMATS = (
+    ExportFormat("medusa_fasterdecoding", "medusa", "medusa", "FasterDecoding/Medusa, TensorRT-LLM",
+                 build_medusa_fasterdecoding, partial(check_medusa, "medusa_fasterdecoding"),
+                 partial(load_medusa, "medusa_fasterdecoding"),
+                 lambda cfg, p: (p / MEDUSA_WEIGHTS).exists() or "medusa_num_heads" in cfg, MEDUSA_WEIGHTS),
+    ExportFormat("medusa_vllm", "medusa-vllm", "medusa", "vLLM (medusa)",
+                 build_medusa_vllm, partial(check_medusa, "medusa_vllm"), partial(load_medusa, "medusa_vllm"),
+                 lambda cfg, _p: cfg.get("model_type") == "medusa"),
+)

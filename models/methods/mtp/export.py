@@ -7,15 +7,27 @@ from __future__ import annotations
 import importlib
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from models.export_common import (
+    CONFIG,
+    DTYPE_NAMES,
+    Bundle,
+    ExportError,
+    TargetInfo,
+    Tensors,
+    architectures,
+    fail,
+    make_sidecar,
+    require,
+)
+from models.export_identity import STAMP_KEY, target_stamp
+from models.spec import ExportFormat
 from models.target import FrozenTarget, resolve_name
-
-from .common import CONFIG, DTYPE_NAMES, Bundle, ExportError, TargetInfo, Tensors, fail, make_sidecar, require
-from .identity import STAMP_KEY, target_stamp
 
 # The only model family whose HF-5 fused expert tensors we split back into the per-expert checkpoint layout:
 # transformers' conversion_mapping.py maps deepseek_v3 to the qwen2_moe rule (experts.*.gate_proj/up_proj →
@@ -90,7 +102,7 @@ def _target_config_dict(target: FrozenTarget) -> dict:
 
 
 def _mtp_native(d: nn.Module, target: FrozenTarget) -> tuple[dict, str]:
-    from models.mtp import to_native_state_dict
+    from models.methods.mtp import to_native_state_dict
 
     tc = target.model.config
     over = {k: getattr(d.cfg, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")}
@@ -169,7 +181,7 @@ def _mtp_expected_layer(cfg: dict, layer_idx: int, target: TargetInfo | None, wh
     from the config, so a 671B target costs nothing."""
     from transformers import AutoConfig
 
-    from models.mtp import MTPConfig, MTPModule, decoder_config
+    from models.methods.mtp import MTPConfig, MTPModule, decoder_config
 
     if target is not None and target.frozen is not None and \
             getattr(target.frozen.model.config, "model_type", None) == cfg.get("model_type"):
@@ -223,7 +235,7 @@ def check_mtp(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Target
 
 # ============================================================================================ load back
 def load_mtp(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
-    from models.mtp import MTPConfig, MTPDrafter, init_from_native
+    from models.methods.mtp import MTPConfig, MTPDrafter, init_from_native
 
     L = target.num_layers
     if fmt == "mtp_sglang_nextn":
@@ -241,3 +253,15 @@ def load_mtp(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     except ValueError as e:
         raise ExportError(f"cannot load the MTP weights into this target's block: {e}") from None
     return drafter.eval()
+
+
+# the engine formats this method's drafters export to (SPEC.export_formats; detect() is tried in this order)
+FORMATS = (
+    ExportFormat("mtp_sglang_nextn", "mtp-nextn", "mtp", "SGLang (NEXTN) for DeepSeek-V3 targets",
+                 build_mtp_sglang_nextn, partial(check_mtp, "mtp_sglang_nextn"),
+                 partial(load_mtp, "mtp_sglang_nextn"),
+                 lambda cfg, _p: "DeepseekV3ForCausalLMNextN" in architectures(cfg)),
+    ExportFormat("mtp_deepseek", "mtp", "mtp", "vLLM (mtp) for DeepSeek-V3 targets",
+                 build_mtp_deepseek, partial(check_mtp, "mtp_deepseek"), partial(load_mtp, "mtp_deepseek"),
+                 lambda cfg, _p: bool(cfg.get("num_nextn_predict_layers"))),
+)

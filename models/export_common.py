@@ -186,3 +186,8 @@ def target_num_layers(target: TargetInfo | None, side: dict | None) -> int | Non
     if side is not None:
         return (side.get("target") or {}).get("num_hidden_layers")
     return None
+
+
+def architectures(cfg: Mapping) -> list[str]:
+    """A config.json's ``architectures`` (an absent or null one is empty): what format detection reads."""
+    return list(cfg.get("architectures") or [])

@@ -41,6 +41,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from models.drafter import simulated_tau
+from models.methods.eagle3 import export
 from models.norm import RMSNorm
 from models.proposal import (
     MAX_TREE_NODES,
@@ -686,7 +687,7 @@ def cached_step(
 # --------------------------------------------------------------------------------------------- proposers
 
 class _Eagle3Base:
-    """KV cache of the drafter's "real" entries (built from the target's fused states, models/eagle3.py
+    """KV cache of the drafter's "real" entries (built from the target's fused states, models/methods/eagle3
     convention: entry i reads (emb(x_{i+1}), g_i) at RoPE position i). Drafted entries never enter it."""
 
     def __init__(self, drafter, weights: str = "float32"):
@@ -1060,7 +1061,7 @@ def _tree(d, _t, max_nodes: int = MAX_TREE_NODES, size_for: float = 0, **o) -> E
 
 SPEC = MethodSpec(
     name="eagle3", config=Eagle3Config, build=build, rebuild=rebuild,
-    export_formats=("eagle3_native", "eagle3_speculators"),
+    export_formats=export.FORMATS,
     proposers=(
         # weights: the drafting precision (float32 | bfloat16 | int8, ``inference_copy``)
         ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5, "weights": "float32"}),

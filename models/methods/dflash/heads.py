@@ -1,6 +1,6 @@
 """Intra-block heads for block drafters (core): what slot k drafts may depend on what slot k−1 drafted.
 
-A block drafter (models/dflash.py) writes every slot of a block in one forward, so slot k does not know the
+A block drafter (models/methods/dflash) writes every slot of a block in one forward, so slot k does not know the
 token drafted at slot k−1. Every 2026 follow-up keeps that backbone and adds a small head on its logits that
 models the dependency inside the block (DSpark: low-rank Markov + confidence; Domino: GRU; DFlash2: conv +
 selector; …). A head here is one small module behind one interface, chosen by ``draft.config.block_head``:

@@ -5,28 +5,27 @@ formats. Aux-layer-id conventions: see the package docstring.
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from models.target import FrozenTarget
-from models.vocab import check_mapping
-
-from .common import (
+from models.export_common import (
     DEFAULT_K,
     DTYPE_NAMES,
     Bundle,
     ExportError,
     TargetInfo,
     Tensors,
+    architectures,
     engine_target_name,
     fail,
     make_sidecar,
     require,
     target_num_layers,
 )
-from .identity import (
+from models.export_identity import (
     STAMP_KEY,
     check_vocab_against_target,
     model_type_of,
@@ -35,6 +34,9 @@ from .identity import (
     vocab_hash,
     warn_sglang_family,
 )
+from models.spec import ExportFormat
+from models.target import FrozenTarget
+from models.vocab import check_mapping
 
 _EAGLE31 = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1 flags (speculators 0.9.0), defaults False
 
@@ -358,7 +360,7 @@ def check_eagle3(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
 
 # ============================================================================================ load back
 def load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
-    from models.eagle3 import Eagle3Config, Eagle3Drafter
+    from models.methods.eagle3 import Eagle3Config, Eagle3Drafter
 
     layer = cfg if fmt == "eagle3_native" else cfg["transformer_layer_config"]
     tc = target.model.config
@@ -377,3 +379,16 @@ def load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Modul
     state["embed_tokens.weight"] = d.embed_tokens.weight
     d.load_state_dict(state, strict=True)
     return d.to(sd["fc.weight"].dtype).eval()  # Module.to(dtype) leaves the int/bool d2t/t2d alone
+
+
+# the engine formats this method's drafters export to (SPEC.export_formats; detect() is tried in this order)
+FORMATS = (
+    ExportFormat("eagle3_native", "eagle3", "eagle3", "SGLang (EAGLE3), vLLM (eagle3)",
+                 build_eagle3_native, partial(check_eagle3, "eagle3_native"), partial(load_eagle3, "eagle3_native"),
+                 lambda cfg, _p: "LlamaForCausalLMEagle3" in architectures(cfg)),
+    ExportFormat("eagle3_speculators", "eagle3-speculators", "eagle3", "vLLM (speculators format)",
+                 build_eagle3_speculators, partial(check_eagle3, "eagle3_speculators"),
+                 partial(load_eagle3, "eagle3_speculators"),
+                 lambda cfg, _p: "Eagle3Speculator" in architectures(cfg)
+                                 or cfg.get("speculators_model_type") == "eagle3"),
+)

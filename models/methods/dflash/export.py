@@ -35,26 +35,28 @@ DSpark (shared/design/dflash.md §7; speculators ``models/dspark/config.py``, Sp
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from models.target import FrozenTarget
-from models.vocab import check_mapping
-
-from .common import (
+from models.export_common import (
     DTYPE_NAMES,
     Bundle,
     ExportError,
     TargetInfo,
     Tensors,
+    architectures,
     engine_target_name,
     fail,
     make_sidecar,
     require,
     target_num_layers,
 )
+from models.spec import ExportFormat
+from models.target import FrozenTarget
+from models.vocab import check_mapping
 
 
 # ============================================================================================ build
@@ -343,7 +345,7 @@ def _dspark_tensors(c: dict, H: int, V: int, Vd: int, where: str) -> dict[str, t
 
 # ============================================================================================ load back
 def load_dflash(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
-    from models.dflash import DFlashConfig, DFlashDrafter
+    from models.methods.dflash import DFlashConfig, DFlashDrafter
 
     spec, dspark = fmt.endswith("_speculators"), fmt.startswith("dspark")
     layer = cfg["transformer_layer_config"] if spec else cfg
@@ -376,3 +378,25 @@ def load_dflash(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Modul
         state["d2t"], state["t2d"] = d.d2t, d.t2d
     d.load_state_dict(state, strict=True)
     return d.to(sd["fc.weight"].dtype).eval()
+
+
+# the engine formats this method's drafters export to (SPEC.export_formats; detect() is tried in this order)
+FORMATS = (
+    ExportFormat("dflash_speculators", "dflash-speculators", "dflash", "vLLM (dflash, speculators format)",
+                 build_dflash_speculators, partial(check_dflash, "dflash_speculators"),
+                 partial(load_dflash, "dflash_speculators"),
+                 lambda cfg, _p: "DFlashSpeculator" in architectures(cfg)
+                                 or cfg.get("speculators_model_type") == "dflash"),
+    ExportFormat("dflash_zlab", "dflash", "dflash", "SGLang (DFLASH), z-lab layout",
+                 build_dflash_zlab, partial(check_dflash, "dflash_zlab"), partial(load_dflash, "dflash_zlab"),
+                 lambda cfg, _p: "DFlashDraftModel" in architectures(cfg)),
+    # DSpark = a DFlash drafter with block_head=markov, sample_from_anchor=true (the same method)
+    ExportFormat("dspark_speculators", "dspark-speculators", "dflash", "vLLM (dspark, speculators format)",
+                 build_dspark_speculators, partial(check_dflash, "dspark_speculators"),
+                 partial(load_dflash, "dspark_speculators"),
+                 lambda cfg, _p: "DSparkSpeculator" in architectures(cfg)
+                                 or cfg.get("speculators_model_type") == "dspark"),
+    ExportFormat("dspark_zlab", "dspark", "dflash", "SGLang (DSPARK), z-lab / SpecForge layout",
+                 build_dspark_zlab, partial(check_dflash, "dspark_zlab"), partial(load_dflash, "dspark_zlab"),
+                 lambda cfg, _p: "DSparkDraftModel" in architectures(cfg)),
+)

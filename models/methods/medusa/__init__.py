@@ -35,6 +35,7 @@ from transformers import PreTrainedConfig
 
 from models.drafter import softcap
 from models.losses import distill_step, step_metrics, weighted_total
+from models.methods.medusa import export
 from models.proposal import MAX_TREE_NODES, Proposal, Sampling
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
@@ -448,7 +449,7 @@ def _size_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict, verify_cost, t
 
 SPEC = MethodSpec(
     name="medusa", config=MedusaConfig, build=build, rebuild=build,
-    export_formats=("medusa_fasterdecoding", "medusa_vllm"),
+    export_formats=export.FORMATS,
     after_training=lambda heads, out_dir, metrics: heads.save_static_tree(out_dir, metrics),
     proposers=(ProposerSpec(
         "medusa", lambda heads, _t, **o: MedusaProposer(heads, choices=o["choices"]),

@@ -21,22 +21,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.target import FrozenTarget
-from models.vocab import check_mapping
-
-from .common import (
+from models.export_common import (
     DTYPE_NAMES,
     Bundle,
     ExportError,
     TargetInfo,
     Tensors,
+    architectures,
     engine_target_name,
     fail,
     make_sidecar,
     require,
     target_num_layers,
 )
-from .identity import STAMP_KEY, target_stamp, vocab_hash
+from models.export_identity import STAMP_KEY, target_stamp, vocab_hash
+from models.spec import ExportFormat
+from models.target import FrozenTarget
+from models.vocab import check_mapping
 
 
 def _layer_config(d: nn.Module, target: FrozenTarget) -> dict:
@@ -159,7 +160,7 @@ def check_peagle(cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | 
 
 
 def load_peagle(cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
-    from models.peagle import PEagleConfig, PEagleDrafter
+    from models.methods.peagle import PEagleConfig, PEagleDrafter
 
     layer = cfg["transformer_layer_config"]
     V = layer["vocab_size"]
@@ -182,3 +183,14 @@ def load_peagle(cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     with torch.no_grad():  # the exported head (the trained drafter's frozen rows), not a rebuilt one
         d.lm_head.copy_(sd["lm_head.weight"].float())
     return d.to(sd["fc.weight"].dtype).eval()
+
+
+# the engine formats this method's drafters export to (SPEC.export_formats; detect() is tried in this order)
+FORMATS = (
+    ExportFormat("peagle_speculators", "peagle-speculators", "peagle", "vLLM (eagle3 + parallel_drafting)",
+                 build_peagle_speculators, lambda cfg, t, side, target, where: check_peagle(cfg, t, side, target,
+                                                                                             where),
+                 lambda cfg, sd, target: load_peagle(cfg, sd, target),
+                 lambda cfg, _p: "PEagleSpeculator" in architectures(cfg)
+                                 or cfg.get("speculators_model_type") == "peagle"),
+)
