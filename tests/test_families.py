@@ -21,7 +21,9 @@ from hydra import compose, initialize_config_dir
 
 from data.corpus import SourceFile, file_windows
 from eval import decode, decode_batch
-from models.methods.dflash import DFlashConfig, DFlashDrafter, DFlashProposer
+from models.methods.dflash.config import DFlashConfig
+from models.methods.dflash.net import DFlashDrafter
+from models.methods.dflash.proposers import DFlashProposer
 from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
 from models.methods.medusa import MedusaConfig, MedusaHeads, MedusaProposer, default_medusa_choices
 from models.methods.mtp import MTPConfig, MTPDrafter, MTPProposer

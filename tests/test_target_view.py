@@ -16,7 +16,7 @@ import transformers
 from safetensors.torch import load_file
 
 from models import export as ex
-from models.methods.dflash import DFlashConfig
+from models.methods.dflash.config import DFlashConfig
 from models.methods.eagle3 import Eagle3Config
 from models.methods.medusa import MedusaConfig
 from models.methods.mtp import MTPConfig
