@@ -25,7 +25,9 @@ from eval.decode import Proposal
 from models.methods.draft_model import DraftModelProposer
 from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
 from models.methods.medusa import MedusaConfig, MedusaHeads, MedusaProposer, default_medusa_choices
-from models.methods.mtp import MTPConfig, MTPDrafter, MTPProposer, propose_chain
+from models.methods.mtp.config import MTPConfig
+from models.methods.mtp.net import MTPDrafter
+from models.methods.mtp.proposers import MTPProposer, propose_chain
 from models.methods.ngram import NGramProposer
 from models.registry import load_proposer
 from models.target import FrozenTarget

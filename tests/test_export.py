@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from models import export as ex
 from models.methods.eagle3 import Eagle3Config, Eagle3Drafter
 from models.methods.medusa import propose
-from models.methods.mtp import propose_chain
+from models.methods.mtp.proposers import propose_chain
 from models.registry import load_drafter
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab

@@ -242,7 +242,8 @@ def test_validator_refuses_consistently_shifted_ids(tiny_tokenizer, tmp_path):
 
 # --------------------------------------------------------------------------------------------- 5. engine versions
 def _all_exports(target: FrozenTarget, root: Path) -> dict[str, Path]:
-    from models.methods.mtp import MTPConfig, MTPDrafter
+    from models.methods.mtp.config import MTPConfig
+    from models.methods.mtp.net import MTPDrafter
 
     out = {f: ex.export(make_drafter(target), f, root / f, target) for f in ("eagle3_native", "eagle3_speculators")}
     for f in ("medusa_fasterdecoding", "medusa_vllm"):
@@ -306,7 +307,8 @@ def test_validator_warns_when_sglang_would_read_the_ids_differently(tiny_tokeniz
 # --------------------------------------------------------------------------------------------- 7. MTP depth input
 @pytest.mark.parametrize("between", ["post_norm", "pre_norm"])
 def test_mtp_export_records_the_hidden_state_depth_two_was_trained_on(target, tmp_path, between):
-    from models.methods.mtp import MTPConfig, MTPDrafter
+    from models.methods.mtp.config import MTPConfig
+    from models.methods.mtp.net import MTPDrafter
 
     d = MTPDrafter.from_target(MTPConfig(num_modules=2, hidden_between_depths=between), target).eval()
     out = ex.export(d, "mtp", tmp_path / "mtp", target)
