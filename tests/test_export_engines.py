@@ -142,7 +142,8 @@ def test_exported_files_are_world_readable(target, tmp_path, fmt):
 
 # --------------------------------------------------------------------------------------------- 4. identity
 def _medusa(target: FrozenTarget):
-    from models.methods.medusa import MedusaConfig, MedusaHeads
+    from models.methods.medusa.config import MedusaConfig
+    from models.methods.medusa.net import MedusaHeads
 
     lm = target.model.get_output_embeddings().weight.detach()
     return MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.model.config, lm).eval()

@@ -25,7 +25,10 @@ from models.methods.dflash.config import DFlashConfig
 from models.methods.dflash.net import DFlashDrafter
 from models.methods.dflash.proposers import DFlashProposer
 from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
-from models.methods.medusa import MedusaConfig, MedusaHeads, MedusaProposer, default_medusa_choices
+from models.methods.medusa.config import MedusaConfig
+from models.methods.medusa.net import MedusaHeads
+from models.methods.medusa.proposers import MedusaProposer
+from models.methods.medusa.tree import default_medusa_choices
 from models.methods.mtp.config import MTPConfig
 from models.methods.mtp.net import MTPDrafter
 from models.methods.mtp.proposers import MTPProposer
