@@ -82,7 +82,7 @@ def chain_proposer(method: str, drafter: Any, target: Any, checkpoint: str | Non
     from models import registry
 
     if method == "medusa":
-        from models.methods.medusa import MedusaProposer
+        from models.methods.medusa.proposers import MedusaProposer
 
         return MedusaProposer(drafter, choices=[[0] * i for i in range(1, k + 1)])
     name = {"eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp"}[method]

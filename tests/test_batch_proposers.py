@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from eval import decode, decode_batch
-from models.methods.dflash import DFlashBatchProposer, DFlashConfig, DFlashDrafter, DFlashProposer
+from models.methods.dflash.config import DFlashConfig
+from models.methods.dflash.net import DFlashDrafter
+from models.methods.dflash.proposers import DFlashBatchProposer, DFlashProposer
 from models.methods.ngram import NGramBatchProposer, NGramProposer
 from models.proposal import PerRowProposers, Sampling, batch_proposer
 from models.target import FrozenTarget

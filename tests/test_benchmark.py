@@ -112,7 +112,8 @@ def full(env):
 def test_medusa_tree_is_sized_by_the_cost_model(full, env):
     """num_nodes=auto: the tree is the checkpoint's greedy tree of the size that maximises expected τ / v(n)."""
     from eval.cost_model import interp
-    from models.methods.medusa import build_medusa_tree, expected_tree_tau, load_rank_accuracy
+    from models.methods.medusa.tree import build_medusa_tree, load_rank_accuracy
+    from models.tree import expected_tree_tau
 
     o = full["methods"]["medusa"]["options"]
     pred = {int(k): v for k, v in o["choices_sized"]["predicted_bound"].items()}

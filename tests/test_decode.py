@@ -24,8 +24,13 @@ from eval import decode, decode_batch
 from eval.decode import Proposal
 from models.methods.draft_model import DraftModelProposer
 from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
-from models.methods.medusa import MedusaConfig, MedusaHeads, MedusaProposer, default_medusa_choices
-from models.methods.mtp import MTPConfig, MTPDrafter, MTPProposer, propose_chain
+from models.methods.medusa.config import MedusaConfig
+from models.methods.medusa.net import MedusaHeads
+from models.methods.medusa.proposers import MedusaProposer
+from models.methods.medusa.tree import default_medusa_choices
+from models.methods.mtp.config import MTPConfig
+from models.methods.mtp.net import MTPDrafter
+from models.methods.mtp.proposers import MTPProposer, propose_chain
 from models.methods.ngram import NGramProposer
 from models.registry import load_proposer
 from models.target import FrozenTarget

@@ -12,7 +12,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from eval import decode
 from models import registry
 from models.export import ExportError, export, load_export, validate
-from models.methods.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, build, default_layer_ids
+from models.methods.dflash import build
+from models.methods.dflash.config import DFlashConfig, default_layer_ids
+from models.methods.dflash.net import DFlashDrafter
+from models.methods.dflash.proposers import DFlashProposer
 from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from tests.test_decode import chi2_pvalue, exact_joint, sharp_tiny_llama

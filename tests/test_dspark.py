@@ -13,8 +13,11 @@ from torch import nn
 
 from eval import decode, decode_batch
 from models import registry
-from models.methods.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, build
+from models.methods.dflash import build
 from models.methods.dflash import heads as block_heads
+from models.methods.dflash.config import DFlashConfig
+from models.methods.dflash.net import DFlashDrafter
+from models.methods.dflash.proposers import DFlashProposer
 from models.proposal import Sampling
 from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama

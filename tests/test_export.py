@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from models import export as ex
 from models.methods.eagle3 import Eagle3Config, Eagle3Drafter
-from models.methods.medusa import propose
-from models.methods.mtp import propose_chain
+from models.methods.medusa.net import propose
+from models.methods.mtp.proposers import propose_chain
 from models.registry import load_drafter
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
@@ -422,7 +422,8 @@ def test_cli_exports_checks_and_refuses(ckpts, llama_dir, target, tiny_tokenizer
 @pytest.mark.parametrize("fmt", ["medusa_fasterdecoding", "medusa_vllm"])
 def test_shared_lm_head_medusa_round_trip(target, tmp_path, fmt):
     """The CPU recipe's heads borrow the target's frozen lm_head; both formats must reproduce its proposals."""
-    from models.methods.medusa import MedusaConfig, MedusaHeads
+    from models.methods.medusa.config import MedusaConfig
+    from models.methods.medusa.net import MedusaHeads
 
     torch.manual_seed(0)
     lm = target.model.get_output_embeddings().weight.detach()

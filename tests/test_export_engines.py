@@ -142,7 +142,8 @@ def test_exported_files_are_world_readable(target, tmp_path, fmt):
 
 # --------------------------------------------------------------------------------------------- 4. identity
 def _medusa(target: FrozenTarget):
-    from models.methods.medusa import MedusaConfig, MedusaHeads
+    from models.methods.medusa.config import MedusaConfig
+    from models.methods.medusa.net import MedusaHeads
 
     lm = target.model.get_output_embeddings().weight.detach()
     return MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.model.config, lm).eval()
@@ -242,7 +243,8 @@ def test_validator_refuses_consistently_shifted_ids(tiny_tokenizer, tmp_path):
 
 # --------------------------------------------------------------------------------------------- 5. engine versions
 def _all_exports(target: FrozenTarget, root: Path) -> dict[str, Path]:
-    from models.methods.mtp import MTPConfig, MTPDrafter
+    from models.methods.mtp.config import MTPConfig
+    from models.methods.mtp.net import MTPDrafter
 
     out = {f: ex.export(make_drafter(target), f, root / f, target) for f in ("eagle3_native", "eagle3_speculators")}
     for f in ("medusa_fasterdecoding", "medusa_vllm"):
@@ -306,7 +308,8 @@ def test_validator_warns_when_sglang_would_read_the_ids_differently(tiny_tokeniz
 # --------------------------------------------------------------------------------------------- 7. MTP depth input
 @pytest.mark.parametrize("between", ["post_norm", "pre_norm"])
 def test_mtp_export_records_the_hidden_state_depth_two_was_trained_on(target, tmp_path, between):
-    from models.methods.mtp import MTPConfig, MTPDrafter
+    from models.methods.mtp.config import MTPConfig
+    from models.methods.mtp.net import MTPDrafter
 
     d = MTPDrafter.from_target(MTPConfig(num_modules=2, hidden_between_depths=between), target).eval()
     out = ex.export(d, "mtp", tmp_path / "mtp", target)

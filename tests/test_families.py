@@ -21,10 +21,17 @@ from hydra import compose, initialize_config_dir
 
 from data.corpus import SourceFile, file_windows
 from eval import decode, decode_batch
-from models.methods.dflash import DFlashConfig, DFlashDrafter, DFlashProposer
+from models.methods.dflash.config import DFlashConfig
+from models.methods.dflash.net import DFlashDrafter
+from models.methods.dflash.proposers import DFlashProposer
 from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
-from models.methods.medusa import MedusaConfig, MedusaHeads, MedusaProposer, default_medusa_choices
-from models.methods.mtp import MTPConfig, MTPDrafter, MTPProposer
+from models.methods.medusa.config import MedusaConfig
+from models.methods.medusa.net import MedusaHeads
+from models.methods.medusa.proposers import MedusaProposer
+from models.methods.medusa.tree import default_medusa_choices
+from models.methods.mtp.config import MTPConfig
+from models.methods.mtp.net import MTPDrafter
+from models.methods.mtp.proposers import MTPProposer
 from models.methods.ngram import NGramProposer
 from models.methods.peagle import PEagleConfig, PEagleDrafter, PEagleProposer
 from models.target import FrozenTarget

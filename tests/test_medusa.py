@@ -8,20 +8,11 @@ import torch.nn.functional as F
 from conftest import make_tiny_llama
 from transformers import LlamaConfig
 
-from models.methods.medusa import (
-    MedusaConfig,
-    MedusaHeads,
-    build_medusa_tree,
-    head_topk_accuracy,
-    head_topk_hits,
-    load_static_tree,
-    propose,
-    rank_accuracy,
-    tree_buffers,
-    tree_capacity,
-    tree_tokens,
-)
+from models.methods.medusa.config import MedusaConfig
+from models.methods.medusa.net import MedusaHeads, head_topk_accuracy, head_topk_hits, propose
+from models.methods.medusa.tree import build_medusa_tree, load_static_tree, rank_accuracy, tree_buffers, tree_tokens
 from models.target import FrozenTarget
+from models.tree import tree_capacity
 
 
 def _cfg(vocab: int, hidden: int, layers: int = 2) -> LlamaConfig:
@@ -288,7 +279,8 @@ def test_static_tree_from_training_metrics(target, tmp_path):
 
 
 def test_tree_sizing_trades_expected_tau_against_verify_cost():
-    from models.methods.medusa import expected_tree_tau, size_tree
+    from models.methods.medusa.tree import size_tree
+    from models.tree import expected_tree_tau
 
     acc = torch.tensor([[0.9, 0.5, 0.1], [0.8, 0.3, 0.05]])
     # (0,) .9  (0,0) .72  (1,) .5 → 1 + .9 + .72 + .5

@@ -8,7 +8,10 @@ import torch.nn.functional as F
 from conftest import make_tiny_llama
 from transformers import LlamaConfig
 
-from models.methods.mtp import MTPConfig, MTPDrafter, init_from_native, propose_chain, to_native_state_dict
+from models.methods.mtp.config import MTPConfig
+from models.methods.mtp.native import init_from_native, to_native_state_dict
+from models.methods.mtp.net import MTPDrafter
+from models.methods.mtp.proposers import propose_chain
 from models.target import FrozenTarget
 
 V, H = 48, 32
@@ -296,7 +299,7 @@ def test_hidden_between_depths_cached_proposer_equals_reference(target, between)
     """Depth >= 2 reads shared_head.norm(h) (vLLM/SGLang) or h: the KV-cached proposer follows either exactly, and
     the option really changes the chain (non-unit norm gains, O(1) weights)."""
     from eval import decode
-    from models.methods.mtp import MTPProposer
+    from models.methods.mtp.proposers import MTPProposer
 
     torch.manual_seed(4)
     drs = {}

@@ -90,7 +90,8 @@ def test_speculators_loads_our_dspark_and_peagle_exports(target, tmp_path):
     from speculators.models.peagle import PEagleSpeculatorConfig
     from speculators.models.peagle.core import PEagleDraftModel
 
-    from models.methods.dflash import DFlashConfig, DFlashDrafter
+    from models.methods.dflash.config import DFlashConfig
+    from models.methods.dflash.net import DFlashDrafter
     from models.methods.peagle import PEagleConfig, PEagleDrafter
     from tests.test_dflash import scramble
 

@@ -16,10 +16,10 @@ import transformers
 from safetensors.torch import load_file
 
 from models import export as ex
-from models.methods.dflash import DFlashConfig
+from models.methods.dflash.config import DFlashConfig
 from models.methods.eagle3 import Eagle3Config
-from models.methods.medusa import MedusaConfig
-from models.methods.mtp import MTPConfig
+from models.methods.medusa.config import MedusaConfig
+from models.methods.mtp.config import MTPConfig
 from models.registry import build_drafter
 from models.target import FrozenTarget
 from models.target_view import TargetView

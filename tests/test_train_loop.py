@@ -59,7 +59,7 @@ def test_other_methods_train_on_same_pipeline(target_dir, tmp_path, method):
     assert res["method"] == method and "acc_0" in res["val"]
     assert (tmp_path / "final" / "config.json").exists()
     if method == "medusa":  # the static tree built from held-out rank accuracies ships with the weights
-        from models.methods.medusa import load_static_tree
+        from models.methods.medusa.tree import load_static_tree
 
         tree = load_static_tree(tmp_path / "final")
         assert tree is not None and len(tree) == 5 and all(len(p) <= 4 for p in tree)

@@ -45,7 +45,7 @@ from models.checkpoint import (
     read_meta,
     trainable_state,
 )
-from models.methods.medusa import TREE_FILE as MEDUSA_TREE_FILE
+from models.methods.medusa.tree import TREE_FILE as MEDUSA_TREE_FILE
 
 TRAINER = "trainer.pt"
 __all__ = ["CONFIG", "WEIGHTS", "TRAINER", "trainable_state", "load_trainable_state", "read_meta", "rng_state",

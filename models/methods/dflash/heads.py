@@ -1,4 +1,4 @@
-"""Intra-block heads for block drafters (core): what slot k drafts may depend on what slot k−1 drafted.
+"""Intra-block heads for block drafters: what slot k drafts may depend on what slot k−1 drafted.
 
 A block drafter (models/methods/dflash) writes every slot of a block in one forward, so slot k does not know the
 token drafted at slot k−1. Every 2026 follow-up keeps that backbone and adds a small head on its logits that

@@ -1,10 +1,10 @@
-"""Proposers of a block drafter (core): ONE drafter forward per round drafts a block (DFlash, DSpark).
+"""Proposers of a block drafter: ONE drafter forward per round drafts a block (DFlash, DSpark).
 
-Split out of models/methods/dflash (which keeps the module, loss and SPEC) and written against the drafter's
-interface only — ``layer_ids``, ``block_size``, ``num_spec``, ``slot_offset``, ``draft_ids``, ``vocab_size``,
-``block_head``, ``context``, ``context_kv``, ``blocks``, ``logits`` (models/methods/dflash ``DFlashDrafter``) — so
-the proposers stay in the core layer. An intra-block head (models/methods/dflash/heads.py) drafts the slots one after
-another; ``min_confidence`` is the confidence-scheduled K.
+Written against the drafter's interface only — ``layer_ids``, ``block_size``, ``num_spec``, ``slot_offset``,
+``draft_ids``, ``vocab_size``, ``block_head``, ``context``, ``context_kv``, ``blocks``, ``logits``
+(models/methods/dflash/net.py ``DFlashDrafter``), which it does not import. An intra-block head
+(models/methods/dflash/heads.py) drafts the slots one after another; ``min_confidence`` is the
+confidence-scheduled K.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ from models.export_common import (
     require,
 )
 from models.export_identity import STAMP_KEY, target_stamp
+from models.methods.medusa.config import MedusaConfig
+from models.methods.medusa.net import MedusaHeads
 from models.spec import ExportFormat
 from models.target import FrozenTarget
 
@@ -134,8 +136,6 @@ def check_medusa(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
 
 # ============================================================================================ load back
 def load_medusa(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
-    from models.methods.medusa import MedusaConfig, MedusaHeads
-
     lm = target.model.get_output_embeddings().weight.detach()
     if fmt == "medusa_fasterdecoding":
         K, n, shared = cfg["medusa_num_heads"], cfg["medusa_num_layers"], False

@@ -26,6 +26,9 @@ from models.export_common import (
     require,
 )
 from models.export_identity import STAMP_KEY, target_stamp
+from models.methods.mtp.config import MTPConfig, decoder_config
+from models.methods.mtp.native import init_from_native, to_native_state_dict
+from models.methods.mtp.net import MTPDrafter, MTPModule
 from models.spec import ExportFormat
 from models.target import FrozenTarget, resolve_name
 
@@ -102,8 +105,6 @@ def _target_config_dict(target: FrozenTarget) -> dict:
 
 
 def _mtp_native(d: nn.Module, target: FrozenTarget) -> tuple[dict, str]:
-    from models.methods.mtp import to_native_state_dict
-
     tc = target.model.config
     over = {k: getattr(d.cfg, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")}
     differ = {k: v for k, v in over.items() if v is not None and v != getattr(tc, k, None)}
@@ -181,8 +182,6 @@ def _mtp_expected_layer(cfg: dict, layer_idx: int, target: TargetInfo | None, wh
     from the config, so a 671B target costs nothing."""
     from transformers import AutoConfig
 
-    from models.methods.mtp import MTPConfig, MTPModule, decoder_config
-
     if target is not None and target.frozen is not None and \
             getattr(target.frozen.model.config, "model_type", None) == cfg.get("model_type"):
         tcfg, cls = target.frozen.model.config, type(target.frozen.layers[0])
@@ -235,8 +234,6 @@ def check_mtp(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Target
 
 # ============================================================================================ load back
 def load_mtp(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
-    from models.methods.mtp import MTPConfig, MTPDrafter, init_from_native
-
     L = target.num_layers
     if fmt == "mtp_sglang_nextn":
         D = 1
