@@ -1,17 +1,17 @@
 """The cost model: the target's forward-cost microbenchmark and the speculation policy built on it.
 
 ``measure_costs`` times v(K) (a (K+1)-token verify forward) and w_B(K) (a B-row one) in units of one single-token
-forward; ``expected_tokens`` / ``predicted_speedup`` / ``choose_k`` turn per-position acceptance and the draft
-cost into K*(B); ``crossover_batch_size`` finds where speculation stops paying (formulas: eval/benchmark.py's
-docstring). ``measure_draft_costs`` times one batched drafting round (propose + accept for all B rows, through
-the method's batched proposer) per B and K, so the policy uses the measured cost of drafting a batch instead of
-assuming B·K·c (B proposers one after another; a batched drafter such as DFlash costs about one forward).
+forward; ``predicted_speedup`` / ``choose_k`` turn per-position acceptance (models/acceptance.py ``chain_tau``)
+and the draft cost into K*(B); ``crossover_batch_size`` finds where speculation stops paying (formulas:
+eval/benchmark.py's docstring). ``measure_draft_costs`` times one batched drafting round (propose + accept for
+all B rows, through the method's batched proposer) per B and K, so the policy uses the measured cost of drafting
+a batch instead of assuming B·K·c (B proposers one after another; a batched drafter such as DFlash costs about
+one forward).
 eval/benchmark.py re-exports every name.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import Tensor
 from eval.decode_result import device_time
 from eval.ladder import batch_mask, new_cache, prefill
 from eval.window import apply_window, batch_key_positions
+from models.acceptance import best_by_cost, chain_tau
 from models.proposal import Sampling, batch_proposer
 from models.target import FrozenTarget
 
@@ -131,18 +132,6 @@ def measure_draft_costs(target: FrozenTarget, make: Callable[[int | None], Any],
 
 
 # --------------------------------------------------------------------------------------------- policy
-def expected_tokens(acceptance: Sequence[float], k: int) -> float:
-    """E[tokens per round] of a K-token chain: 1 + Σ_{j≤K} Π_{i≤j} α_i (α_i = P(accept depth i | reached it);
-    positions never measured — NaN or beyond the list — count as 0)."""
-    total, run = 1.0, 1.0
-    for j in range(k):
-        a = acceptance[j] if j < len(acceptance) else 0.0
-        a = 0.0 if a is None or math.isnan(a) else min(max(float(a), 0.0), 1.0)
-        run *= a
-        total += run
-    return total
-
-
 def predicted_speedup(acceptance: Sequence[float], c: float, w: Mapping[int, float], batch_size: int, k: int,
                       draft: Mapping[int, float] | None = None) -> float:
     """Throughput of K-token chains over batched AR at batch B (cost model; w in units of one single-token
@@ -152,7 +141,7 @@ def predicted_speedup(acceptance: Sequence[float], c: float, w: Mapping[int, flo
     if k == 0:
         return 1.0
     d = interp(draft, k) if draft else batch_size * k * c
-    return expected_tokens(acceptance, k) * interp(w, 0) / (d + interp(w, k))
+    return chain_tau(acceptance, k) * interp(w, 0) / (d + interp(w, k))
 
 
 def choose_k(
@@ -161,9 +150,8 @@ def choose_k(
 ) -> tuple[int, dict[int, float]]:
     """K* = argmax over K in k_min..k_max of ``predicted_speedup`` (K = 0: speculation off; ties → smaller K).
     Returns (K*, {K: predicted speedup})."""
-    pred = {k: predicted_speedup(acceptance, c, w, batch_size, k, draft) for k in range(k_min, k_max + 1)}
-    best = max(pred, key=lambda k: (pred[k], -k))
-    return best, pred
+    return best_by_cost(range(k_min, k_max + 1), lambda k: predicted_speedup(acceptance, c, w, batch_size, k, draft),
+                        lambda _k: 1.0)
 
 
 def draft_round_costs(c: float, k_ref: int, seconds: Mapping[int, Mapping[int, float]]) -> dict[int, dict[int, float]]:

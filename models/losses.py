@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from models.drafter import simulated_tau
+from models.acceptance import chain_tau
 
 
 def distill_step(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
@@ -48,9 +48,9 @@ def weighted_total(losses: Sequence[torch.Tensor], step_weight: float) -> torch.
 
 def step_metrics(losses: Sequence[torch.Tensor], accs: Sequence[torch.Tensor],
                  counts: Sequence[torch.Tensor]) -> dict[str, float]:
-    """loss_k, acc_k, n_k per step and sim_tau (``simulated_tau`` of the agreements)."""
+    """loss_k, acc_k, n_k per step and sim_tau (``chain_tau`` of the agreements)."""
     out: dict[str, float] = {}
     for k, (loss, acc, n) in enumerate(zip(losses, accs, counts)):
         out[f"loss_{k}"], out[f"acc_{k}"], out[f"n_{k}"] = float(loss.detach()), float(acc), float(n)
-    out["sim_tau"] = simulated_tau([float(a) for a in accs])
+    out["sim_tau"] = chain_tau([float(a) for a in accs])
     return out

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from data.features import FeatureCache, pad_ids
 from data.sources import build_rows
 from models import registry
-from models.drafter import simulated_tau
+from models.acceptance import chain_tau
 from models.export.serving import training_serving
 from models.target import FrozenTarget
 from train import checkpoint as ckpt
@@ -112,7 +112,7 @@ def evaluate(drafter, target: FrozenTarget, rows: list[dict], batch_size: int, p
     drafter.train()
     out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
     accs = [out[f"acc_{i}"] for i in range(len(out)) if f"acc_{i}" in out]
-    out["sim_tau"] = simulated_tau(accs)
+    out["sim_tau"] = chain_tau(accs)
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from models.acceptance import best_by_cost, chain_taus
 from models.methods.dflash import export
 from models.methods.dflash.config import DFlashConfig
 from models.methods.dflash.net import DFlashDrafter
@@ -113,12 +114,8 @@ def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: 
     o = out or o
     ev = json.loads(path.read_text())
     acc = [float(ev[f"acc_{i}"]) for i in range(d.num_spec) if f"acc_{i}" in ev]
-    pred, run, tau = {}, 1.0, 1.0
-    for k in range(1, len(acc) + 1):
-        run *= acc[k - 1]
-        tau += run
-        pred[k] = tau / float(verify_cost(k))
-    best = max(pred, key=pred.get)
+    tau = chain_taus(acc)  # τ(k) of the first k slots' conditional agreement
+    best, pred = best_by_cost(range(1, len(acc) + 1), tau.__getitem__, verify_cost)
     if o.get("verify_costs"):  # the head schedules each round's K: the block is its cap
         best = d.num_spec
     return {**o, "k": best, "k_sized": {"k": best, "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}

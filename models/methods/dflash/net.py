@@ -21,7 +21,7 @@ Label of slot k = the target's greedy token at a+k (argmax of its logits at a+k�
 whole distribution), scored (``label_path: greedy``) only where tokens a+1..a+k−1 are themselves the target's
 greedy choices, i.e. where the label is what a verifier accepts after slots 1..k−1; weight exp(−(k−1)/γ)
 (paper Eq. 4), D-PACE weights as an option. ``acc_{k-1}`` is the agreement of slot k *given slots 1..k−1
-agreed*, so ``simulated_tau`` of them is the expected accepted
+agreed*, so ``chain_tau`` of them is the expected accepted
 length of a greedy block.
 
 Inference (models/methods/dflash/proposers.py): the drafter keeps a KV cache of the injected context only (per
@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
-from models.drafter import simulated_tau
+from models.acceptance import chain_tau
 from models.methods.dflash.config import DFlashConfig, default_layer_ids
 from models.methods.dflash.heads import build_block_head
 from models.norm import RMSNorm
@@ -372,7 +372,7 @@ class DFlashDrafter(nn.Module):
                                                   / vk.sum().clamp_min(1))
             accs.append(a_k)
             prefix = tried & hit[:, :, k]
-        metrics["sim_tau"] = simulated_tau(accs)
+        metrics["sim_tau"] = chain_tau(accs)
         return loss, metrics
 
     def _chunk_loss(self, o: Tensor, teacher: Tensor, label: Tensor, prev: Tensor) -> tuple[Tensor, ...]:

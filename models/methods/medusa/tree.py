@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from models import acceptance
 from models.tree import build_rank_tree as build_medusa_tree
 from models.tree import expected_tree_tau, tree_capacity, tree_layout
 
@@ -23,12 +24,8 @@ TREE_FILE = "medusa_choices.json"  # next to the final weights (MedusaHeads.save
 def rank_accuracy(metrics: Mapping[str, float], num_heads: int, top_k: int) -> torch.Tensor:
     """[K, top_k] P(head k's rank-r candidate is the target's token) from cumulative top{j}_{k} metrics
     (``MedusaHeads.training_loss`` with metric_top_k): acc[k, r] = top{r+1}_k - top{r}_k."""
-    missing = [f"top{j}_{k}" for k in range(num_heads) for j in range(1, top_k + 1) if f"top{j}_{k}" not in metrics]
-    if missing:
-        raise ValueError(f"rank accuracies need metrics {missing[:3]}...; "
-                         f"train with draft.config.metric_top_k >= {top_k}")
-    cum = torch.tensor([[float(metrics[f"top{j}_{k}"]) for j in range(1, top_k + 1)] for k in range(num_heads)])
-    return torch.diff(cum, dim=1, prepend=torch.zeros(num_heads, 1)).clamp_min(0.0)
+    return acceptance.rank_accuracy(metrics, num_heads, top_k,
+                                    why_missing=f"train with draft.config.metric_top_k >= {top_k}")
 
 
 def load_static_tree(ckpt_dir: str | Path, num_nodes: int | None = None) -> list[tuple[int, ...]] | None:
@@ -57,8 +54,8 @@ def size_tree(acc: torch.Tensor, verify_cost, max_nodes: int) -> tuple[int, dict
     a forward over n + 1 tokens in one-token-forward units). Medusa drafts every node in one call whatever n is,
     so the draft cost does not enter. Returns (n, {n: predicted speedup bound})."""
     cap = min(int(max_nodes), tree_capacity(*acc.shape))
-    pred = {n: expected_tree_tau(acc, build_medusa_tree(acc, n)) / float(verify_cost(n)) for n in range(1, cap + 1)}
-    return max(pred, key=pred.get), pred
+    return acceptance.best_by_cost(range(1, cap + 1), lambda n: expected_tree_tau(acc, build_medusa_tree(acc, n)),
+                                   verify_cost)
 
 
 @dataclass
