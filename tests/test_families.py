@@ -22,11 +22,15 @@ from hydra import compose, initialize_config_dir
 from data.corpus import SourceFile, file_windows
 from eval import decode, decode_batch
 from models.methods.dflash import DFlashConfig, DFlashDrafter, DFlashProposer
-from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
+from models.methods.eagle3.config import Eagle3Config
+from models.methods.eagle3.net import Eagle3Drafter
+from models.methods.eagle3.proposers import Eagle3ChainProposer, Eagle3TreeProposer
 from models.methods.medusa import MedusaConfig, MedusaHeads, MedusaProposer, default_medusa_choices
 from models.methods.mtp import MTPConfig, MTPDrafter, MTPProposer
 from models.methods.ngram import NGramProposer
-from models.methods.peagle import PEagleConfig, PEagleDrafter, PEagleProposer
+from models.methods.peagle.config import PEagleConfig
+from models.methods.peagle.net import PEagleDrafter
+from models.methods.peagle.proposers import PEagleProposer
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
 from tests.families import CONVERSATION, FAMILIES, SPECS, WINDOW, make_family, save_family

@@ -91,7 +91,8 @@ def test_speculators_loads_our_dspark_and_peagle_exports(target, tmp_path):
     from speculators.models.peagle.core import PEagleDraftModel
 
     from models.methods.dflash import DFlashConfig, DFlashDrafter
-    from models.methods.peagle import PEagleConfig, PEagleDrafter
+    from models.methods.peagle.config import PEagleConfig
+    from models.methods.peagle.net import PEagleDrafter
     from tests.test_dflash import scramble
 
     V, head = target.vocab_size, target.model.get_output_embeddings().weight
