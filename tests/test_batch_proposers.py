@@ -273,7 +273,7 @@ def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
     """EAGLE-3 chains of 3 ragged rows: one ``Eagle3ChainBatchProposer`` whose every midlayer pass carries all
     active rows; greedy output equals per-row AR and every row's drafts equal the B=1 proposer's, round for round
     (the ragged cache, per-row RoPE positions and the scratch drafts are where a bug would show)."""
-    import models.methods.eagle3 as e3
+    from models.methods.eagle3 import kernels, proposers
     from tests.test_decode import drafters, prompts
     from tests.test_decode import target as target_fixture
 
@@ -281,12 +281,13 @@ def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
     dr = drafters.__wrapped__(tgt)["eagle"]
     ps = [p[0] for p in prompts(3)]
     ps[1] = ps[1][:5]  # ragged lengths
-    make = lambda: e3.Eagle3ChainProposer(dr, k=4)  # noqa: E731
+    make = lambda: proposers.Eagle3ChainProposer(dr, k=4)  # noqa: E731
     bp = batch_proposer([make() for _ in ps])
-    assert isinstance(bp, e3.Eagle3ChainBatchProposer)
+    assert isinstance(bp, proposers.Eagle3ChainBatchProposer)
     calls = []
-    qkv = e3.entry_qkv
-    monkeypatch.setattr(e3, "entry_qkv", lambda d, ids, *a: (calls.append(ids.shape[0]), qkv(d, ids, *a))[1])
+    qkv = kernels.entry_qkv
+    for mod in (kernels, proposers):  # cached_step (the B=1 chain) calls it in kernels, the batched chain here
+        monkeypatch.setattr(mod, "entry_qkv", lambda d, ids, *a: (calls.append(ids.shape[0]), qkv(d, ids, *a))[1])
     batch_logs: list[list] = [[] for _ in ps]
     log_batch(bp, batch_logs)
     got = decode_batch.speculative_decode_batch(tgt, bp, ps, N)
@@ -306,7 +307,9 @@ def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
 def test_sampled_batched_eagle3_chains_reproduce_target_distribution():
     """Sampled EAGLE-3 chain drafts of rows with prompts of two lengths in one batch (padded ragged cache): each
     row's first 4 tokens follow the target's exact joint for its prompt (χ²)."""
-    from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter
+    from models.methods.eagle3.config import Eagle3Config
+    from models.methods.eagle3.net import Eagle3Drafter
+    from models.methods.eagle3.proposers import Eagle3ChainProposer
     from tests.test_decode import make_tiny_llama
 
     m = make_tiny_llama(3, layers=2, hidden=16, seed=5)  # sharp_tiny_llama's recipe with the 2 layers EAGLE-3 fuses

@@ -23,7 +23,9 @@ from scipy.stats import chisquare
 from eval import decode, decode_batch
 from eval.decode import Proposal
 from models.methods.draft_model import DraftModelProposer
-from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
+from models.methods.eagle3.config import Eagle3Config
+from models.methods.eagle3.net import Eagle3Drafter
+from models.methods.eagle3.proposers import Eagle3ChainProposer, Eagle3TreeProposer
 from models.methods.medusa.config import MedusaConfig
 from models.methods.medusa.net import MedusaHeads
 from models.methods.medusa.proposers import MedusaProposer
@@ -198,7 +200,7 @@ def test_eagle3_kv_chain_equals_draft_greedy(target, drafters):
 def test_eagle3_kv_buffer_growth_keeps_the_cache(target, drafters):
     """Contexts past DraftKV's first capacity (64) and accepts that cross a doubling still draft exactly
     what the no-cache loop drafts; drafted scratch entries never leak into the real ones."""
-    from models.methods.eagle3 import DraftKV
+    from models.methods.eagle3.kernels import DraftKV
 
     kv = DraftKV()
     a = torch.randn(1, 2, 60, 4)

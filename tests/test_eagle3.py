@@ -12,8 +12,9 @@ from conftest import make_tiny_llama
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from models.methods import eagle3
-from models.methods.eagle3 import Eagle3Config, Eagle3Drafter, ttt_attention
+from models.methods.eagle3 import net
+from models.methods.eagle3.config import Eagle3Config
+from models.methods.eagle3.net import Eagle3Drafter, ttt_attention
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab, draft_to_target, identity_mapping
 
@@ -236,7 +237,7 @@ def test_ttt_forward_matches_explicit_mask(monkeypatch):
     hidden = _hidden(2, 7)
     with torch.no_grad():
         fast = dr.ttt_forward(ids, hidden)
-        monkeypatch.setattr(eagle3, "ttt_attention", _naive_ttt_attention)
+        monkeypatch.setattr(net, "ttt_attention", _naive_ttt_attention)
         ref = dr.ttt_forward(ids, hidden)
     assert len(fast) == 4
     for a, b in zip(fast, ref):
@@ -410,7 +411,8 @@ def test_drafting_precision_switch_is_lossless_and_close(weights):
     as it is); greedy speculative output stays AR's token for token (B=1 and batched), and the copy's draft
     logits stay close to float32's (a broken kernel or scale would change them wholesale)."""
     from eval import decode, decode_batch
-    from models.methods.eagle3 import Eagle3ChainProposer, Eagle3TreeProposer, Int8Linear, cached_step, inference_copy
+    from models.methods.eagle3.kernels import Int8Linear, cached_step, inference_copy
+    from models.methods.eagle3.proposers import Eagle3ChainProposer, Eagle3TreeProposer
     from tests.test_decode import drafters, prompts
     from tests.test_decode import target as target_fixture
 
@@ -435,7 +437,7 @@ def test_drafting_precision_switch_is_lossless_and_close(weights):
         assert low.lm_head.weight.dtype == torch.bfloat16
     g = torch.randn(1, 6, dr.hidden_size) * 3
     ids = torch.randint(0, 24, (1, 6))
-    from models.methods.eagle3 import DraftKV
+    from models.methods.eagle3.kernels import DraftKV
 
     with torch.no_grad():
         ref_logits = dr.logits(cached_step(dr, ids, g, torch.arange(6), DraftKV(), 0)).float()

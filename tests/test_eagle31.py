@@ -11,7 +11,9 @@ from transformers import LlamaConfig
 
 from eval import decode
 from models import export as ex
-from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter
+from models.methods.eagle3.config import Eagle3Config
+from models.methods.eagle3.net import Eagle3Drafter
+from models.methods.eagle3.proposers import Eagle3ChainProposer
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
 

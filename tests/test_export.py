@@ -19,7 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models import export as ex
-from models.methods.eagle3 import Eagle3Config, Eagle3Drafter
+from models.methods.eagle3.config import Eagle3Config
+from models.methods.eagle3.net import Eagle3Drafter
 from models.methods.medusa.net import propose
 from models.methods.mtp.proposers import propose_chain
 from models.registry import load_drafter

@@ -24,7 +24,9 @@ from eval import decode, decode_batch
 from models.methods.dflash.config import DFlashConfig
 from models.methods.dflash.net import DFlashDrafter
 from models.methods.dflash.proposers import DFlashProposer
-from models.methods.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3TreeProposer
+from models.methods.eagle3.config import Eagle3Config
+from models.methods.eagle3.net import Eagle3Drafter
+from models.methods.eagle3.proposers import Eagle3ChainProposer, Eagle3TreeProposer
 from models.methods.medusa.config import MedusaConfig
 from models.methods.medusa.net import MedusaHeads
 from models.methods.medusa.proposers import MedusaProposer
@@ -33,7 +35,9 @@ from models.methods.mtp.config import MTPConfig
 from models.methods.mtp.net import MTPDrafter
 from models.methods.mtp.proposers import MTPProposer
 from models.methods.ngram import NGramProposer
-from models.methods.peagle import PEagleConfig, PEagleDrafter, PEagleProposer
+from models.methods.peagle.config import PEagleConfig
+from models.methods.peagle.net import PEagleDrafter
+from models.methods.peagle.proposers import PEagleProposer
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
 from tests.families import CONVERSATION, FAMILIES, SPECS, WINDOW, make_family, save_family

@@ -92,7 +92,8 @@ def test_speculators_loads_our_dspark_and_peagle_exports(target, tmp_path):
 
     from models.methods.dflash.config import DFlashConfig
     from models.methods.dflash.net import DFlashDrafter
-    from models.methods.peagle import PEagleConfig, PEagleDrafter
+    from models.methods.peagle.config import PEagleConfig
+    from models.methods.peagle.net import PEagleDrafter
     from tests.test_dflash import scramble
 
     V, head = target.vocab_size, target.model.get_output_embeddings().weight

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from models import export as ex
 from models.methods.dflash.config import DFlashConfig
-from models.methods.eagle3 import Eagle3Config
+from models.methods.eagle3.config import Eagle3Config
 from models.methods.medusa.config import MedusaConfig
 from models.methods.mtp.config import MTPConfig
 from models.registry import build_drafter

@@ -34,6 +34,8 @@ from models.export_identity import (
     vocab_hash,
     warn_sglang_family,
 )
+from models.methods.eagle3.config import Eagle3Config
+from models.methods.eagle3.net import Eagle3Drafter
 from models.spec import ExportFormat
 from models.target import FrozenTarget
 from models.vocab import check_mapping
@@ -229,40 +231,65 @@ def _check_aux_ids(ids: Any, what: str, L: int | None, lo_shift: int, where: str
 
 def check_eagle3(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | None,
                   where: str) -> tuple[dict, dict]:
+    """An ``eagle3_native`` / ``eagle3_speculators`` export's config and tensors, in four steps (each fails with the
+    fix): the format's own header fields, the tensor shapes the layer config implies, the aux layer ids of both
+    engines, the draft vocabulary and embedding. Returns (expected tensor shapes, target facts)."""
     native = fmt == "eagle3_native"
-    if native:
-        if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
-            fail(where, f"architectures must be ['LlamaForCausalLMEagle3'], got {cfg.get('architectures')}")
-        layer = cfg
-        if cfg.get("norm_before_residual"):
-            fail(where, "norm_before_residual=true in the native format: SGLang's llama_eagle3.py ignores it "
-                         "(residual = g) while vLLM honours it, so the two engines would compute different drafts")
-        if cfg.get("attention_bias"):
-            fail(where, "attention_bias=true in the native format: SGLang's EAGLE-3 qkv_proj has no bias")
-        on = [f for f in _EAGLE31 if cfg.get(f)]
-        if on:
-            fail(where, f"{'/'.join(on)}=true in the native format: SGLang's llama_eagle3.py ignores the EAGLE-3.1 "
-                         "flags, so it would compute another draft; use the speculators format")
-    else:
-        if cfg.get("speculators_model_type") != "eagle3":
-            fail(where, f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
-        layer = cfg.get("transformer_layer_config")
-        if not isinstance(layer, dict):
-            fail(where, "config.json needs a transformer_layer_config object")
-        if not isinstance(cfg.get("norm_before_residual"), bool):
-            fail(where, "norm_before_residual must be written explicitly (vLLM's speculators reader assumes true "
-                         "when absent, EAGLE-3's original is false)")
-        missing = [f for f in _EAGLE31 if not isinstance(cfg.get(f), bool)]
-        if missing:
-            fail(where, f"EAGLE-3.1 flags {missing} must be written explicitly as true/false")
-        if cfg.get("norm_before_fc") and cfg.get("fc_norm"):
-            fail(where, "norm_before_fc and fc_norm are both true; speculators refuses the pair (mutually exclusive)")
-        sc = cfg.get("speculators_config") or {}
-        pm = sc.get("proposal_methods") or [{}]
-        if sc.get("algorithm") != "eagle3" or not isinstance(pm[0].get("speculative_tokens"), int):
-            fail(where, "speculators_config needs algorithm 'eagle3' and proposal_methods[0].speculative_tokens")
-        if not (sc.get("verifier") or {}).get("name_or_path"):
-            fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
+    layer = _check_native_header(cfg, where) if native else _check_speculators_header(cfg, where)
+    exp, (V, Vd, Ht) = _expected_shapes(native, cfg, layer, t, where)
+    st = stamp_of(cfg)
+    _check_layer_ids(native, cfg, side, target, st, where)
+    _check_vocabulary(native, t, st, target, V, Vd, where)
+    name = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") if not native else None
+    return exp, {"hidden_size": Ht, "vocab_size": V, "name": name,
+                 "rope_theta": layer.get("rope_theta")}
+
+
+def _check_native_header(cfg: dict, where: str) -> dict:
+    """The native format's fields SGLang would misread; returns the layer config (the top level here)."""
+    if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        fail(where, f"architectures must be ['LlamaForCausalLMEagle3'], got {cfg.get('architectures')}")
+    if cfg.get("norm_before_residual"):
+        fail(where, "norm_before_residual=true in the native format: SGLang's llama_eagle3.py ignores it "
+                     "(residual = g) while vLLM honours it, so the two engines would compute different drafts")
+    if cfg.get("attention_bias"):
+        fail(where, "attention_bias=true in the native format: SGLang's EAGLE-3 qkv_proj has no bias")
+    on = [f for f in _EAGLE31 if cfg.get(f)]
+    if on:
+        fail(where, f"{'/'.join(on)}=true in the native format: SGLang's llama_eagle3.py ignores the EAGLE-3.1 "
+                     "flags, so it would compute another draft; use the speculators format")
+    return cfg
+
+
+def _check_speculators_header(cfg: dict, where: str) -> dict:
+    """The speculators format's required fields (vLLM's reader assumes defaults where they are absent); returns
+    its ``transformer_layer_config``."""
+    if cfg.get("speculators_model_type") != "eagle3":
+        fail(where, f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        fail(where, "config.json needs a transformer_layer_config object")
+    if not isinstance(cfg.get("norm_before_residual"), bool):
+        fail(where, "norm_before_residual must be written explicitly (vLLM's speculators reader assumes true "
+                     "when absent, EAGLE-3's original is false)")
+    missing = [f for f in _EAGLE31 if not isinstance(cfg.get(f), bool)]
+    if missing:
+        fail(where, f"EAGLE-3.1 flags {missing} must be written explicitly as true/false")
+    if cfg.get("norm_before_fc") and cfg.get("fc_norm"):
+        fail(where, "norm_before_fc and fc_norm are both true; speculators refuses the pair (mutually exclusive)")
+    sc = cfg.get("speculators_config") or {}
+    pm = sc.get("proposal_methods") or [{}]
+    if sc.get("algorithm") != "eagle3" or not isinstance(pm[0].get("speculative_tokens"), int):
+        fail(where, "speculators_config needs algorithm 'eagle3' and proposal_methods[0].speculative_tokens")
+    if not (sc.get("verifier") or {}).get("name_or_path"):
+        fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
+    return layer
+
+
+def _expected_shapes(native: bool, cfg: dict, layer: dict, t: Tensors, where: str
+                     ) -> tuple[dict, tuple[int, int, int]]:
+    """The one-Llama-layer config's checks, and the shape of every tensor it implies; fc.weight is checked here
+    (its error names the 3-state fusion). Returns (name → shape, (target vocab V, draft vocab Vd, target H))."""
     if layer.get("model_type", "llama") != "llama":
         fail(where, f"the draft layer must be model_type 'llama', got {layer.get('model_type')!r}")
     if require(layer, "num_hidden_layers", where) != 1:
@@ -298,8 +325,13 @@ def check_eagle3(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
     if "fc.weight" in t.shapes and tuple(t.shapes["fc.weight"]) != exp["fc.weight"]:
         fail(where, f"fc.weight has shape {list(t.shapes['fc.weight'])}, expected {list(exp['fc.weight'])} "
                      f"[hidden_size, 3 x target_hidden_size]: it must fuse exactly 3 target states of size {Ht}")
+    return exp, (V, Vd, Ht)
 
-    st = stamp_of(cfg)
+
+def _check_layer_ids(native: bool, cfg: dict, side: dict | None, target: TargetInfo | None, st: dict,
+                     where: str) -> None:
+    """vLLM's top-level ids (and SGLang's, native only) against each other, the target, the stamp fc.weight was
+    exported with and the sidecar; the sidecar's training flags against config.json."""
     L = target_num_layers(target, side) or st.get("num_hidden_layers")
     top = _check_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
                          "top-level eagle_aux_hidden_state_layer_ids (vLLM: input of decoder layer i)", L, 0, where)
@@ -329,6 +361,11 @@ def check_eagle3(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
             if was is not None and bool(was) != bool(cfg.get(flag, False)):
                 fail(where, f"{flag}={cfg.get(flag)} in config.json but the drafter was trained with {was}")
 
+
+def _check_vocabulary(native: bool, t: Tensors, st: dict, target: TargetInfo | None, V: int, Vd: int,
+                      where: str) -> None:
+    """d2t/t2d (dtypes, sizes, a valid mapping, the target's vocabulary), lm_head's rows, and (speculators) that
+    the embedded embedding is this target's."""
     # the vocabulary mapping (SpecForge #534: misaligned after fine-tuning, no error at load time)
     for name, dt in (("d2t", torch.int64), ("t2d", torch.bool)):
         if name in t.dtypes and t.dtypes[name] != dt:
@@ -353,15 +390,10 @@ def check_eagle3(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
         if tuple(emb.shape) == tuple(ref.shape) and not torch.equal(emb, ref.to(emb.dtype)):
             fail(where, "exported for another target: embed_tokens.weight is not this target's embedding "
                          "(speculators runs the draft on the file's copy)")
-    name = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") if not native else None
-    return exp, {"hidden_size": Ht, "vocab_size": V, "name": name,
-                 "rope_theta": layer.get("rope_theta")}
 
 
 # ============================================================================================ load back
 def load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
-    from models.methods.eagle3 import Eagle3Config, Eagle3Drafter
-
     layer = cfg if fmt == "eagle3_native" else cfg["transformer_layer_config"]
     tc = target.model.config
     # only pass overrides that differ from the target, so Eagle3Drafter derives head_dim as it did in training

@@ -35,6 +35,8 @@ from models.export_common import (
     target_num_layers,
 )
 from models.export_identity import STAMP_KEY, target_stamp, vocab_hash
+from models.methods.peagle.config import PEagleConfig
+from models.methods.peagle.net import PEagleDrafter
 from models.spec import ExportFormat
 from models.target import FrozenTarget
 from models.vocab import check_mapping
@@ -160,8 +162,6 @@ def check_peagle(cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | 
 
 
 def load_peagle(cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
-    from models.methods.peagle import PEagleConfig, PEagleDrafter
-
     layer = cfg["transformer_layer_config"]
     V = layer["vocab_size"]
     vd = cfg.get("draft_vocab_size") or V
