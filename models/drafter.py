@@ -37,19 +37,6 @@ class Drafter(Protocol):
     def config_dict(self) -> dict: ...
 
 
-def simulated_tau(agreement: list[float]) -> float:
-    """Expected tokens per target forward for a greedy chain: 1 + Σ_k Π_{j≤k} a_j.
-
-    ``agreement[k]`` is the draft/target top-1 agreement at draft position k given that the
-    earlier positions were accepted (what training-time test measures); the 1 is the bonus token.
-    """
-    tau, run = 1.0, 1.0
-    for a in agreement:
-        run *= a
-        tau += run
-    return tau
-
-
 def softcap(logits, cap: float | None):
     """The target's final-logit soft-capping (Gemma-2/3: ``cap * tanh(logits / cap)``), so heads that end in the
     target's lm_head produce the target's kind of distribution; None / 0 → unchanged."""

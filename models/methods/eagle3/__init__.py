@@ -38,6 +38,7 @@ import logging
 import torch
 from torch import Tensor
 
+from models.acceptance import best_by_cost, rank_accuracy
 from models.methods.eagle3 import export
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.kernels import DraftKV, cached_step
@@ -66,17 +67,10 @@ def rebuild(cfg: Eagle3Config, target: FrozenTarget) -> Eagle3Drafter:
 def eagle_rank_accuracy(metrics: dict, steps: int, size_for: float = 0) -> Tensor:
     """[steps, RANKS] P(the depth-(k+1) rank-r draft is accepted | its path was) from held-out ``rank_metrics``:
     greedy hits (``top{j}_{k}``) when sizing for T=0, the target's probability mass (``mass{j}_{k}``) for T>0."""
-    key = "top" if float(size_for) == 0 else "mass"
-    need = [f"{key}{j}_{k}" for k in range(steps) for j in range(1, RANKS + 1)]
-    missing = [n for n in need if n not in metrics]
-    if missing:
-        raise ValueError(f"EAGLE-2 tree sizing needs the held-out rank metrics ({missing[0]}, ...) saved in the "
-                         "checkpoint's eval.json by training; retrain, or give depth/top_k/total_tokens as numbers")
-    cum = torch.tensor([[float(metrics[f"{key}{j}_{k}"]) for j in range(1, RANKS + 1)] for k in range(steps)],
-                       dtype=torch.float64)
-    acc = torch.diff(cum, dim=1, prepend=torch.zeros(steps, 1, dtype=torch.float64)).clamp_min(0)
-    # TTT step k is scored on paths whose first k drafts were right: acc[k] is already conditional
-    return acc
+    # TTT step k is scored on paths whose first k drafts were right: row k is already conditional
+    return rank_accuracy(metrics, steps, RANKS, "top" if float(size_for) == 0 else "mass",
+                         why_missing="EAGLE-2 tree sizing reads them from the checkpoint's eval.json, written by "
+                                     "training; retrain, or give depth/top_k/total_tokens as numbers")
 
 
 FALLBACK_TREE_NODES = 10  # total_tokens: auto without held-out metrics (the cost-sized trees here: 4 to 11 nodes)
@@ -137,23 +131,21 @@ def _size_tree(d: Eagle3Drafter, ckpt_dir: str | None, o: dict, verify_cost, t1_
     import json
     from pathlib import Path
 
-    from models.tree import build_rank_tree, expected_tree_tau
+    from models.tree import build_rank_tree, expected_tree_tau, tree_capacity
 
     if not o.get("auto_size"):
         return None
     acc = eagle_rank_accuracy(json.loads((Path(ckpt_dir) / "eval.json").read_text()), int(o["depth"]),
                               o["size_for"])[:, : int(o["top_k"])]
     passes = _draft_pass_cost(d, list(range(1, acc.shape[1] + 1)), t1_s) if t1_s else None
-    pred, shape = {}, {}
-    for n in range(1, int(o["total_tokens"]) + 1):
-        if n > sum(acc.shape[1] ** k for k in range(1, acc.shape[0] + 1)):
-            break
-        tree = build_rank_tree(acc, n)
-        depth, width = max(len(c) for c in tree), max(max(c) for c in tree) + 1
-        draft = 0.0 if passes is None else passes[1] + (depth - 1) * passes[width]
-        pred[n] = expected_tree_tau(acc, tree) / (draft + float(verify_cost(n)))
-        shape[n] = (depth, width)
-    n = max(pred, key=pred.get)
+    trees = {n: build_rank_tree(acc, n) for n in range(1, min(int(o["total_tokens"]), tree_capacity(*acc.shape)) + 1)}
+    shape = {n: (max(len(c) for c in t), max(max(c) for c in t) + 1) for n, t in trees.items()}  # (depth, width)
+
+    def round_cost(n: int) -> float:  # drafting (root pass + depth-1 passes of width entries) + verifying n nodes
+        draft = 0.0 if passes is None else passes[1] + (shape[n][0] - 1) * passes[shape[n][1]]
+        return draft + float(verify_cost(n))
+
+    n, pred = best_by_cost(trees, lambda n: expected_tree_tau(acc, trees[n]), round_cost)
     depth, width = shape[n]
     return {**o, "depth": depth, "top_k": width, "total_tokens": n,
             "tree_sized": {"total_tokens": n, "depth": depth, "top_k": width, "size_for": o["size_for"],

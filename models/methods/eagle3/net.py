@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from models.drafter import simulated_tau
+from models.acceptance import chain_tau
 from models.methods.eagle3.config import Eagle3Config, decoder_shape, fused_layer_ids
 from models.norm import RMSNorm
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -281,7 +281,7 @@ class Eagle3Drafter(nn.Module):
             accs.append(step_metrics[f"acc_{k}"])
             metrics.update(step_metrics)
         metrics["loss"] = float(total.detach())
-        metrics["sim_tau"] = simulated_tau(accs)
+        metrics["sim_tau"] = chain_tau(accs)
         return total, metrics
 
     def _teacher(self, input_ids: Tensor, loss_mask: Tensor, target_logits: Tensor

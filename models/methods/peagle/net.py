@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from models.drafter import simulated_tau
+from models.acceptance import chain_tau
 from models.methods.peagle.config import PEagleConfig, default_layer_ids
 from models.norm import RMSNorm
 from models.proposal import check_k
@@ -268,5 +268,5 @@ class PEagleDrafter(nn.Module):
                 else:
                     prefix = (tried & h)[:, :nxt]
         metrics["loss"] = float(loss.detach())
-        metrics["sim_tau"] = simulated_tau(accs)
+        metrics["sim_tau"] = chain_tau(accs)
         return loss, metrics
