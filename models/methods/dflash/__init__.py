@@ -548,7 +548,7 @@ def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: 
 
 SPEC = MethodSpec(
     name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
-    export_formats=export.FORMATS,
+    export_formats=export.FORMATS, default_k=lambda d: d.num_spec,
     # k: null → the whole block (B-1; DSpark: B); auto → sized by the cost model from the held-out slot agreement.
     # DSpark's confidence head: min_confidence stops a block where the running acceptance estimate drops below it;
     # verify_costs: auto → each round verifies the K maximising the head's expected tokens / measured v(K)

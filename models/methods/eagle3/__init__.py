@@ -1062,6 +1062,7 @@ def _tree(d, _t, max_nodes: int = MAX_TREE_NODES, size_for: float = 0, **o) -> E
 SPEC = MethodSpec(
     name="eagle3", config=Eagle3Config, build=build, rebuild=rebuild,
     export_formats=export.FORMATS,
+    default_k=lambda _d: 3,  # an export's num_speculative_tokens without eval results
     proposers=(
         # weights: the drafting precision (float32 | bfloat16 | int8, ``inference_copy``)
         ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5, "weights": "float32"}),

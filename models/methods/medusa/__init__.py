@@ -449,7 +449,7 @@ def _size_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict, verify_cost, t
 
 SPEC = MethodSpec(
     name="medusa", config=MedusaConfig, build=build, rebuild=build,
-    export_formats=export.FORMATS,
+    export_formats=export.FORMATS, default_k=lambda heads: heads.cfg.num_heads,
     after_training=lambda heads, out_dir, metrics: heads.save_static_tree(out_dir, metrics),
     proposers=(ProposerSpec(
         "medusa", lambda heads, _t, **o: MedusaProposer(heads, choices=o["choices"]),

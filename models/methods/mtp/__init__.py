@@ -490,7 +490,7 @@ def _default_k(drafter: MTPDrafter, _ckpt_dir: str | None, o: dict) -> dict:
 
 SPEC = MethodSpec(
     name="mtp", config=MTPConfig, build=lambda cfg, target, rows=None: MTPDrafter.from_target(cfg, target),
-    rebuild=MTPDrafter.from_target, export_formats=export.FORMATS,
+    rebuild=MTPDrafter.from_target, export_formats=export.FORMATS, default_k=lambda d: d.cfg.num_modules,
     # checkpoints written before hidden_between_depths existed chained the pre-norm state
     checkpoint_defaults={"hidden_between_depths": "pre_norm"},
     proposers=(ProposerSpec("mtp", lambda d, _t, **o: MTPProposer(d, **o), {"k": None}, prepare=_default_k),),

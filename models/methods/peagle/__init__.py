@@ -388,6 +388,7 @@ def rebuild(cfg: PEagleConfig, target: FrozenTarget) -> PEagleDrafter:
 
 SPEC = MethodSpec(
     name="peagle", config=PEagleConfig, build=build, rebuild=rebuild, export_formats=export.FORMATS,
+    default_k=lambda d: d.cfg.num_depths,
     proposers=(ProposerSpec("peagle", lambda d, _t, **o: PEagleProposer(d, **o), {"k": None},
                             prepare=lambda d, _c, o: {**o, "k": d.cfg.num_depths if o["k"] is None else int(o["k"])}),),
 )
