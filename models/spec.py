@@ -95,7 +95,11 @@ class MethodSpec:
 
     The method's facts train/ and models/export/ read instead of naming methods:
     ``default_k(drafter) → int``: num_speculative_tokens an export serves without eval results (EAGLE-3: 3,
-    Medusa: its heads, MTP: its modules, DFlash: the block's drafted slots, P-EAGLE: its parallel depths)."""
+    Medusa: its heads, MTP: its modules, DFlash: the block's drafted slots, P-EAGLE: its parallel depths).
+    ``check_config(config, max_len)``: the up-front checks of a draft config (its fields as
+    ``conf/draft/<name>.yaml`` gives them, before anything loads; ``max_len``: data.max_len or None), each bad
+    value a one-line ValueError naming the key as ``draft.config.<field>`` (models/config_checks.py); the
+    method's depth check among them."""
 
     name: str
     proposers: tuple[ProposerSpec, ...]
@@ -109,6 +113,7 @@ class MethodSpec:
     # values for config fields a checkpoint written before they existed does not store (what it was trained with)
     checkpoint_defaults: Mapping[str, Any] = field(default_factory=dict)
     default_k: Callable[[Any], int] | None = None
+    check_config: Callable[[Mapping[str, Any], int | None], None] | None = None
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

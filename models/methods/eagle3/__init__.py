@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from models.config_checks import depth_check
 from models.drafter import simulated_tau
 from models.methods.eagle3 import export
 from models.norm import RMSNorm
@@ -1063,6 +1064,7 @@ SPEC = MethodSpec(
     name="eagle3", config=Eagle3Config, build=build, rebuild=rebuild,
     export_formats=export.FORMATS,
     default_k=lambda _d: 3,  # an export's num_speculative_tokens without eval results
+    check_config=depth_check("ttt_steps", "step_weight"),  # ttt_steps: the chain trained (training-time test)
     proposers=(
         # weights: the drafting precision (float32 | bfloat16 | int8, ``inference_copy``)
         ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5, "weights": "float32"}),

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedConfig
 
+from models.config_checks import depth_check
 from models.drafter import softcap
 from models.losses import distill_step, step_metrics, weighted_total
 from models.methods.medusa import export
@@ -450,6 +451,7 @@ def _size_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict, verify_cost, t
 SPEC = MethodSpec(
     name="medusa", config=MedusaConfig, build=build, rebuild=build,
     export_formats=export.FORMATS, default_k=lambda heads: heads.cfg.num_heads,
+    check_config=depth_check("num_heads", "step_weight"),
     after_training=lambda heads, out_dir, metrics: heads.save_static_tree(out_dir, metrics),
     proposers=(ProposerSpec(
         "medusa", lambda heads, _t, **o: MedusaProposer(heads, choices=o["choices"]),

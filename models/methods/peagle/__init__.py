@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
+from models.config_checks import depth_check
 from models.drafter import simulated_tau
 from models.methods.peagle import export
 from models.norm import RMSNorm
@@ -388,7 +389,7 @@ def rebuild(cfg: PEagleConfig, target: FrozenTarget) -> PEagleDrafter:
 
 SPEC = MethodSpec(
     name="peagle", config=PEagleConfig, build=build, rebuild=rebuild, export_formats=export.FORMATS,
-    default_k=lambda d: d.cfg.num_depths,
+    default_k=lambda d: d.cfg.num_depths, check_config=depth_check("num_depths"),
     proposers=(ProposerSpec("peagle", lambda d, _t, **o: PEagleProposer(d, **o), {"k": None},
                             prepare=lambda d, _c, o: {**o, "k": d.cfg.num_depths if o["k"] is None else int(o["k"])}),),
 )
