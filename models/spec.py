@@ -99,7 +99,8 @@ class MethodSpec:
     ``check_config(config, max_len)``: the up-front checks of a draft config (its fields as
     ``conf/draft/<name>.yaml`` gives them, before anything loads; ``max_len``: data.max_len or None), each bad
     value a one-line ValueError naming the key as ``draft.config.<field>`` (models/config_checks.py); the
-    method's depth check among them."""
+    method's depth check among them. ``final_files``: what ``after_training`` writes into final/ (training
+    replaces those files with the directory)."""
 
     name: str
     proposers: tuple[ProposerSpec, ...]
@@ -114,6 +115,7 @@ class MethodSpec:
     checkpoint_defaults: Mapping[str, Any] = field(default_factory=dict)
     default_k: Callable[[Any], int] | None = None
     check_config: Callable[[Mapping[str, Any], int | None], None] | None = None
+    final_files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

@@ -452,7 +452,7 @@ SPEC = MethodSpec(
     name="medusa", config=MedusaConfig, build=build, rebuild=build,
     export_formats=export.FORMATS, default_k=lambda heads: heads.cfg.num_heads,
     check_config=depth_check("num_heads", "step_weight"),
-    after_training=lambda heads, out_dir, metrics: heads.save_static_tree(out_dir, metrics),
+    after_training=lambda heads, out_dir, metrics: heads.save_static_tree(out_dir, metrics), final_files=(TREE_FILE,),
     proposers=(ProposerSpec(
         "medusa", lambda heads, _t, **o: MedusaProposer(heads, choices=o["choices"]),
         {"top_k": 4, "num_nodes": "auto", "max_nodes": 24, "choices": None},
