@@ -250,6 +250,16 @@ def _run_resumable(
     return done
 
 
+def _same_conversation(conv: list[dict], rec: dict) -> bool:
+    """Resuming: a stored record answers this conversation when its turns match, assistant contents aside (those
+    are what was regenerated)."""
+    stored = rec.get("messages")
+    if not isinstance(stored, list) or len(stored) != len(conv):
+        return False
+    return all(s.get("role") == m["role"] and (m["role"] == "assistant" or s.get("content") == m["content"])
+               for s, m in zip(stored, conv))
+
+
 # ----------------------------------------------------------------------------------- public API
 
 
@@ -275,13 +285,6 @@ def regenerate_conversations(
     stops = stop_token_ids(tok, model, chat_template=chat_template, enable_thinking=enable_thinking)
     pad_id = _pad_id(tok, stops)
     harmony = all(t in special_strings(tok) for t in (CHANNEL, MESSAGE))
-
-    def same_input(conv: list[dict], rec: dict) -> bool:
-        stored = rec.get("messages")
-        if not isinstance(stored, list) or len(stored) != len(conv):
-            return False
-        return all(s.get("role") == m["role"] and (m["role"] == "assistant" or s.get("content") == m["content"])
-                   for s, m in zip(stored, conv))
 
     def process_batch(idx: list[int]) -> list[dict]:
         work = {i: [dict(m) for m in convs[i]] for i in idx}
@@ -311,8 +314,8 @@ def regenerate_conversations(
             step += 1
         return [{"index": i, "messages": work[i]} for i in idx]
 
-    done = _run_resumable(convs, out_path, batch_size, same_input, process_batch, "regenerate conversations",
-                          stats)
+    done = _run_resumable(convs, out_path, batch_size, _same_conversation, process_batch,
+                          "regenerate conversations", stats)
     return [done[i]["messages"] for i in range(len(convs))]
 
 

@@ -16,13 +16,9 @@ from models.target import EMBEDDED_NAME, FrozenTarget, resolve_name
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-# FasterDecoding's trainer saves this name; TensorRT-LLM's loader looks for it after medusa_lm_head.pt
-# (NVIDIA/TensorRT-LLM tensorrt_llm/models/medusa/weight.py ``load_medusa_hf``).
-MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 SIDECAR = "draftsmith.json"
 README = "README.md"
 LAYER_ID_CONVENTION = "hf_output_hidden_states_index"
-DEFAULT_K = {"eagle3": 3}  # medusa: its number of heads; mtp: its number of modules
 
 
 class ExportError(ValueError):

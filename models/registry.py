@@ -65,6 +65,8 @@ def build_drafter(method_name: str, cfg: Any, target: FrozenTarget, train_rows: 
     if not isinstance(cfg, spec.config):
         raise ValueError(f"draft.config is a {type(cfg).__name__}, {method_name} needs {spec.config.__name__}; "
                          f"use draft={method_name} (or a recipe that pins it)")
+    if spec.check_config is not None:  # the checks train/checks.py ran on the yaml, for a config built in code
+        spec.check_config(dataclasses.asdict(cfg), None)
     return spec.build(cfg, target, train_rows)
 
 

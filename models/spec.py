@@ -60,7 +60,15 @@ class ExportFormat:
     ``export.py``; ``MethodSpec.export_formats``). ``build(drafter, target, target_name, k, meta) → Bundle``;
     ``check(cfg, tensors, sidecar, target, where) → (expected shapes, target dims)``; ``load(cfg, state_dict,
     target) → module``; ``detect(cfg, dir)`` → bool (tried in registry order, so a more specific format comes
-    first within a method)."""
+    first within a method). ``k`` is the recommended num_speculative_tokens or, without one, the method's
+    ``MethodSpec.default_k`` (None where it declares none).
+
+    The format's own facts, so that models/export/ never asks which format it holds:
+    ``readme(cfg, sidecar, serve) → lines``: its sections of the exported README.md after the common frame
+    (engine commands, conventions, notes; ``serve``: models/export_snippets.py ``Serve``); None: the frame only,
+    no engine snippet invented. ``verify_target(tensors, target, where) → bool``: for a format that carries the
+    target's own tensors, compare them with the target (a FrozenTarget's fingerprint; fail on a mismatch) and
+    say whether that verified it (then a differently spelled target name is not refused)."""
 
     name: str
     cli: str
@@ -71,6 +79,8 @@ class ExportFormat:
     load: Callable
     detect: Callable[[dict, Any], bool]
     weights_file: str = "model.safetensors"
+    readme: Callable[[dict, dict, Any], list[str]] | None = None
+    verify_target: Callable[[Any, Any, str], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,16 @@ class MethodSpec:
     ``config.json`` stores its fields). ``source``: what eval needs first (SOURCES): a drafter checkpoint, a
     separate model (``load(path, target)`` → the module; e.g. the draft-model baseline) or nothing.
     ``after_training(drafter, final_dir, heldout_metrics)``: optional, e.g. Medusa's static tree from held-out
-    rank accuracies; returns what it wrote (or None)."""
+    rank accuracies; returns what it wrote (or None).
+
+    The method's facts train/ and models/export/ read instead of naming methods:
+    ``default_k(drafter) → int``: num_speculative_tokens an export serves without eval results (EAGLE-3: 3,
+    Medusa: its heads, MTP: its modules, DFlash: the block's drafted slots, P-EAGLE: its parallel depths).
+    ``check_config(config, max_len)``: the up-front checks of a draft config (its fields as
+    ``conf/draft/<name>.yaml`` gives them, before anything loads; ``max_len``: data.max_len or None), each bad
+    value a one-line ValueError naming the key as ``draft.config.<field>`` (models/config_checks.py); the
+    method's depth check among them. ``final_files``: what ``after_training`` writes into final/ (training
+    replaces those files with the directory)."""
 
     name: str
     proposers: tuple[ProposerSpec, ...]
@@ -94,6 +113,9 @@ class MethodSpec:
     load: Callable[..., Any] | None = None
     # values for config fields a checkpoint written before they existed does not store (what it was trained with)
     checkpoint_defaults: Mapping[str, Any] = field(default_factory=dict)
+    default_k: Callable[[Any], int] | None = None
+    check_config: Callable[[Mapping[str, Any], int | None], None] | None = None
+    final_files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

@@ -21,7 +21,9 @@ from safetensors.torch import load_file, save_file
 from models import export as ex
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter
+from models.methods.medusa.export import MEDUSA_WEIGHTS
 from models.methods.medusa.net import propose
+from models.methods.mtp.export import fuse_experts, unfuse_experts
 from models.methods.mtp.proposers import propose_chain
 from models.registry import load_drafter
 from models.target import FrozenTarget
@@ -184,12 +186,12 @@ def test_expert_split_matches_transformers_checkpoint_layout(ds, ds_dir):
     """Our per-expert names and gate/up split are exactly what transformers itself writes for DeepSeek-V3."""
     target, _ = ds
     fused = {k: v for k, v in target.model.state_dict().items() if k.startswith("model.layers.1.mlp.experts.")}
-    ours = ex.unfuse_experts(fused, "deepseek_v3")
+    ours = unfuse_experts(fused, "deepseek_v3")
     saved = load_file(str(ds_dir / "model.safetensors"))
     assert len(ours) == 12
     for k, v in ours.items():
         assert torch.equal(v, saved[k]), k
-    assert all(torch.equal(a, b) for a, b in zip(ex.fuse_experts(ours).values(), fused.values()))
+    assert all(torch.equal(a, b) for a, b in zip(fuse_experts(ours).values(), fused.values()))
 
 
 # --------------------------------------------------------------------------------------------- formats
@@ -250,8 +252,8 @@ def test_norm_before_residual_drafter_goes_to_speculators_only(ckpts, target, tm
 def test_medusa_layouts(ckpts, target, tmp_path):
     drafter, meta = load_drafter(ckpts["medusa"], target)
     fd = ex.export(drafter, "medusa", tmp_path / "fd", target, meta=meta)
-    assert (fd / ex.MEDUSA_WEIGHTS).exists() and not (fd / ex.WEIGHTS).exists()
-    assert _keys(fd, ex.MEDUSA_WEIGHTS) == {f"{h}.0.linear.{w}" for h in range(4) for w in ("weight", "bias")} | {
+    assert (fd / MEDUSA_WEIGHTS).exists() and not (fd / ex.WEIGHTS).exists()
+    assert _keys(fd, MEDUSA_WEIGHTS) == {f"{h}.0.linear.{w}" for h in range(4) for w in ("weight", "bias")} | {
         f"{h}.1.weight" for h in range(4)}
     cfg = json.loads((fd / ex.CONFIG).read_text())
     assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"]) == (4, 1)

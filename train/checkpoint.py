@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from models import registry
 from models.checkpoint import (
     CONFIG,
     WEIGHTS,
@@ -45,7 +46,6 @@ from models.checkpoint import (
     read_meta,
     trainable_state,
 )
-from models.methods.medusa.tree import TREE_FILE as MEDUSA_TREE_FILE
 
 TRAINER = "trainer.pt"
 __all__ = ["CONFIG", "WEIGHTS", "TRAINER", "trainable_state", "load_trainable_state", "read_meta", "rng_state",
@@ -93,8 +93,10 @@ def save_drafter(out: Path, module: nn.Module, meta: dict) -> None:
         write_json(out / CONFIG, meta)
 
 
-# what training writes into final/ (the drafter, its held-out metrics, Medusa's static tree): replaced freely
-FINAL_FILES = {CONFIG, WEIGHTS, "eval.json", MEDUSA_TREE_FILE}
+def final_files() -> set[str]:
+    """What training writes into final/, replaced freely: the drafter, its held-out metrics and whatever a
+    method's after-training step adds (``MethodSpec.final_files``, e.g. Medusa's static tree)."""
+    return {CONFIG, WEIGHTS, "eval.json", *(f for spec in registry.METHODS.values() for f in spec.final_files)}
 
 
 def save_final(out: Path, module: nn.Module, meta: dict) -> None:
@@ -107,7 +109,8 @@ def save_final(out: Path, module: nn.Module, meta: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written drafter must not fill the disk further
         raise
     if out.exists():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in FINAL_FILES or not p.is_file())
+        ours = final_files()
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours or not p.is_file())
         if foreign:  # someone put files there (an export, notes): keep them, never delete what we did not write
             kept = out.with_name(f"{out.name}.kept_{time.strftime('%Y%m%d-%H%M%S')}")
             os.replace(out, kept)

@@ -140,19 +140,26 @@ def validate_train_config(cfg: DictConfig) -> None:
                 raise ConfigError(f"data.regen_temperature={list(temps)}: every entry must be a number >= 0")
     elif temps is not None:
         _positive_finite(cfg, "data.regen_temperature", allow_zero=True)
-    method = _get(cfg, "draft.method")
-    depth = {"eagle3": "draft.config.ttt_steps", "medusa": "draft.config.num_heads",
-             "mtp": "draft.config.num_modules"}.get(method)
-    if depth is not None and _get(cfg, depth) is not None:
-        _int_at_least(cfg, depth, 1)
-    if _get(cfg, "draft.config.step_weight") is not None:
-        _positive_finite(cfg, "draft.config.step_weight")
-    if method == "dflash" and _get(cfg, "draft.config.block_size") is not None:
-        _int_at_least(cfg, "draft.config.block_size", 2)
-        block, max_len = _get(cfg, "draft.config.block_size"), _get(cfg, "data.max_len")
-        if isinstance(max_len, int) and block > max_len:
-            raise ConfigError(f"draft.config.block_size={block} is longer than data.max_len={max_len}: no block fits "
-                              "in a training row; lower draft.config.block_size or raise data.max_len")
+    check_draft_config(cfg)
+
+
+def check_draft_config(cfg: DictConfig) -> None:
+    """The method's own up-front checks (``MethodSpec.check_config``: its depth and the like), on ``draft.config``
+    as the yaml gives it. An unknown or untrainable method is refused later, when the drafter is built."""
+    from models import registry
+
+    spec = registry.METHODS.get(_get(cfg, "draft.method"))
+    node = _get(cfg, "draft.config")
+    if spec is None or spec.check_config is None or not isinstance(node, DictConfig):
+        return
+    fields = {}
+    for k in node.keys():
+        v = OmegaConf.select(node, str(k), default=None, throw_on_resolution_failure=False)
+        fields[str(k)] = OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
+    try:
+        spec.check_config(fields, _get(cfg, "data.max_len"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_resume_step(start: int, steps: int, path: Any) -> None:

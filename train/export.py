@@ -1,10 +1,11 @@
 """Export a trained drafter checkpoint for a serving engine, or check an export directory.
 
-    python -m train.export CHECKPOINT --format {eagle3,eagle3-speculators,medusa,medusa-vllm,mtp,mtp-nextn} \\
-        --out DIR [--target NAME_OR_PATH] [--results eval.json] [--dtype bfloat16] [--force]
+    python -m train.export CHECKPOINT --format FORMAT --out DIR [--target NAME_OR_PATH] [--results eval.json] \\
+        [--dtype bfloat16] [--force]
     python -m train.export --check DIR [--target NAME_OR_PATH]
 
-CHECKPOINT is a directory written by train/ (e.g. OUTPUT_DIR/final). The target defaults to the one recorded in
+CHECKPOINT is a directory written by train/ (e.g. OUTPUT_DIR/final); FORMAT is one its method declares (``--help``
+lists them all: eagle3, eagle3-speculators, medusa, mtp, dflash, ...). The target defaults to the one recorded in
 the checkpoint (``tiny-code`` for the embedded target); the checkpoint is refused if it was trained for another
 target. The export is validated before it is written and again from disk; ``--check`` runs the same validator
 on any directory (exit status 2 and a one-line reason when it is not a valid export).

@@ -1,15 +1,10 @@
 """Export trained drafters in the formats serving engines load, validate any such directory, load it back.
 
-One writer per format (each writes a directory), one validator for all of them (run on the in-memory export
-*before* anything is written, and available on any directory), one loader back into draftsmith's modules:
-
-    format                  files                                        served by
-    eagle3_native           config.json, model.safetensors               SGLang (EAGLE3), vLLM (eagle3)
-    eagle3_speculators      config.json, model.safetensors               vLLM (speculators format), speculators
-    medusa_fasterdecoding   config.json, medusa_lm_head.safetensors      FasterDecoding/Medusa, TensorRT-LLM
-    medusa_vllm             config.json, model.safetensors               vLLM <= 0.32 (medusa; removed in 0.33.0)
-    mtp_deepseek            config.json, model.safetensors               vLLM (mtp) for DeepSeek-V3 targets
-    mtp_sglang_nextn        config.json, model.safetensors               SGLang (NEXTN) for DeepSeek-V3 targets
+The formats are the rows every method declares (``ExportFormat`` in its ``models/methods/<name>/export.py``, table
+in ``formats.export_formats()``): each row builds a directory, checks one, loads it back into draftsmith's module,
+detects itself and writes its README sections. This package knows no format or method by name: one writer
+(build, validate in memory, write atomically, re-validate), one validator for every format (the shape comparison
+and the same-target check around the row's own check), one loader, the README frame and the serving manifest.
 
 Every directory also gets ``README.md`` (serving snippets) and ``draftsmith.json`` (what we know and the engines
 do not: method, our layer ids and their convention, the target's identity incl. its embedding fingerprint).
@@ -24,22 +19,20 @@ Aux-layer-id conventions (checked against the engines' loaders, see the comments
   (sglang/srt/models/llama.py ``set_eagle3_layers_to_capture``; read in model_executor/model_runner.py).
 So the two fields hold different numbers for the same tensors; the validator checks top == sglang + 1.
 
-Modules: api (export, load_export), validate (detect_format, validate), eagle3 / medusa / mtp (build, check
-and load back each family's two formats), readme (the README.md), common (constants, ExportError, helpers).
+Modules: api (export, load_export), validate (detect_format, validate), formats (the table), readme (the
+README frame), serving (the serving-mode manifest); shared helpers in models/export_common.py,
+models/export_identity.py and models/export_snippets.py (core, so the methods' exporters use them too).
 """
 
 from models.export_common import (
     CONFIG,
-    DEFAULT_K,
     LAYER_ID_CONVENTION,
-    MEDUSA_WEIGHTS,
     README,
     SIDECAR,
     WEIGHTS,
     ExportError,
     recommended_k_from_results,
 )
-from models.methods.mtp.export import fuse_experts, unfuse_experts
 from models.spec import ExportFormat
 from models.target import embed_fingerprint
 
@@ -48,8 +41,8 @@ from .formats import cli_formats, export_format, export_formats
 from .validate import detect_format, validate
 
 __all__ = [
-    "cli_formats", "export_formats", "ExportFormat", "export_format", "CONFIG", "DEFAULT_K",
-    "LAYER_ID_CONVENTION", "MEDUSA_WEIGHTS", "README",
+    "cli_formats", "export_formats", "ExportFormat", "export_format", "CONFIG",
+    "LAYER_ID_CONVENTION", "README",
     "SIDECAR", "WEIGHTS", "ExportError", "detect_format", "embed_fingerprint", "export", "load_export",
-    "recommended_k_from_results", "validate", "fuse_experts", "unfuse_experts",
+    "recommended_k_from_results", "validate",
 ]

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from models import registry
 from models.checkpoint import out_of_space_as_error
 from models.export_common import (
     CONFIG,
@@ -41,7 +42,8 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
     """Write ``drafter`` (trained for ``target``) to ``out`` in ``fmt`` (one of FORMATS or a CLI name).
 
     ``target_name``: how engines should find the target (default: the target config's name_or_path).
-    ``recommended_k``: num_speculative_tokens for the serving snippets (e.g. from an eval results JSON).
+    ``recommended_k``: num_speculative_tokens for the serving snippets (e.g. from an eval results JSON); default:
+    the method's ``default_k`` (models/spec.py).
     ``dtype``: cast float weights (default: keep the trained dtype; d2t/t2d are never cast).
     ``serve_name``: the target as the engine-read fields (speculators ``verifier.name_or_path``, Medusa's
     ``base_model_name_or_path``) and the README's serve commands name it (default: ``engine_target_name`` of the
@@ -56,7 +58,10 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
     if recommended_k is not None and (not isinstance(recommended_k, int) or recommended_k < 1):
         raise ExportError(f"recommended_k must be a positive integer, got {recommended_k!r}")
     name = target_name or getattr(target.model.config, "_name_or_path", "") or "UNKNOWN-TARGET"
-    bundle = spec.build(drafter, target, name, recommended_k, meta)
+    k, default_k = recommended_k, registry.method(spec.method).default_k
+    if k is None and default_k is not None:  # no eval results: the method's own default
+        k = default_k(drafter)
+    bundle = spec.build(drafter, target, name, k, meta)
     bundle.sidecar["k_from_results"] = recommended_k is not None
     _set_serve_name(bundle, serve_name or engine_target_name(name))
     bundle.sidecar["serve_name_from_user"] = serve_name is not None  # a path set on purpose is not warned about

@@ -27,7 +27,6 @@ from models.export_common import (
     target_info,
 )
 from models.export_identity import check_stamp
-from models.target import embed_fingerprint
 
 from .formats import detect_format as _detect
 from .formats import export_format
@@ -147,12 +146,9 @@ def _check_same_target(fmt: str, cfg: dict, t: Tensors, side: dict | None, targe
                 fail(where, f"exported for another target: {key} {st.get(key)} != the target's {have} "
                              f"(trained on {side.get('target_name')!r})")
         verified = verified or st.get("embed_fingerprint") is not None
-    if fmt == "mtp_deepseek" and target.fingerprint is not None:
-        for k in t.shapes:
-            if k.endswith("embed_tokens.weight"):
-                if embed_fingerprint(t.get(k)) != target.fingerprint:
-                    fail(where, f"exported for another target: {k} is not this target's embedding")
-                verified = True
+    verify = export_format(fmt).verify_target  # a format carrying the target's own tensors compares them
+    if verify is not None and target.fingerprint is not None:
+        verified = verify(t, target, where) or verified
     names = [n for n in (dims.get("name"), cfg.get("base_model_name_or_path"),
                          (side or {}).get("target_name")) if n]
     if not verified and target.name and names and not _same_name(names[0], str(target.name)):

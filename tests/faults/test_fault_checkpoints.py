@@ -137,3 +137,13 @@ def test_rerun_keeps_files_it_did_not_write_in_final(target_dir, tmp_path):
     assert json.loads((out / "final" / "config.json").read_text())["step"] == 4
     run(cfg_for(target_dir, out, "train.steps=6"))  # a final/ holding only what training wrote: just replaced
     assert len(list(out.glob("final.kept_*"))) == 1
+
+
+def test_final_files_include_what_methods_write_after_training():
+    """What a method's after-training step writes (its spec's final_files, e.g. Medusa's static tree) is replaced
+    with final/, not taken for someone else's file."""
+    from models import registry
+    from models.methods.medusa import TREE_FILE
+
+    assert registry.method("medusa").final_files == (TREE_FILE,)
+    assert {ckpt.CONFIG, ckpt.WEIGHTS, "eval.json", TREE_FILE} <= ckpt.final_files()

@@ -45,16 +45,31 @@ def test_invalid_value_is_one_line_naming_the_key(target_dir, tmp_path, override
     assert not out.exists()  # refused before anything was written
 
 
-def test_medusa_and_mtp_depth_checked(target_dir, tmp_path):
+DEPTHS = [("eagle3", "draft.config.ttt_steps", 0), ("medusa", "draft.config.num_heads", 0),
+          ("mtp", "draft.config.num_modules", 0), ("dflash", "draft.config.block_size", 1),
+          ("peagle", "draft.config.num_depths", 0)]
+
+
+@pytest.mark.parametrize("method,key,bad", DEPTHS, ids=[d[0] for d in DEPTHS])
+def test_every_method_checks_its_depth(tmp_path, method, key, bad):
+    """Each method's own check (MethodSpec.check_config), reached through the registry before anything loads."""
     from hydra import compose, initialize_config_dir
 
     from tests.faults.fault_helpers import CONF
 
-    for method, key in (("medusa", "draft.config.num_heads"), ("mtp", "draft.config.num_modules")):
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose("config", [f"draft={method}", f"{key}=0", f"output_dir={tmp_path}", "tracking=none"])
-        with pytest.raises(ConfigError, match=key):
-            run(cfg)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", [f"draft={method}", f"{key}={bad}", f"output_dir={tmp_path}/run", "tracking=none"])
+    with pytest.raises(ConfigError) as e:
+        run(cfg)
+    assert str(e.value).startswith(f"{key}={bad}: must be an integer >= ") and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_trainable_method_declares_its_checks():
+    from models import registry
+
+    assert sorted(registry.trainable_methods()) == sorted(m for m, _, _ in DEPTHS)
+    assert all(registry.method(m).check_config is not None for m in registry.trainable_methods())
 
 
 def _lock_held_by(out, pid, host=None):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from models.acceptance import best_by_cost, chain_taus
+from models.config_checks import int_at_least
 from models.methods.dflash import export
 from models.methods.dflash.config import DFlashConfig
 from models.methods.dflash.net import DFlashDrafter
@@ -121,9 +122,18 @@ def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: 
     return {**o, "k": best, "k_sized": {"k": best, "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
 
 
+def check_config(cfg: dict, max_len: int | None) -> None:
+    """The depth check: a block is the anchor plus at least one drafted slot, and fits in a training row."""
+    int_at_least(cfg, "block_size", 2)
+    block = cfg.get("block_size")
+    if block is not None and isinstance(max_len, int) and block > max_len:
+        raise ValueError(f"draft.config.block_size={block} is longer than data.max_len={max_len}: no block fits in a "
+                         "training row; lower draft.config.block_size or raise data.max_len")
+
+
 SPEC = MethodSpec(
     name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
-    export_formats=export.FORMATS,
+    export_formats=export.FORMATS, default_k=lambda d: d.num_spec, check_config=check_config,
     # k: null → the whole block (B-1; DSpark: B); auto → sized by the cost model from the held-out slot agreement.
     # DSpark's confidence head: min_confidence stops a block where the running acceptance estimate drops below it;
     # verify_costs: auto → each round verifies the K maximising the head's expected tokens / measured v(K)

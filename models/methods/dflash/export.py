@@ -54,6 +54,7 @@ from models.export_common import (
     require,
     target_num_layers,
 )
+from models.export_snippets import Serve, vllm_section
 from models.methods.dflash.config import DFlashConfig
 from models.methods.dflash.net import DFlashDrafter
 from models.spec import ExportFormat
@@ -123,12 +124,11 @@ def _check_ids_servable(d: nn.Module, target: FrozenTarget) -> list[int]:
     return list(d.layer_ids)
 
 
-def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
+def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int,
                               meta: dict | None, dspark: bool = False) -> Bundle:
     _check_kind(d, dspark)
     ids = _check_ids_servable(d, target)
     B, S = d.block_size, d.num_spec
-    k = k or S
     if k > S:
         raise ExportError(f"num_speculative_tokens={k} exceeds the {S} drafts of a block of {B}: slots past the block "
                           "were never trained")
@@ -171,7 +171,7 @@ def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
     return Bundle(fmt, cfg, tensors, make_sidecar(fmt, d, target, name, k, meta))
 
 
-def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None,
+def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None,
                       dspark: bool = False) -> Bundle:
     _check_kind(d, dspark)
     if dspark and d.draft_vocab_size < d.vocab_size:
@@ -198,15 +198,14 @@ def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | No
         cfg["dflash_config"].update(projector_type="dspark", confidence_head_alpha=d.cfg.confidence_alpha,
                                     **_dspark_fields(d))
     fmt = "dspark_zlab" if dspark else "dflash_zlab"
-    return Bundle(fmt, cfg, _body(d), make_sidecar(fmt, d, target, name, k or d.num_spec, meta))
+    return Bundle(fmt, cfg, _body(d), make_sidecar(fmt, d, target, name, k, meta))
 
 
-def build_dspark_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None
-                             ) -> Bundle:
+def build_dspark_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
     return build_dflash_speculators(d, target, name, k, meta, dspark=True)
 
 
-def build_dspark_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
+def build_dspark_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
     return build_dflash_zlab(d, target, name, k, meta, dspark=True)
 
 
@@ -425,23 +424,75 @@ def load_dflash(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Modul
     return d.to(sd["fc.weight"].dtype).eval()
 
 
+# ============================================================================================ README
+def readme_dflash(fmt: str, cfg: dict, side: dict, s: Serve) -> list[str]:
+    """The layer ids in both conventions, the block-size convention, then vLLM (speculators) or SGLang (z-lab)."""
+    ours, blk = side["layer_ids"], cfg.get("block_size")
+    lines = ["## DFlash layer ids and block size", "",
+             f"- draftsmith / vLLM / speculators `aux_hidden_state_layer_ids` (input of decoder layer k): {ours}",
+             f"- z-lab / SGLang `dflash_config.target_layer_ids` (output of decoder layer k): {[i - 1 for i in ours]}",
+             f"- block size {blk}: vLLM `num_speculative_tokens` = {blk - 1} (B-1), SGLang "
+             f"`--speculative-num-draft-tokens` = {blk} (B, anchor included). vLLM 0.32 builds a block of "
+             "1 + num_speculative_tokens slots: a smaller K than B-1 attends over fewer mask slots than "
+             "trained and serves other drafts than draftsmith measured", "",
+             "Checked against vLLM `model_executor/models/qwen3_dflash.py` + speculators `algos.py` "
+             "`update_dflash`, and SGLang `srt/speculative/dflash_utils.py` (sources and commits: "
+             "shared/design/dflash.md §0).", ""]
+    if fmt == "dflash_speculators":  # labelled with what it was read against, not the EAGLE-3 releases
+        return lines + vllm_section(s, s.speculative_config("dflash"),
+                                    "vLLM (dflash; read against the sources in shared/design/dflash.md §0)")
+    return lines + ["## SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {s.target} \\",
+                    f"  --speculative-algorithm DFLASH --speculative-draft-model-path {s.path} \\",
+                    f"  --speculative-num-draft-tokens {blk}", "```", ""]
+
+
+def readme_dspark(fmt: str, cfg: dict, side: dict, s: Serve) -> list[str]:
+    """As DFlash's, with DSpark's block convention (the anchor slot drafts too) and what the engines leave out."""
+    ours, blk = side["layer_ids"], cfg.get("block_size")
+    lines = ["## DSpark: DFlash + a Markov head + a confidence head", "",
+             f"- draftsmith / vLLM / speculators `aux_hidden_state_layer_ids` (input of decoder layer k): {ours}",
+             f"- z-lab / SpecForge / SGLang `dflash_config.target_layer_ids` (output of decoder layer k): "
+             f"{[i - 1 for i in ours]}",
+             f"- block size {blk}, `sample_from_anchor: true`: the anchor slot drafts too, so a block holds "
+             f"{blk} speculative tokens (vLLM `num_speculative_tokens` <= {blk}; SGLang "
+             f"`--speculative-dspark-block-size {blk}`). Serving it with DFlash's B-1 convention shifts every "
+             "slot.", "",
+             "Read against speculators `models/dspark/*`, vLLM `update_dspark` and SpecForge "
+             "`configs/qwen3-8b-dspark.json` (shared/design/dflash.md §7); draftsmith has not run either "
+             "engine on it — compare served acceptance with `python -m eval`.", "",
+             "Check the served slot alignment: vLLM's `update_dspark` sets `dspark_bonus_anchor=true`, and a "
+             "vLLM fork patches it to `not sample_from_anchor`, saying upstream forces the DFlash-style layout "
+             "on every speculators checkpoint. vLLM's DSpark runtime does not use the confidence head (SGLang's "
+             "DSPARK sizes each verify window from it; draftsmith's eval: `options.dflash.min_confidence`).", ""]
+    if fmt == "dspark_speculators":
+        return lines + vllm_section(s, s.speculative_config("dspark"), "vLLM (dspark)")
+    return lines + ["## SGLang (DSPARK, SGLang PR #30261)", "", "```bash",
+                    f"python -m sglang.launch_server --model-path {s.target} \\",
+                    f"  --speculative-algorithm DSPARK --speculative-draft-model-path {s.path} \\",
+                    f"  --speculative-dspark-block-size {blk}", "```", ""]
+
+
 # the engine formats this method's drafters export to (SPEC.export_formats; detect() is tried in this order)
 FORMATS = (
     ExportFormat("dflash_speculators", "dflash-speculators", "dflash", "vLLM (dflash, speculators format)",
                  build_dflash_speculators, partial(check_dflash, "dflash_speculators"),
                  partial(load_dflash, "dflash_speculators"),
                  lambda cfg, _p: "DFlashSpeculator" in architectures(cfg)
-                                 or cfg.get("speculators_model_type") == "dflash"),
+                                 or cfg.get("speculators_model_type") == "dflash",
+                 readme=partial(readme_dflash, "dflash_speculators")),
     ExportFormat("dflash_zlab", "dflash", "dflash", "SGLang (DFLASH), z-lab layout",
                  build_dflash_zlab, partial(check_dflash, "dflash_zlab"), partial(load_dflash, "dflash_zlab"),
-                 lambda cfg, _p: "DFlashDraftModel" in architectures(cfg)),
+                 lambda cfg, _p: "DFlashDraftModel" in architectures(cfg),
+                 readme=partial(readme_dflash, "dflash_zlab")),
     # DSpark = a DFlash drafter with block_head=markov, sample_from_anchor=true (the same method)
     ExportFormat("dspark_speculators", "dspark-speculators", "dflash", "vLLM (dspark, speculators format)",
                  build_dspark_speculators, partial(check_dflash, "dspark_speculators"),
                  partial(load_dflash, "dspark_speculators"),
                  lambda cfg, _p: "DSparkSpeculator" in architectures(cfg)
-                                 or cfg.get("speculators_model_type") == "dspark"),
+                                 or cfg.get("speculators_model_type") == "dspark",
+                 readme=partial(readme_dspark, "dspark_speculators")),
     ExportFormat("dspark_zlab", "dspark", "dflash", "SGLang (DSPARK), z-lab / SpecForge layout",
                  build_dspark_zlab, partial(check_dflash, "dspark_zlab"), partial(load_dflash, "dspark_zlab"),
-                 lambda cfg, _p: "DSparkDraftModel" in architectures(cfg)),
+                 lambda cfg, _p: "DSparkDraftModel" in architectures(cfg),
+                 readme=partial(readme_dspark, "dspark_zlab")),
 )

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from models.acceptance import best_by_cost, rank_accuracy
+from models.config_checks import depth_check
 from models.methods.eagle3 import export
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.kernels import DraftKV, cached_step
@@ -160,6 +161,8 @@ def _tree(d, _t, max_nodes: int = MAX_TREE_NODES, size_for: float = 0, **o) -> E
 SPEC = MethodSpec(
     name="eagle3", config=Eagle3Config, build=build, rebuild=rebuild,
     export_formats=export.FORMATS,
+    default_k=lambda _d: 3,  # an export's num_speculative_tokens without eval results
+    check_config=depth_check("ttt_steps", "step_weight"),  # ttt_steps: the chain trained (training-time test)
     proposers=(
         # weights: the drafting precision (float32 | bfloat16 | int8, ``inference_copy``)
         ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5, "weights": "float32"}),

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from models.export_common import (
-    DEFAULT_K,
     DTYPE_NAMES,
     Bundle,
     ExportError,
@@ -26,14 +25,17 @@ from models.export_common import (
     target_num_layers,
 )
 from models.export_identity import (
+    SGLANG_PLUS1_IF_FIRST_IS_1,
     STAMP_KEY,
     check_vocab_against_target,
     model_type_of,
+    sglang_reads,
     stamp_of,
     target_stamp,
     vocab_hash,
     warn_sglang_family,
 )
+from models.export_snippets import SGLANG_CHECKED, Serve, sglang_chain_section, vllm_section
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter
 from models.spec import ExportFormat
@@ -125,7 +127,7 @@ def _engine_sidecar(side: dict, ids: list[int], d: nn.Module) -> dict:
     return side
 
 
-def build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
+def build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
     if d.cfg.norm_before_residual:
         # SGLang's LlamaDecoderLayer (llama_eagle3.py) always uses residual = g; only vLLM reads the flag.
         raise ExportError("norm_before_residual=True cannot be expressed in the native EAGLE-3 format (SGLang's "
@@ -141,7 +143,6 @@ def build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int | 
         raise ExportError("attention_bias=True cannot be loaded by SGLang's native EAGLE-3 layer (qkv bias is "
                           "fixed to False there); export --format eagle3-speculators for vLLM instead")
     vllm_ids, sglang_ids = _engine_aux_ids(d, target)
-    k = k or DEFAULT_K["eagle3"]
     cfg = {
         # vLLM keeps an architecture ending in "Eagle3" (vllm/transformers_utils/configs/eagle.py) and maps it to
         # llama_eagle3.Eagle3LlamaForCausalLM; SGLang's EntryClass is LlamaForCausalLMEagle3.
@@ -165,10 +166,8 @@ def build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int | 
     return Bundle("eagle3_native", cfg, tensors, side)
 
 
-def build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
-                              meta: dict | None) -> Bundle:
+def build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
     vllm_ids, _ = _engine_aux_ids(d, target)
-    k = k or DEFAULT_K["eagle3"]
     layer = _eagle3_decoder_fields(d, target)
     layer.pop("torch_dtype")
     cfg = {
@@ -413,14 +412,49 @@ def load_eagle3(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Modul
     return d.to(sd["fc.weight"].dtype).eval()  # Module.to(dtype) leaves the int/bool d2t/t2d alone
 
 
+# ============================================================================================ README
+def readme_eagle3(fmt: str, cfg: dict, side: dict, s: Serve) -> list[str]:
+    """The layer ids in the three conventions, the EAGLE-3.1 caveat, SGLang's per-family +1 rule (native) and the
+    serve commands: vLLM for both formats, SGLang for the native one."""
+    native, ours = fmt == "eagle3_native", side["layer_ids"]
+    lines = ["## Aux hidden-state layer ids (same tensors, three conventions)", "",
+             f"- draftsmith (index into HF `output_hidden_states`): {ours}",
+             f"- vLLM top-level `eagle_aux_hidden_state_layer_ids` (capture before decoder layer i): {ours}",
+             f"- SGLang `eagle_config.eagle_aux_hidden_state_layer_ids` (output of decoder layer i): "
+             f"{[i - 1 for i in ours]}" + ("" if native else " (not written: vLLM only)"), ""]
+    on = [f for f in _EAGLE31 if cfg.get(f)]
+    if on:
+        lines += [f"EAGLE-3.1 flags {on} are set: speculators 0.9.0 reads them (tested); draftsmith has not "
+                  "checked which vLLM release honours them, so compare served acceptance with `python -m eval`.", ""]
+    if native:
+        lines += [_sglang_rule(cfg, ours), ""]
+    lines += vllm_section(s, s.speculative_config("eagle3"))
+    return lines + (sglang_chain_section(s, "EAGLE3") if native else [])
+
+
+def _sglang_rule(cfg: dict, ours: list[int]) -> str:
+    """Whether SGLang adds 1 to the ids it reads for this target's family, and so captures the right layers."""
+    mt = stamp_of(cfg).get("model_type")
+    if mt not in SGLANG_PLUS1_IF_FIRST_IS_1:
+        return (f"For this `{mt or 'llama'}` target {SGLANG_CHECKED} adds 1 to every SGLang id "
+                "(llama.py `set_eagle3_layers_to_capture`), giving back the draftsmith ids above.")
+    got = sglang_reads([i - 1 for i in ours], mt)
+    rule = f"For this `{mt}` target {SGLANG_CHECKED} adds 1 to the SGLang ids only when the first one is 1 (PR #25454)"
+    return rule + (": here it does, so it captures the right layers." if got == ours else
+                   f": here it does not, so SGLang would capture {got} instead of {ours}. Serve with vLLM, "
+                   "or retrain with layer ids starting at 2 (the default).")
+
+
 # the engine formats this method's drafters export to (SPEC.export_formats; detect() is tried in this order)
 FORMATS = (
     ExportFormat("eagle3_native", "eagle3", "eagle3", "SGLang (EAGLE3), vLLM (eagle3)",
                  build_eagle3_native, partial(check_eagle3, "eagle3_native"), partial(load_eagle3, "eagle3_native"),
-                 lambda cfg, _p: "LlamaForCausalLMEagle3" in architectures(cfg)),
+                 lambda cfg, _p: "LlamaForCausalLMEagle3" in architectures(cfg),
+                 readme=partial(readme_eagle3, "eagle3_native")),
     ExportFormat("eagle3_speculators", "eagle3-speculators", "eagle3", "vLLM (speculators format)",
                  build_eagle3_speculators, partial(check_eagle3, "eagle3_speculators"),
                  partial(load_eagle3, "eagle3_speculators"),
                  lambda cfg, _p: "Eagle3Speculator" in architectures(cfg)
-                                 or cfg.get("speculators_model_type") == "eagle3"),
+                                 or cfg.get("speculators_model_type") == "eagle3",
+                 readme=partial(readme_eagle3, "eagle3_speculators")),
 )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from models.config_checks import depth_check
 from models.methods.medusa import export
 from models.methods.medusa.config import MedusaConfig
 from models.methods.medusa.net import MedusaHeads
@@ -72,8 +73,9 @@ def _size_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict, verify_cost, t
 
 SPEC = MethodSpec(
     name="medusa", config=MedusaConfig, build=build, rebuild=build,
-    export_formats=export.FORMATS,
-    after_training=lambda heads, out_dir, metrics: heads.save_static_tree(out_dir, metrics),
+    export_formats=export.FORMATS, default_k=lambda heads: heads.cfg.num_heads,
+    check_config=depth_check("num_heads", "step_weight"),
+    after_training=lambda heads, out_dir, metrics: heads.save_static_tree(out_dir, metrics), final_files=(TREE_FILE,),
     proposers=(ProposerSpec(
         "medusa", lambda heads, _t, **o: MedusaProposer(heads, choices=o["choices"]),
         {"top_k": 4, "num_nodes": "auto", "max_nodes": 24, "choices": None},

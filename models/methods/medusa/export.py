@@ -11,7 +11,6 @@ from torch import nn
 
 from models.export_common import (
     DTYPE_NAMES,
-    MEDUSA_WEIGHTS,
     Bundle,
     ExportError,
     TargetInfo,
@@ -22,22 +21,27 @@ from models.export_common import (
     require,
 )
 from models.export_identity import STAMP_KEY, target_stamp
+from models.export_snippets import Serve, vllm_serve
 from models.methods.medusa.config import MedusaConfig
 from models.methods.medusa.net import MedusaHeads
 from models.spec import ExportFormat
 from models.target import FrozenTarget
 
+# FasterDecoding's trainer saves this name; TensorRT-LLM's loader looks for it after medusa_lm_head.pt
+# (NVIDIA/TensorRT-LLM tensorrt_llm/models/medusa/weight.py ``load_medusa_hf``).
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+
 
 # ============================================================================================ build
-def _medusa_k(d: nn.Module, k: int | None) -> int:
+def _medusa_k(d: nn.Module, k: int) -> int:
     K = d.cfg.num_heads
-    if k is not None and k > K:
+    if k > K:
         raise ExportError(f"recommended num_speculative_tokens={k} exceeds the drafter's {K} Medusa heads "
                           "(head k drafts token k+1; vLLM proposes at most num_heads)")
-    return k or K
+    return k
 
 
-def build_medusa_fasterdecoding(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
+def build_medusa_fasterdecoding(d: nn.Module, target: FrozenTarget, name: str, k: int,
                                  meta: dict | None) -> Bundle:
     k = _medusa_k(d, k)
     cfg = {
@@ -57,7 +61,7 @@ def build_medusa_fasterdecoding(d: nn.Module, target: FrozenTarget, name: str, k
                    weights_file=MEDUSA_WEIGHTS)
 
 
-def build_medusa_vllm(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
+def build_medusa_vllm(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
     k = _medusa_k(d, k)
     K, n = d.cfg.num_heads, d.cfg.num_layers
     shared = d.shared_lm_head is not None
@@ -156,13 +160,37 @@ def load_medusa(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Modul
     return heads.to(next(v.dtype for v in sd.values() if v.is_floating_point())).eval()
 
 
+# ============================================================================================ README
+def readme_medusa_vllm(cfg: dict, side: dict, s: Serve) -> list[str]:
+    """vLLM 0.33.0 removed Medusa: the command pins the last release that loads it."""
+    return ["## vLLM 0.32 and older only", "",
+            "vLLM 0.33.0 removed Medusa (no method, model or config); this `MedusaModel` layout maps onto "
+            "vLLM 0.32.0's loader (checked). On current vLLM serve an EAGLE-3 or MTP drafter instead; "
+            "TensorRT-LLM reads the FasterDecoding layout (`--format medusa`).", "",
+            "```bash", "pip install 'vllm<=0.32.0'", *vllm_serve(s, s.speculative_config("medusa")), "```", ""]
+
+
+def readme_medusa_fasterdecoding(cfg: dict, side: dict, s: Serve) -> list[str]:
+    """FasterDecoding's own loader and TensorRT-LLM's engine-build route (no vLLM command: see medusa_vllm)."""
+    return ["## FasterDecoding/Medusa", "", "```python",
+            "from medusa.model.medusa_model import MedusaModel",
+            f"model = MedusaModel.from_pretrained('{s.path}')  # base model: {s.target}", "```", "",
+            "TensorRT-LLM (engine-build route): `python examples/medusa/convert_checkpoint.py --model_dir "
+            f"{s.target} --medusa_model_dir {s.path} --num_medusa_heads {cfg['medusa_num_heads']} "
+            f"--num_medusa_layers {cfg['medusa_num_layers']} --output_dir ckpt --dtype float16` "
+            "(its weight.py reads medusa_lm_head.safetensors; TensorRT-LLM version not checked by "
+            "draftsmith). vLLM 0.33.0 removed Medusa: `--format medusa-vllm` is for vLLM <= 0.32; on "
+            "current vLLM use EAGLE-3 or MTP. SGLang has no Medusa support.", ""]
+
+
 # the engine formats this method's drafters export to (SPEC.export_formats; detect() is tried in this order)
 FORMATS = (
     ExportFormat("medusa_fasterdecoding", "medusa", "medusa", "FasterDecoding/Medusa, TensorRT-LLM",
                  build_medusa_fasterdecoding, partial(check_medusa, "medusa_fasterdecoding"),
                  partial(load_medusa, "medusa_fasterdecoding"),
-                 lambda cfg, p: (p / MEDUSA_WEIGHTS).exists() or "medusa_num_heads" in cfg, MEDUSA_WEIGHTS),
+                 lambda cfg, p: (p / MEDUSA_WEIGHTS).exists() or "medusa_num_heads" in cfg, MEDUSA_WEIGHTS,
+                 readme=readme_medusa_fasterdecoding),
     ExportFormat("medusa_vllm", "medusa-vllm", "medusa", "vLLM (medusa)",
                  build_medusa_vllm, partial(check_medusa, "medusa_vllm"), partial(load_medusa, "medusa_vllm"),
-                 lambda cfg, _p: cfg.get("model_type") == "medusa"),
+                 lambda cfg, _p: cfg.get("model_type") == "medusa", readme=readme_medusa_vllm),
 )

@@ -25,12 +25,13 @@ from models.export_common import (
     make_sidecar,
     require,
 )
-from models.export_identity import STAMP_KEY, target_stamp
+from models.export_identity import STAMP_KEY, stamp_of, target_stamp
+from models.export_snippets import Serve, sglang_chain_section, vllm_section
 from models.methods.mtp.config import MTPConfig, decoder_config
 from models.methods.mtp.native import init_from_native, to_native_state_dict
 from models.methods.mtp.net import MTPDrafter, MTPModule
 from models.spec import ExportFormat
-from models.target import FrozenTarget, resolve_name
+from models.target import FrozenTarget, embed_fingerprint, resolve_name
 
 # The only model family whose HF-5 fused expert tensors we split back into the per-expert checkpoint layout:
 # transformers' conversion_mapping.py maps deepseek_v3 to the qwen2_moe rule (experts.*.gate_proj/up_proj →
@@ -116,10 +117,9 @@ def _mtp_native(d: nn.Module, target: FrozenTarget) -> tuple[dict, str]:
     return unfuse_experts(to_native_state_dict(d, include_shared=True), mt), mt
 
 
-def build_mtp_deepseek(d: nn.Module, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
+def build_mtp_deepseek(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
     sd, _ = _mtp_native(d, target)
     D = d.cfg.num_modules
-    k = k or D
     # vllm/model_executor/models/deepseek_mtp.py: layers num_hidden_layers..+num_nextn_predict_layers-1, each with
     # enorm/hnorm/eh_proj/shared_head.{norm,head} and its own embed_tokens copy (only the first is loaded).
     cfg = {**_target_config_dict(target), "num_nextn_predict_layers": D,
@@ -128,8 +128,7 @@ def build_mtp_deepseek(d: nn.Module, target: FrozenTarget, name: str, k: int | N
     return Bundle("mtp_deepseek", cfg, sd, side)
 
 
-def build_mtp_sglang_nextn(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
-                            meta: dict | None) -> Bundle:
+def build_mtp_sglang_nextn(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
     tc = target.model.config
     mt = getattr(tc, "model_type", "")
     if mt != "deepseek_v3":
@@ -153,7 +152,6 @@ def build_mtp_sglang_nextn(d: nn.Module, target: FrozenTarget, name: str, k: int
     src, dst = f"model.layers.{L}.", "model.layers.0."
     tensors = {dst + kk.removeprefix(src): v for kk, v in sd.items()
                if not kk.endswith(("embed_tokens.weight", "shared_head.head.weight"))}
-    k = k or 1
     # export_deepseek_nextn.py update_and_save_config: num_hidden_layers 1, DeepseekV3ForCausalLMNextN.
     cfg = {**_target_config_dict(target), "num_hidden_layers": 1, "architectures": ["DeepseekV3ForCausalLMNextN"],
            "num_nextn_predict_layers": 1, "torch_dtype": DTYPE_NAMES.get(d._dtype(), "float32"),
@@ -252,13 +250,53 @@ def load_mtp(fmt: str, cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     return drafter.eval()
 
 
+def verify_embeddings(t: Tensors, target: TargetInfo, where: str) -> bool:
+    """The DeepSeek layout carries the target's embedding (one copy per MTP layer): it must be this target's."""
+    verified = False
+    for k in t.shapes:
+        if k.endswith("embed_tokens.weight"):
+            if embed_fingerprint(t.get(k)) != target.fingerprint:
+                fail(where, f"exported for another target: {k} is not this target's embedding")
+            verified = True
+    return verified
+
+
+# ============================================================================================ README
+def _between_note(cfg: dict) -> list[str]:
+    between = stamp_of(cfg).get("mtp_hidden_between_depths")
+    return [f"Depth >= 2 (and a module reused past its depth) was trained on the `{between}` hidden state of the "
+            "previous depth; vLLM and SGLang feed the post-norm one (shared_head.norm)"
+            + ("." if between == "post_norm" else ", so served acceptance at depth >= 2 differs from eval's."), ""]
+
+
+def readme_mtp_deepseek(cfg: dict, side: dict, s: Serve) -> list[str]:
+    """vLLM serves the layout for a DeepSeek-V3 target (deepseek_mtp is an alias of its mtp method,
+    vllm/config/speculative.py); for another family's block no engine does, and the README says why."""
+    if cfg.get("model_type") == "deepseek_v3":
+        return [*_between_note(cfg), "For SGLang export --format mtp-nextn (one module, layer renumbered to 0).", "",
+                *vllm_section(s, s.speculative_config("mtp"))]
+    return [*_between_note(cfg), "## No engine serves this block as-is", "",
+            f"The layout is DeepSeek-V3's (`model.layers.{{L+d}}.{{enorm,hnorm,eh_proj,shared_head.*,...}}`)"
+            f", but the block is the `{cfg.get('model_type')}` target's own decoder layer. vLLM's "
+            "deepseek_mtp.py and SGLang's deepseek_nextn.py build a DeepseekV2DecoderLayer (MLA + MoE), "
+            "so they cannot load it. An engine would need an MTP model class for this family: "
+            "enorm/hnorm RMSNorms, eh_proj Linear(2H→H) over cat(enorm(emb), hnorm(h)), the family's "
+            "decoder layer, shared_head.norm and the target's lm_head, fed the target's final (post-norm) "
+            "hidden state. draftsmith's eval and `models.export.load_export` run it today.", ""]
+
+
+def readme_mtp_sglang_nextn(cfg: dict, side: dict, s: Serve) -> list[str]:
+    return [*_between_note(cfg), *sglang_chain_section(s, "NEXTN")]
+
+
 # the engine formats this method's drafters export to (SPEC.export_formats; detect() is tried in this order)
 FORMATS = (
     ExportFormat("mtp_sglang_nextn", "mtp-nextn", "mtp", "SGLang (NEXTN) for DeepSeek-V3 targets",
                  build_mtp_sglang_nextn, partial(check_mtp, "mtp_sglang_nextn"),
                  partial(load_mtp, "mtp_sglang_nextn"),
-                 lambda cfg, _p: "DeepseekV3ForCausalLMNextN" in architectures(cfg)),
+                 lambda cfg, _p: "DeepseekV3ForCausalLMNextN" in architectures(cfg), readme=readme_mtp_sglang_nextn),
     ExportFormat("mtp_deepseek", "mtp", "mtp", "vLLM (mtp) for DeepSeek-V3 targets",
                  build_mtp_deepseek, partial(check_mtp, "mtp_deepseek"), partial(load_mtp, "mtp_deepseek"),
-                 lambda cfg, _p: bool(cfg.get("num_nextn_predict_layers"))),
+                 lambda cfg, _p: bool(cfg.get("num_nextn_predict_layers")), readme=readme_mtp_deepseek,
+                 verify_target=verify_embeddings),
 )

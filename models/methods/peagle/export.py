@@ -35,6 +35,7 @@ from models.export_common import (
     target_num_layers,
 )
 from models.export_identity import STAMP_KEY, target_stamp, vocab_hash
+from models.export_snippets import Serve, vllm_section
 from models.methods.peagle.config import PEagleConfig
 from models.methods.peagle.net import PEagleDrafter
 from models.spec import ExportFormat
@@ -58,8 +59,7 @@ def _layer_config(d: nn.Module, target: FrozenTarget) -> dict:
     }
 
 
-def build_peagle_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int | None,
-                             meta: dict | None) -> Bundle:
+def build_peagle_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
     L = target.num_layers
     ids = list(d.layer_ids)
     bad = [i for i in ids if not 1 <= i <= L - 1]
@@ -67,7 +67,6 @@ def build_peagle_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
         raise ExportError(f"P-EAGLE layer ids {bad} cannot be served: vLLM captures the input of decoder layers "
                           f"1..{L - 1} of this {L}-layer target; retrain with other layer_ids")
     K = d.cfg.num_depths
-    k = k or K
     if k > K:
         raise ExportError(f"num_speculative_tokens={k} exceeds the {K} parallel depths the drafter was trained for")
     c = d.cfg
@@ -185,6 +184,20 @@ def load_peagle(cfg: dict, sd: dict, target: FrozenTarget) -> nn.Module:
     return d.to(sd["fc.weight"].dtype).eval()
 
 
+def readme_peagle(cfg: dict, side: dict, s: Serve) -> list[str]:
+    """vLLM serves P-EAGLE as its eagle3 method with the ``parallel_drafting`` engine flag."""
+    return ["## P-EAGLE: parallel drafting", "",
+            f"- aux layer ids (vLLM capture, input of decoder layer k; = draftsmith's): {side['layer_ids']}",
+            f"- mask (pard) token id {cfg.get('mask_token_id')}, trained for {cfg.get('para_depths')} parallel "
+            "depths: `num_speculative_tokens` must not exceed them", "",
+            "vLLM's speculators reader (`update_peagle`) maps this to architectures `PeagleLlamaForCausalLM`, "
+            "`pard_token = mask_token_id`, and the method eagle3 with `parallel_drafting` (an engine flag, not "
+            "a weight). Read against the sources in shared/design/dflash.md §6; draftsmith has not run vLLM "
+            "on it.", "",
+            *vllm_section(s, s.speculative_config("eagle3", parallel_drafting=True),
+                          "vLLM (eagle3, parallel_drafting)")]
+
+
 # the engine formats this method's drafters export to (SPEC.export_formats; detect() is tried in this order)
 FORMATS = (
     ExportFormat("peagle_speculators", "peagle-speculators", "peagle", "vLLM (eagle3 + parallel_drafting)",
@@ -192,5 +205,6 @@ FORMATS = (
                                                                                              where),
                  lambda cfg, sd, target: load_peagle(cfg, sd, target),
                  lambda cfg, _p: "PEagleSpeculator" in architectures(cfg)
-                                 or cfg.get("speculators_model_type") == "peagle"),
+                                 or cfg.get("speculators_model_type") == "peagle",
+                 readme=readme_peagle),
 )
