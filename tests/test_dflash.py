@@ -13,6 +13,7 @@ from eval import decode
 from models import registry
 from models.export import ExportError, export, load_export, validate
 from models.methods.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, build, default_layer_ids
+from models.proposal import Sampling
 from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from tests.test_decode import chi2_pvalue, exact_joint, sharp_tiny_llama
@@ -173,7 +174,7 @@ def test_sampled_dflash_drafts_reproduce_the_target_distribution():
     prop = DFlashProposer(d)
     samples, accepted, rounds = [], 0, 0
     for _ in range(500):
-        res = decode.speculative_decode(small, prop, prompt, 4, temperature=0.8, top_k=2, generator=gen)
+        res = decode.speculative_decode(small, prop, prompt, 4, sampling=Sampling(0.8, top_k=2, generator=gen))
         samples.append(tuple(res.tokens))
         accepted += sum(res.accepted)
         rounds += res.rounds
