@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from eval.benchmark import BenchSettings, all_lossless, build_methods, load_prompts, run_benchmark, write_json
+from eval.defaults import register
 from eval.report import console_summary, write_report
 from models.checkpoint import NoSpaceError, out_of_space_as_error
 
@@ -29,7 +30,8 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 def settings_from(cfg: DictConfig) -> BenchSettings:
     """BenchSettings from the config (validated: bad values fail here, before any model is loaded)."""
-    # the config's keys map 1:1 onto BenchSettings' fields (their defaults live in conf/eval.yaml)
+    # the config's keys map 1:1 onto BenchSettings' fields (their defaults live in conf/eval.yaml; the methods'
+    # rows — methods, checkpoints, draft_model, options, variants — come from their specs, eval/defaults.py)
     return BenchSettings(**{f.name: OmegaConf.to_object(cfg[f.name]) if OmegaConf.is_config(cfg[f.name])
                             else cfg[f.name] for f in dataclasses.fields(BenchSettings)})
 
@@ -39,16 +41,17 @@ def explicit_methods(overrides: list[str], cfg_methods: list[str]) -> list[str]:
     ``draft_model=...``): those must run; the defaults' missing checkpoints are only skipped."""
     from models import registry
 
+    models = [s.name for s in registry.METHODS.values() if s.source == "model"]  # their path: a top-level key
     named: list[str] = []
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if key == "methods":
-            named += [m for m in cfg_methods if m != "ar"]
+            named += [m for m in cfg_methods if m != registry.baseline().name]  # the baseline always runs
         elif key.startswith("checkpoints."):
             named += [m for m, (spec, _) in registry.proposers().items()
                       if spec.name == key.split(".", 1)[1] and m in cfg_methods]
-        elif key == "draft_model" and "draft_model" in cfg_methods:
-            named.append("draft_model")
+        elif key in models and key in cfg_methods:
+            named.append(key)
     return list(dict.fromkeys(named))
 
 
@@ -112,7 +115,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, NoSpaceError)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="eval", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import InstantiationException
 
@@ -129,6 +132,14 @@ def main(cfg: DictConfig) -> None:
         print(f"error: lossless check failed for {', '.join(bad)}: T=0 tokens differ from AR's", file=sys.stderr)
         sys.exit(1)
 
+
+def main() -> None:
+    """The CLI: conf/eval.yaml composed over the registry's method rows as they are now (eval/defaults.py)."""
+    register()
+    hydra_main()
+
+
+register()  # at import too: code that composes conf/eval.yaml itself (hydra.compose) finds the node
 
 if __name__ == "__main__":
     main()

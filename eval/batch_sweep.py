@@ -27,22 +27,22 @@ def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Tensor], s: BenchSettings,
-                policy: Mapping[str, dict], eos: int | None, mismatches: dict[str, list],
+def batch_sweep(target: FrozenTarget, base: Method, chains: Sequence[Method], ids: Sequence[Tensor],
+                s: BenchSettings, policy: Mapping[str, dict], eos: int | None, mismatches: dict[str, list],
                 judge: Judge | None = None) -> dict:
-    """``speculative_decode_batch`` (fixed K and the policy's K*) vs ``decode_ar_batch`` per batch size.
-    Rows cycle through the prompts; every run at T=0 must reproduce batched AR row for row. The ladder: per batch
-    size ``configs`` → ``measure_batch`` (warmup, then every repetition of every config) → ``by_batch_row`` per
-    method; then ``method_summary`` per method."""
-    n_runs = sum(len(configs(b, chains, policy)) for b in s.batch_sizes)
+    """``speculative_decode_batch`` (fixed K and the policy's K*) vs the baseline ``base`` (``decode_ar_batch``) per
+    batch size. Rows cycle through the prompts; every run at T=0 must reproduce batched AR row for row. The ladder:
+    per batch size ``configs`` → ``measure_batch`` (warmup, then every repetition of every config) →
+    ``by_batch_row`` per method; then ``method_summary`` per method."""
+    n_runs = sum(len(configs(b, base, chains, policy)) for b in s.batch_sizes)
     bar = tqdm(total=n_runs * s.repetitions, desc="batch", disable=not s.progress, leave=False)
     ar_tps: dict[int, list[float]] = {}
     per: dict[str, list[dict]] = {m.name: [] for m in chains}
     for b in s.batch_sizes:
-        got = measure_batch(target, ids, s, b, configs(b, chains, policy), eos, mismatches, bar, judge)
-        ar_tps[b] = got["ar"]
+        got = measure_batch(target, ids, s, b, configs(b, base, chains, policy), eos, mismatches, bar, judge)
+        ar_tps[b] = got[base.name]
         for m in chains:
-            per[m.name].append(by_batch_row(m, b, policy[m.name], got))
+            per[m.name].append(by_batch_row(m, b, policy[m.name], got, base.name))
     bar.close()
     out: dict[str, Any] = {"temperature": s.batch_temperature, "batch_sizes": list(s.batch_sizes),
                            "ar_tokens_per_s": {b: stats_of(v) for b, v in ar_tps.items()},
@@ -51,13 +51,13 @@ def batch_sweep(target: FrozenTarget, chains: Sequence[Method], ids: Sequence[Te
     return out
 
 
-Run = tuple[Method | None, int | None, str]  # (method or None = AR, K, "ar" | "fixed" | "dynamic")
+Run = tuple[Method, int | None, str]  # (method, K, tag): the baseline's tag is its name, else "fixed" | "dynamic"
 
 
-def configs(b: int, chains: Sequence[Method], policy: Mapping[str, dict]) -> list[Run]:
-    """The runs at batch size b: AR, every method at its fixed K, and at the policy's K*(b) where that differs
-    (K* = 0 is AR, K* = K the fixed run: neither is run twice)."""
-    out: list[Run] = [(None, None, "ar")]
+def configs(b: int, base: Method, chains: Sequence[Method], policy: Mapping[str, dict]) -> list[Run]:
+    """The runs at batch size b: the baseline, every method at its fixed K, and at the policy's K*(b) where that
+    differs (K* = 0 is the baseline, K* = K the fixed run: neither is run twice)."""
+    out: list[Run] = [(base, None, base.name)]
     for m in chains:
         out.append((m, int(m.k), "fixed"))
         ks = policy[m.name]["k_star"][b]
@@ -66,17 +66,18 @@ def configs(b: int, chains: Sequence[Method], policy: Mapping[str, dict]) -> lis
     return out
 
 
-def run_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings, b: int, m: Method | None,
+def run_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings, b: int, m: Method,
               k: int | None, rep: int | None, eos: int | None) -> list[DecodeResult]:
-    """One batched run: b rows cycling through the prompts, AR (m None) or method m at K = k."""
+    """One batched run: b rows cycling through the prompts, method m at K = k (the baseline: plain batched
+    decoding)."""
     device = ids[0].device
     rows = [ids[i % len(ids)][0] for i in range(b)]
     gen = None if s.batch_temperature == 0 else seeded_generator(device, s.seed + 104729 * (rep or 0) + b)
     sampling = Sampling(s.batch_temperature, s.top_p, s.top_k, gen)
-    if m is None:
+    if m.baseline:
         return decode_ar_batch(target, rows, s.max_new_tokens, eos_id=eos, sampling=sampling)
     # one batched proposer for the b rows (a batched drafter drafts them all in one forward per round)
-    return speculative_decode_batch(target, [m.make(k) for _ in range(b)], rows, s.max_new_tokens, eos_id=eos,
+    return speculative_decode_batch(target, m.make_batch(k, b), rows, s.max_new_tokens, eos_id=eos,
                                     sampling=sampling)
 
 
@@ -91,21 +92,21 @@ def draft_per_round(res: list[DecodeResult]) -> float:
 def measure_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings, b: int,
                   runs: list[Run], eos: int | None, mismatches: dict[str, list],
                   bar: Any, judge: Judge | None = None) -> dict:
-    """Warm up, then every repetition of every run at batch size b → {"ar": [tokens/s per rep],
-    (name, tag): [tokens/s per rep], ("draft", name): [fixed-K draft s per round], ("pool", name): Pooled}; T=0
-    runs that differ from batched AR are appended to ``mismatches``."""
+    """Warm up, then every repetition of every run at batch size b (``runs[0]``: the baseline) → {baseline name:
+    [tokens/s per rep], (name, tag): [tokens/s per rep], ("draft", name): [fixed-K draft s per round], ("pool",
+    name): Pooled}; T=0 runs that differ from batched AR are appended to ``mismatches``."""
     for m, k, _ in runs:
         for _ in range(s.warmup):
             run_batch(target, ids, s, b, m, k, None, eos)
-    got: dict[Any, Any] = {"ar": []}
+    got: dict[Any, Any] = {runs[0][0].name: []}
     for rep in range(s.repetitions):
         ar_res = None
         for m, k, tag in runs:
             res = run_batch(target, ids, s, b, m, k, rep, eos)
             bar.update()
-            if m is None:
+            if m.baseline:
                 ar_res = res
-                got["ar"].append(tokens_per_s(res))
+                got[m.name].append(tokens_per_s(res))
                 continue
             got.setdefault((m.name, tag), []).append(tokens_per_s(res))
             if tag == "fixed":
@@ -122,14 +123,14 @@ def measure_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings,
     return got
 
 
-def by_batch_row(m: Method, b: int, pol: dict, got: dict) -> dict:
+def by_batch_row(m: Method, b: int, pol: dict, got: dict, base: str) -> dict:
     """Method m's results at batch size b: fixed K measured, and the dynamic K* (measured as its own run, as
-    AR when K* = 0, or as the fixed run when K* = K)."""
-    ar_b = got["ar"]
+    the baseline ``base`` when K* = 0 — ``measured_as`` its name, "ar" — or as the fixed run when K* = K)."""
+    ar_b = got[base]
     ks = pol["k_star"][b]
     fixed = got[(m.name, "fixed")]
-    dyn_src = "run" if ks not in (0, m.k) else ("ar" if ks == 0 else "fixed")
-    dyn = {"run": got.get((m.name, "dynamic")), "ar": ar_b, "fixed": fixed}[dyn_src]
+    dyn_src = "run" if ks not in (0, m.k) else (base if ks == 0 else "fixed")
+    dyn = {"run": got.get((m.name, "dynamic")), base: ar_b, "fixed": fixed}[dyn_src]
     return {
         "batch_size": b, "k": int(m.k), "tokens_per_s": stats_of(fixed),
         "speedup": stats_of([f / a for f, a in zip(fixed, ar_b)]), "tau": got[("pool", m.name)].tau,

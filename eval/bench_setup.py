@@ -14,15 +14,12 @@ import torch
 
 from eval.decode import DecodeResult
 from models import registry, verify
+from models.proposal import batch_proposer
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
 
 # the harness's logger, kept from before the split (logging config and filters on "eval.benchmark" still apply)
 log = logging.getLogger("eval.benchmark")
-
-
-# Which method's batch-1 K* becomes the top-level recommendation (the exporter reads one number).
-RECOMMEND_ORDER = ("eagle3", "dflash", "mtp", "draft_model", "ngram")
 
 
 # --------------------------------------------------------------------------------------------- inputs
@@ -55,7 +52,7 @@ class Method:
     options: dict[str, Any] = field(default_factory=dict)
     decode: Callable[..., DecodeResult] | None = None
     model: Any = None
-    spec: ProposerSpec | None = None  # None for AR and for methods a test builds by hand (chains)
+    spec: ProposerSpec | None = None  # None for methods a test builds by hand (found by ``kind``, else a chain)
     variant_of: str | None = None  # a ``variants`` row: the method it re-runs with other options (B=1 runs only)
 
     def proposer_spec(self) -> ProposerSpec | None:
@@ -64,7 +61,19 @@ class Method:
     @property
     def chain(self) -> bool:
         p = self.proposer_spec()
-        return p.chain if p is not None else self.kind != "ar"
+        return p.chain if p is not None else True
+
+    @property
+    def baseline(self) -> bool:
+        """The method every other is measured against (timed with plain decoding, ``decode_ar``)."""
+        p = self.proposer_spec()
+        return p is not None and p.baseline
+
+    def make_batch(self, k: int | None, b: int) -> Any:
+        """One ``BatchProposer`` for b rows at chain length k: the spec's batched form (one drafter call per round
+        for all rows) where it declares one, else the rows drafting one after another."""
+        p = self.proposer_spec()
+        return batch_proposer([self.make(k) for _ in range(b)], p.batched if p is not None else None)
 
     @property
     def nodes(self) -> int:
@@ -176,11 +185,28 @@ def load_prompts(tokenizer, n: int, prompt_tokens: int, source: str | Path | Non
         if not rows:
             raise ValueError(f"no held-out prompt has {prompt_tokens} tokens; lower prompt_tokens")
         return [Prompt(list(r["input_ids"]), "code", f"{r['path']}:{r['line']}") for r in rows]
-    from data.chat import render_chat
-
     path = prompt_file(source)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {str(source)!r} does not exist")
+    by_cat, too_long = _read_prompt_file(tokenizer, path, prompt_tokens)
+    if too_long:
+        log.warning("%s: skipped %d prompts longer than prompt_tokens=%d", path, too_long, prompt_tokens)
+    out: list[Prompt] = []
+    queues = [list(v) for v in by_cat.values()]
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
+    if not out:
+        raise ValueError(f"{path}: no usable prompts (of <= prompt_tokens={prompt_tokens} tokens)")
+    return out
+
+
+def _read_prompt_file(tokenizer, path: Path, prompt_tokens: int) -> tuple[dict[str, list[Prompt]], int]:
+    """A prompt file's usable rows by category, in file order, and how many were longer than ``prompt_tokens``
+    (``load_prompts``' per-row half: parsing, tokenizing, the length rule)."""
+    from data.chat import render_chat
+
     by_cat: dict[str, list[Prompt]] = {}
     too_long = 0
     with open(path, encoding="utf-8") as fh:
@@ -206,17 +232,7 @@ def load_prompts(tokenizer, n: int, prompt_tokens: int, source: str | Path | Non
             cat = str(row.get("category") or "default")
             label = str(row.get("question_id", row.get("task_id", row.get("id", row.get("source", i)))))
             by_cat.setdefault(cat, []).append(Prompt(list(ids), cat, label))
-    if too_long:
-        log.warning("%s: skipped %d prompts longer than prompt_tokens=%d", path, too_long, prompt_tokens)
-    out: list[Prompt] = []
-    queues = [list(v) for v in by_cat.values()]
-    while len(out) < n and any(queues):
-        for q in queues:
-            if q and len(out) < n:
-                out.append(q.pop(0))
-    if not out:
-        raise ValueError(f"{path}: no usable prompts (of <= prompt_tokens={prompt_tokens} tokens)")
-    return out
+    return by_cat, too_long
 
 
 def _completion_text(row: Any, where: str) -> str | None:
@@ -284,32 +300,22 @@ def build_methods(
     options: Mapping[str, Mapping[str, Any]] | None = None,
     variants: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[list[Method], dict[str, str]]:
-    """The methods named in ``names`` (``ar`` + models/registry.py ``proposers()`` + ``variants``), AR first. A
-    method whose checkpoint (or draft model) is not given or not on disk is skipped; returns (methods, {skipped:
-    reason}). A checkpoint trained for another target, or of another method, raises a one-line ValueError.
+    """The methods named in ``names`` (models/registry.py ``proposers()`` + ``variants``), the baseline (AR) first,
+    named or not. A method whose checkpoint (or draft model) is not given or not on disk is skipped; returns
+    (methods, {skipped: reason}). A checkpoint trained for another target, or of another method, raises a
+    one-line ValueError.
 
     ``variants`` {name: {"method": a proposer name, option: value, ...}}: the same method with other options,
-    benchmarked as its own row (what a config switch buys, e.g. EAGLE-3 drafting in bf16)."""
+    benchmarked as its own row (what a config switch buys, e.g. EAGLE-3 drafting in bf16); None → the variants
+    the proposers declare (``registry.variants()``)."""
     checkpoints = dict(checkpoints or {})
     table = registry.proposers()
-    variants = {k: dict(v) for k, v in (variants or {}).items()}
-    for vname, v in variants.items():
-        if vname in table or vname == "ar":
-            raise ValueError(f"variant {vname!r} has a method's own name; name it e.g. {vname}_fast")
-        if v.get("method") not in table:
-            raise ValueError(f"variants.{vname}.method={v.get('method')!r}; use one of {sorted(table)}")
-    unknown = [n for n in names if n != "ar" and n not in table and n not in variants]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; use any of {['ar', *table, *variants]}")
-    bad = [k for k in (options or {}) if k not in table]
-    if bad:
-        raise ValueError(f"options for unknown method(s) {bad}; known: {sorted(table)}")
-    methods = [Method("ar", "ar")]
+    variants = {k: dict(v) for k, v in (registry.variants() if variants is None else variants).items()}
+    check_names(table, names, options or {}, variants)
+    methods: list[Method] = []
     skipped: dict[str, str] = {}
     sources: dict[str, tuple[Any, dict | None]] = {}  # loaded once per checkpoint / model path
-    for name in dict.fromkeys(names):  # ordered, no duplicates
-        if name == "ar":
-            continue
+    for name in dict.fromkeys([registry.baseline().name, *names]):  # the baseline first, ordered, no duplicates
         base = variants[name]["method"] if name in variants else name
         spec, p = table[base]
         path, why = _source_path(spec, name, checkpoints, draft_model)
@@ -326,14 +332,31 @@ def build_methods(
             opts.update({k: v for k, v in variants[name].items() if k != "method"})
         try:
             make, o = registry.make_proposer_factory(base, drafter, target, path, opts)
-        except (ValueError, TypeError) as e:  # a bad option value: name where it was set
+        except (ValueError, TypeError) as e:  # a bad option value: name where it was set (once)
             where = f"variants.{name}" if name in variants else f"options.{base}"
-            raise ValueError(f"{where}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(msg if msg.startswith(f"{where}:") else f"{where}: {msg}") from None
         methods.append(Method(name, base, make, k=int(o[p.k_option]) if p.k_option else None, checkpoint=path,
                               options=o, model=drafter, spec=p, variant_of=base if name in variants else None))
     for name, why in skipped.items():
         log.warning("skipping %s: %s", name, why)
     return methods, skipped
+
+
+def check_names(table: Mapping[str, Any], names: Sequence[str], options: Mapping[str, Any],
+                variants: Mapping[str, Mapping[str, Any]]) -> None:
+    """Every method, variant and options key names a proposer the registry knows (one-line errors)."""
+    for vname, v in variants.items():
+        if vname in table:
+            raise ValueError(f"variant {vname!r} has a method's own name; name it e.g. {vname}_fast")
+        if v.get("method") not in table:
+            raise ValueError(f"variants.{vname}.method={v.get('method')!r}; use one of {sorted(table)}")
+    unknown = [n for n in names if n not in table and n not in variants]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; use any of {[*table, *variants]}")
+    bad = [k for k in options if k not in table]
+    if bad:
+        raise ValueError(f"options for unknown method(s) {bad}; known: {sorted(table)}")
 
 
 def _source_path(spec: MethodSpec, name: str, checkpoints: Mapping[str, str | None],

@@ -72,12 +72,13 @@ def lossless_single(tokens0: Mapping[str, list], names: Sequence[str], judge: Ju
                     ) -> dict[str, list[dict]]:
     """Every method's T=0 tokens against AR's, per repetition and prompt (AR also against its own first
     repetition: a nondeterministic target would make every other check moot). Each divergence is judged by
-    ``judge`` (its gap against the dtype's noise, eval/precision.py); without one it is a plain failure."""
-    ar = tokens0["ar"]
+    ``judge`` (its gap against the dtype's noise, eval/precision.py); without one it is a plain failure.
+    ``names[0]`` is the baseline (AR), the others' reference."""
+    ar = tokens0[names[0]]
     out: dict[str, list[dict]] = {n: [] for n in names}
     for name in names:
         for rep, toks in enumerate(tokens0[name]):
-            ref = ar[0] if name == "ar" else ar[rep]
+            ref = ar[0] if name == names[0] else ar[rep]
             for i, (a, b) in enumerate(zip(ref, toks)):
                 if a != b:
                     d = judge.divergence(i, a, b) if judge is not None else {"first_diff": first_diff(a, b)}
@@ -125,8 +126,8 @@ def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSett
              if ("hf_prompt_lookup", 0.0) in single["times"] else None)
     runs = []
     for temp in s.temperatures:
-        for m in methods:
-            key, ark = (m.name, temp), ("ar", temp)
+        for m in methods:  # methods[0]: the baseline, every ratio's denominator
+            key, ark = (m.name, temp), (methods[0].name, temp)
             pool = single["pools"][key]
             tok_s = stats_of([tps_of(single, key, r) for r in reps])
             e: dict[str, Any] = {
@@ -144,7 +145,7 @@ def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSett
             }
             busy = pool.draft_s + pool.verify_s
             e["draft_frac"] = pool.draft_s / busy if busy else 0.0
-            if m.kind == "ar":
+            if m.baseline:
                 e.update(k_mean=0.0, c=0.0, c_round=0.0, v=1.0, bound=1.0)
             else:
                 k_mean = pool.drafted / pool.rounds if pool.rounds else float("nan")

@@ -92,7 +92,6 @@ from tqdm.auto import tqdm
 # the split-out parts of the harness; the public names (``__all__``) still import from here
 from eval.batch_sweep import batch_sweep, seeded_generator
 from eval.bench_setup import (
-    RECOMMEND_ORDER,
     BenchSettings,
     Method,
     Prompt,
@@ -138,7 +137,7 @@ __all__ = [
 def _decode_one(target: FrozenTarget, m: Method, proposer: Any, ids: Tensor, s: BenchSettings, temperature: float,
                 gen: torch.Generator | None, eos: int | None) -> DecodeResult:
     sampling = Sampling(temperature, s.top_p, s.top_k, gen)
-    if m.kind == "ar":
+    if m.baseline:  # plain decoding, not a speculative loop with empty drafts: no engine overhead in the baseline
         return decode_ar(target, ids, s.max_new_tokens, eos_id=eos, sampling=sampling)
     fn = m.decode or speculative_decode
     return fn(target, proposer, ids, s.max_new_tokens, eos_id=eos, sampling=sampling)
@@ -170,8 +169,8 @@ def run_benchmark(
     s = settings or BenchSettings()
     if not prompts:
         raise ValueError("no prompts")
-    if not methods or methods[0].kind != "ar":
-        raise ValueError("methods must start with the AR baseline (build_methods puts it first)")
+    if not methods or not methods[0].baseline or any(m.baseline for m in methods[1:]):
+        raise ValueError("methods must start with the one baseline, AR (build_methods puts it first)")
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise ValueError(f"method names must be unique, got {names}")
@@ -202,7 +201,7 @@ def dynamic_policy(target: FrozenTarget, chains: Sequence[Method], ids: Sequence
         pool = single["pools"][(m.name, s.batch_temperature)]
         c = pool.draft_s / costs["t_ar_step_s"][s.batch_temperature] / pool.drafted if pool.drafted else 0.0
         acc = pool.acceptance
-        seconds = measure_draft_costs(target, m.make, ids, sizes, range(1, int(m.k) + 1), s.cost_reps)
+        seconds = measure_draft_costs(target, m.make_batch, ids, sizes, range(1, int(m.k) + 1), s.cost_reps)
         costs["draft_s_per_round"][m.name] = seconds
         draft = draft_round_costs(c, int(m.k), seconds)
         by_b = {b: choose_k(acc, c, costs["batch"][b], b, int(m.k), draft=draft[b]) for b in sizes}
@@ -216,16 +215,46 @@ def dynamic_policy(target: FrozenTarget, chains: Sequence[Method], ids: Sequence
 
 def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSettings,
          skipped: Mapping[str, str] | None, prompt_source: str | None) -> dict:
+    """The run's stages: cost tables → single-sequence runs (+ lossless check, summaries) → dynamic policy and
+    batch sweep → the results dict and its K recommendation."""
     device = target.model.device
     eos = target.model.config.eos_token_id if s.stop_at_eos else None
     eos = eos[0] if isinstance(eos, list) else eos
     ids = [torch.tensor([p.ids], dtype=torch.long, device=device) for p in prompts]
-    spec = [m for m in methods if m.kind != "ar"]
-    chains = [m for m in spec if m.chain]
+    base = methods[0]  # the baseline (run_benchmark checked): its rows are every ratio's denominator
+    costs, judge = _cost_tables(target, methods, ids, prompts, s)
 
-    # ---- cost tables: t1, v(K) up to the largest tree, w_B(K) up to the largest chain
+    single = _single_runs(target, methods, ids, prompts, s, costs["verify"], eos)
+    # the target's real cost per call: AR's in-situ seconds per decode step (forward + sampling), per temperature;
+    # c is measured in these units, v(K) and w_B(K) as forward-time ratios from the microbenchmark
+    ar_pools = {t: single["pools"][(base.name, t)] for t in s.temperatures}
+    costs["t_ar_step_s"] = {t: pool.verify_s / max(pool.rounds, 1) for t, pool in ar_pools.items()}
+    mismatches = lossless_single(single["tokens0"], [m.name for m in methods], judge)
+    runs = summaries(methods, prompts, s, single, costs, mismatches)
+
+    # the batch sweep and the policy take the chains; variants are batch-1 rows only (the switch's effect)
+    swept = [m for m in methods if m.chain and m.variant_of is None]
+    policy = dynamic_policy(target, swept, ids, s, single, costs)
+    batch = (batch_sweep(target, base, swept, ids, s, policy, eos, mismatches, judge)
+             if s.batch_sizes and swept else None)
+    results = _results(target, methods, prompts, s, prompt_source, costs, judge, mismatches, single)
+    results.update(skipped=dict(skipped or {}), runs=runs, peers=peer_summaries(single, s), policy=policy,
+                   batch=batch)
+    # what each drafter cost to train and its learning curve (eval/training.py, from its run directory)
+    results["training"] = collect_training((m.kind, m.checkpoint) for m in methods if not m.baseline)
+    results.update(recommendation(swept, policy))
+    results["lossless"] = all(v["lossless"] for v in results["methods"].values())
+    return results
+
+
+def _cost_tables(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[Tensor], prompts: Sequence[Prompt],
+                 s: BenchSettings) -> tuple[dict, Judge]:
+    """t1, v(K) up to the largest tree and w_B(K) up to the largest chain; the dtype's noise judge; then the trees
+    the cost model sizes (e.g. Medusa num_nodes: auto), before any decoding."""
+    drafting = [m for m in methods if not m.baseline]
+    chains = [m for m in drafting if m.chain]
     k_chain = max([int(m.k) for m in chains] or [0])
-    trees = [m.nodes for m in spec if not m.chain]
+    trees = [m.nodes for m in drafting if not m.chain]
     widths = [*range(1, k_chain + 2), *(n + 1 for n in trees),
               *(w for w in (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if w <= max(trees or [0]))]
     prefix_len = round(statistics.mean(len(p.ids) for p in prompts)) + s.max_new_tokens // 2  # mid-generation
@@ -233,23 +262,17 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
     # the dtype's numeric noise between a verification-width forward and AR's one-token step: the T=0 check is
     # exact in fp32, in fp16/bf16 a divergence fails only where the target's own gap exceeds it (eval/precision.py)
     judge = Judge.measure(target, ids, widths)
-    for m in spec:  # trees sized by the cost model (e.g. Medusa num_nodes: auto) before any decoding
+    for m in drafting:
         m.size_tree(target, lambda n: interp(costs["verify"], n), costs["t_target_s"])
+    return costs, judge
 
-    single = _single_runs(target, methods, ids, prompts, s, costs["verify"], eos)
-    # the target's real cost per call: AR's in-situ seconds per decode step (forward + sampling), per temperature;
-    # c is measured in these units, v(K) and w_B(K) as forward-time ratios from the microbenchmark
-    costs["t_ar_step_s"] = {t: single["pools"][("ar", t)].verify_s / max(single["pools"][("ar", t)].rounds, 1)
-                            for t in s.temperatures}
-    mismatches = lossless_single(single["tokens0"], [m.name for m in methods], judge)
-    runs = summaries(methods, prompts, s, single, costs, mismatches)
 
-    swept = [m for m in chains if m.variant_of is None]  # variants: batch-1 rows only (the switch's effect)
-    policy = dynamic_policy(target, swept, ids, s, single, costs)
-    batch = (batch_sweep(target, swept, ids, s, policy, eos, mismatches, judge)
-             if s.batch_sizes and swept else None)
-
-    results: dict[str, Any] = {
+def _results(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSettings,
+             prompt_source: str | None, costs: dict, judge: Judge, mismatches: Mapping[str, list], single: dict
+             ) -> dict[str, Any]:
+    """The results' header: environment, target, settings, prompts, cost model, precision, per-method entries."""
+    device = target.model.device
+    return {
         "schema_version": 1,
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "env": _env(torch.get_num_threads(), device, target),
@@ -266,27 +289,24 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
         "precision": judge.summary(),
         "methods": {m.name: _lossless_entry(m, mismatches[m.name]) for m in methods},
         # AR's T=0 tokens (every prompt, first repetition): equal digests = token-identical output across runs
-        "ar_tokens_sha256": hashlib.sha256(json.dumps(single["tokens0"]["ar"][0]).encode()).hexdigest(),
-        "skipped": dict(skipped or {}),
-        "runs": runs,
-        "peers": peer_summaries(single, s),
-        "policy": policy,
-        "batch": batch,
-        # what each drafter cost to train and its learning curve (eval/training.py, from its run directory)
-        "training": collect_training((m.kind, m.checkpoint) for m in spec),
+        "ar_tokens_sha256": hashlib.sha256(json.dumps(single["tokens0"][methods[0].name][0]).encode()).hexdigest(),
     }
-    pick = next((m.name for kind in RECOMMEND_ORDER for m in swept if m.kind == kind), None)
-    if pick is not None:
-        pol = policy[pick]
-        results["recommended_for"] = pick
-        # K* at batch 1; 0 where the cost model says speculation is slower than AR (the exporter then refuses
-        # --results rather than ship a slowdown); the best K >= 1 is kept alongside for whoever wants it anyway
-        results["recommended_num_speculative_tokens"] = int(pol["k_star"][1])
-        results["best_positive_num_speculative_tokens"] = int(pol["k_star_positive_b1"])
-        results["recommended_num_speculative_tokens_by_batch"] = dict(pol["k_star"])
-        results["speculation_pays_at_batch_1"] = pol["k_star"][1] > 0
-    results["lossless"] = all(v["lossless"] for v in results["methods"].values())
-    return results
+
+
+def recommendation(swept: Sequence[Method], policy: Mapping[str, dict]) -> dict[str, Any]:
+    """The top-level K the exporter reads: batch-1 K* of the swept chain whose proposer ranks first
+    (``ProposerSpec.recommend_rank``); {} when none of them is ranked."""
+    ranked = [m for m in swept if m.proposer_spec() is not None and m.proposer_spec().recommend_rank is not None]
+    if not ranked:
+        return {}
+    pick = min(ranked, key=lambda m: m.proposer_spec().recommend_rank)  # min keeps the first of equal ranks
+    pol = policy[pick.name]
+    # K* at batch 1; 0 where the cost model says speculation is slower than AR (the exporter then refuses
+    # --results rather than ship a slowdown); the best K >= 1 is kept alongside for whoever wants it anyway
+    return {"recommended_for": pick.name, "recommended_num_speculative_tokens": int(pol["k_star"][1]),
+            "best_positive_num_speculative_tokens": int(pol["k_star_positive_b1"]),
+            "recommended_num_speculative_tokens_by_batch": dict(pol["k_star"]),
+            "speculation_pays_at_batch_1": pol["k_star"][1] > 0}
 
 
 def _lossless_entry(m: Method, divergences: list[dict]) -> dict:
@@ -327,7 +347,7 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
                     # same seed for every method at a given (rep, prompt); T=0 needs none
                     gen = None if temp == 0 else seeded_generator(device, s.seed + 7919 * rep + i)
                     r = _decode_one(target, m, proposers[m.name], x, s, temp, gen, eos)
-                    v = v_table if m.kind != "ar" else None
+                    v = None if m.baseline else v_table
                     pools.setdefault(key, Pooled()).add(r, v)
                     pools.setdefault((*key, prompts[i].category), Pooled()).add(r, v)
                     t_rep.append(r.total_s)
@@ -353,7 +373,8 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
                     ntoks.setdefault((name, 0.0), []).append(n_rep)
                     tokens0.setdefault(name, []).append(tok_rep)
     bar.close()
-    return {"pools": pools, "times": times, "dtimes": dtimes, "ntoks": ntoks, "tokens0": tokens0, "peers": peers}
+    return {"pools": pools, "times": times, "dtimes": dtimes, "ntoks": ntoks, "tokens0": tokens0, "peers": peers,
+            "baseline": methods[0].name}
 
 
 def all_lossless(results: Mapping[str, Any]) -> bool:

@@ -22,7 +22,7 @@ from eval.decode_result import device_time
 from eval.ladder import batch_mask, new_cache, prefill
 from eval.window import apply_window, batch_key_positions
 from models.acceptance import best_by_cost, chain_tau
-from models.proposal import Sampling, batch_proposer
+from models.proposal import Sampling
 from models.target import FrozenTarget
 
 
@@ -100,11 +100,12 @@ def interp(table: Mapping[int, float], x: float) -> float:
 
 
 @torch.no_grad()
-def measure_draft_costs(target: FrozenTarget, make: Callable[[int | None], Any], prompts: Sequence[Tensor],
+def measure_draft_costs(target: FrozenTarget, make_batch: Callable[[int, int], Any], prompts: Sequence[Tensor],
                         batch_sizes: Sequence[int], ks: Sequence[int], reps: int = 3) -> dict[int, dict[int, float]]:
     """Seconds of one batched drafting round {B: {K: s}}: B rows (the prompts cycled, [T] each) begin on a
     prefilled target, then ``reps`` timed rounds of propose(K for every row) + accept(one token per row) through
-    ``batch_proposer([make(K)] * B)`` — the same proposer object the batched engine drives. The fastest round
+    ``make_batch(K, B)`` (eval's ``Method.make_batch``: the method's batched form for B rows) — the same proposer
+    object the batched engine drives. The fastest round
     after an untimed one (noise only ever adds time). Each accept hands every row its first draft + one more
     token (a round that accepted one) and copies of a prompt's hidden row (shapes, not values, set the cost)."""
     device = target.model.device
@@ -113,7 +114,7 @@ def measure_draft_costs(target: FrozenTarget, make: Callable[[int | None], Any],
         rows = [prompts[i % len(prompts)].reshape(-1) for i in range(b)]
         out[b] = {}
         for k in sorted(set(ks)):
-            bp = batch_proposer([make(k) for _ in range(b)])
+            bp = make_batch(k, b)
             pre, _, logits = prefill(target, rows, new_cache(target), list(bp.layer_ids))
             first = logits.argmax(-1)
             bp.begin([torch.cat([r, first[i : i + 1]]) for i, r in enumerate(rows)], pre.hidden, Sampling())

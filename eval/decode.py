@@ -37,7 +37,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from eval import ladder
-from eval.decode_result import DecodeResult, check_prompt, check_proposal, device_time, resolve_sampling
+from eval.decode_result import DecodeResult, check_prompt, check_proposal, device_time
 from eval.ladder import accept_proposal, new_cache, sample_token
 from models.proposal import MAX_TREE_NODES, PerRowProposers, Proposal, Proposer, Sampling
 from models.target import FrozenTarget, TargetOutput
@@ -107,17 +107,14 @@ def decode_ar(
     target: FrozenTarget,
     prompt_ids: Tensor,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    generator: torch.Generator | None = None,
-    eos_id: int | None = None,
+    *,
     sampling: Sampling | None = None,
+    eos_id: int | None = None,
 ) -> DecodeResult:
     """Plain autoregressive decoding with a KV cache: one target forward per token (the baseline). Kept as its
     own lean loop (no proposer, one host sync per token only when an eos is given) so the baseline carries no
-    engine overhead. ``sampling`` replaces the four scalars when given."""
-    sampling = resolve_sampling(sampling, temperature, top_p, top_k, generator)
+    engine overhead. ``sampling``: how tokens are chosen (None: greedy)."""
+    sampling = Sampling() if sampling is None else sampling
     prompt_ids = check_prompt(prompt_ids, max_new_tokens)
     device = prompt_ids.device
     res = DecodeResult(tokens=[])
@@ -148,22 +145,19 @@ def speculative_decode(
     proposer: Proposer,
     prompt_ids: Tensor,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    generator: torch.Generator | None = None,
+    *,
+    sampling: Sampling | None = None,
     eos_id: int | None = None,
     max_nodes: int = MAX_TREE_NODES,
-    sampling: Sampling | None = None,
 ) -> DecodeResult:
     """Lossless speculative decoding of one sequence (the ladder, eval/ladder.py ``decode``, at B=1): greedy
     output equals ``decode_ar``'s token for token; sampled output follows the target's processed distribution
-    exactly (models/verify.py). ``sampling`` replaces the four scalars when given.
+    exactly (models/verify.py). ``sampling``: how tokens are chosen (None: greedy).
 
     Each round drafts at most ``max_new_tokens - generated - 1`` tokens deep (a round emits accepted + 1),
     so the run never overshoots and the last rounds may draft fewer tokens.
     """
-    sampling = resolve_sampling(sampling, temperature, top_p, top_k, generator)
+    sampling = Sampling() if sampling is None else sampling
     prompt_ids = check_prompt(prompt_ids, max_new_tokens)
     return ladder.decode(target, PerRowProposers([proposer]), [prompt_ids[0]], max_new_tokens, sampling, eos_id,
                          max_nodes=max_nodes)[0]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from models.proposal import Proposal, Sampling
+from models.proposal import Proposal
 from models.tree import tree_layout
 
 
@@ -108,13 +108,3 @@ def tree_tries(proposal: Proposal, path: list[int]) -> int:
             tried = d + 1
     return tried
 
-
-def resolve_sampling(sampling: Sampling | None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                     generator: torch.Generator | None = None) -> Sampling:
-    """The public decoders' sampling: a ``Sampling`` object, or the four scalars (kept for callers that pass
-    them) — not both, so a setting is never silently ignored."""
-    if sampling is None:
-        return Sampling(temperature, top_p, top_k, generator)
-    if (temperature, top_p, top_k, generator) != (0.0, 1.0, 0, None):
-        raise ValueError("pass either sampling=Sampling(...) or temperature/top_p/top_k/generator, not both")
-    return sampling

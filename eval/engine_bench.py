@@ -36,12 +36,13 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
             k: int = 3, target_name: str = "tiny-code") -> dict:
     from data.corpus import heldout_prompts
     from models.export import export
-    from models.registry import load_drafter
+    from models.registry import baseline, load_drafter
     from models.target import FrozenTarget, resolve_name
 
     target = FrozenTarget.from_pretrained(target_name)
     prompts = [p["input_ids"] for p in heldout_prompts(target.tokenizer, n_prompts, 64)]
-    runs = [{"name": "ar", "speculative_config": None},
+    plain = baseline().name  # the engine without speculation: the row every speedup is over ("ar")
+    runs = [{"name": plain, "speculative_config": None},
             {"name": "ngram", "speculative_config": {"method": "ngram", "num_speculative_tokens": k,
                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}}]
     harness, ks = {}, {"ngram": k}
@@ -56,7 +57,7 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
     engine = E.run_vllm({"target": resolve_name(target_name), "prompts": prompts, "max_new_tokens": max_new,
                          "runs": runs, "batch_sizes": batch_sizes, "max_num_seqs": max(batch_sizes)})
     rows = {}
-    ar_run = next((r for r in engine["runs"] if r["name"] == "ar" and r["ok"]), None)
+    ar_run = next((r for r in engine["runs"] if r["name"] == plain and r["ok"]), None)
     base = {b: x["tokens_per_s"] for b, x in (ar_run or {}).get("by_batch", {}).items()}
     for r in engine["runs"]:
         same = r["ok"] and r["outputs"] == ar and all(x["same_outputs"] for x in r["by_batch"].values())

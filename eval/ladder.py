@@ -296,6 +296,23 @@ def emit(out: list[int], new: list[int], eos_id: int | None) -> None:
     out.extend(new)
 
 
+def verify_round(target: FrozenTarget, cache: DynamicCache, act: Rows, props: Sequence[Proposal], sampling: Sampling,
+                 layer_ids: Sequence[int], pad_id: int, device: torch.device
+                 ) -> tuple[list[list[int]], list[int], Tensor, dict[int, Tensor], list[Tensor]]:
+    """A round's verification half, split from ``decode`` (timed there as one span): ONE target forward over every
+    active row's [root + drafts], acceptance, KV commit. Returns (accepted paths, next tokens, the rows' new valid
+    lengths, the target's hidden states for the accepted tokens, each row's new tokens = accepted drafts + next)."""
+    start = cache.get_seq_length()
+    ver = verify_forward(target, cache, act.roots, props, act.lens, layer_ids, pad_id)
+    picked = accept(props, ver.logits, sampling, pad_id)
+    paths = [path for path, _ in picked]
+    keep = commit_kv(cache, act.lens, start, paths)
+    hidden = accepted_hidden(ver.hidden, paths)
+    new = [torch.cat([p.tokens[path].to(device), torch.tensor([nxt], device=device)])
+           for p, (path, nxt) in zip(props, picked)]
+    return paths, [nxt for _, nxt in picked], keep, hidden, new
+
+
 @torch.no_grad()
 def decode(target: FrozenTarget, proposer: BatchProposer, prompts: Sequence[Tensor], max_new_tokens: int,
            sampling: Sampling, eos_id: int | None = None, pad_id: int = 0,
@@ -333,14 +350,7 @@ def decode(target: FrozenTarget, proposer: BatchProposer, prompts: Sequence[Tens
         t_drafted = device_time(device)
         draft_s += t_drafted - t
 
-        start = cache.get_seq_length()
-        ver = verify_forward(target, cache, act.roots, props, act.lens, layer_ids, pad_id)
-        picked = accept(props, ver.logits, sampling, pad_id)
-        paths = [path for path, _ in picked]
-        keep = commit_kv(cache, act.lens, start, paths)
-        hidden = accepted_hidden(ver.hidden, paths)
-        new = [torch.cat([p.tokens[path].to(device), torch.tensor([nxt], device=device)])
-               for p, (path, nxt) in zip(props, picked)]
+        paths, nxts, keep, hidden, new = verify_round(target, cache, act, props, sampling, layer_ids, pad_id, device)
         t = device_time(device)
         verify_s += t - t_drafted
 
@@ -349,7 +359,7 @@ def decode(target: FrozenTarget, proposer: BatchProposer, prompts: Sequence[Tens
         for b, p, path, toks in zip(act.ids, props, paths, new):
             res[b].record_round(p, path)
             emit(outs[b], toks.tolist(), eos_id)
-        act.lens, act.roots = keep, torch.tensor([nxt for _, nxt in picked], device=device)
+        act.lens, act.roots = keep, torch.tensor(nxts, device=device)
         act.retain([a for a, b in enumerate(act.ids) if not finished(outs[b], max_new_tokens, eos_id)], cache,
                    proposer)
 
@@ -359,3 +369,4 @@ def decode(target: FrozenTarget, proposer: BatchProposer, prompts: Sequence[Tens
         r.stop = "eos" if eos_id is not None and out[-1] == eos_id else "length"
         r.prefill_s, r.draft_s, r.verify_s, r.total_s = prefill_s, draft_s, verify_s, total
     return res
+

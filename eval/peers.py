@@ -55,7 +55,8 @@ def peer_runs(methods: Sequence[Method]) -> list[tuple[str, dict]]:
 def peer_summaries(single: dict, s: BenchSettings) -> dict:
     reps = range(s.repetitions)
     out = {}
-    ar0 = single["tokens0"]["ar"]
+    base = single["baseline"]  # our AR: the peers' tokens and speed are compared with it
+    ar0 = single["tokens0"][base]
     for name, extra in single["peers"]:
         key = (name, 0.0)
         out[name] = {
@@ -63,7 +64,7 @@ def peer_summaries(single: dict, s: BenchSettings) -> dict:
             "settings": {k: (v if k != "assistant_model" else getattr(v.config, "_name_or_path", "") or "draft_model")
                          for k, v in extra.items()},
             "tokens_per_s": stats_of([tps_of(single, key, r) for r in reps]),
-            "speedup_vs_ar": stats_of([tps_of(single, key, r) / tps_of(single, ("ar", 0.0), r) for r in reps]),
+            "speedup_vs_ar": stats_of([tps_of(single, key, r) / tps_of(single, (base, 0.0), r) for r in reps]),
             "matches_ar": all(a == b for rep, toks in enumerate(single["tokens0"][name])
                               for a, b in zip(ar0[rep], toks)),
         }

@@ -42,10 +42,35 @@ def _temp(t: float) -> str:
     return f"{t:g}"
 
 
+def is_baseline(entry: Mapping[str, Any]) -> bool:
+    """A results row of the baseline (AR: no drafts, nothing to report per draft position or round); its ``kind``
+    is the registry's baseline proposer's name, in old result files too."""
+    from models import registry
+
+    return entry.get("kind") == registry.baseline().name
+
+
 def markdown(results: Mapping[str, Any]) -> str:
     """The report: headline table (method, T, τ, speedup ± spread, tokens/s, efficiency vs bound, lossless), then
-    acceptance by position, HF peers, batch sweep and recommendation, categories, cost model."""
+    acceptance by position, HF peers, batch sweep and recommendation, categories, cost model — a function per
+    section below, in this order."""
     r = normalize(results)
+    lines = _header_md(r)
+    lines += _divergences_md(r)
+    lines += _results_md(r)
+    lines += _acceptance_md(r)
+    lines += _peers_md(r)
+    lines += _batch_md(r)
+    lines += _categories_md(r)
+    lines += _cost_md(r)
+    lines += training.markdown(r.get("training") or {})
+    if r.get("skipped"):
+        lines += ["", "## Skipped", ""] + [f"- {n}: {why}" for n, why in r["skipped"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _header_md(r: dict) -> list[str]:
+    """Title, what was measured on what, and the lossless verdict."""
     s, tgt, env = r["settings"], r["target"], r["env"]
     lines = ["# Speculative decoding benchmark", ""]
     pr = r["prompts"]
@@ -67,64 +92,85 @@ def markdown(results: Mapping[str, Any]) -> str:
                  if not bad else
                  f"**LOSSLESS CHECK FAILED for {', '.join(bad)}** (tokens differ from AR at T=0; see results.json "
                  "`methods.*.mismatches`).")
-    lines += _divergences_md(r)
-    lines += ["", "## Results", "",
-              "Speedup: end-to-end tokens/s (prefill included) over AR's in the same repetition, median ± half the "
-              "min–max range; best-of: per prompt the fastest repetition of each (stalls only add time), "
-              "NOISY when the spread exceeds the effect. Bound: τ / (K̄·c + v̄) from the measured cost model; "
-              "efficiency = decode-phase speedup (prefill excluded, like the bound) / bound.", "",
-              "| method | T | τ | speedup | tokens/s | bound | efficiency | draft share | ÷ HF lookup | lossless |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    return lines
+
+
+def _results_md(r: dict) -> list[str]:
+    """The headline table: one row per (method, temperature)."""
+    lines = ["", "## Results", "",
+             "Speedup: end-to-end tokens/s (prefill included) over AR's in the same repetition, median ± half the "
+             "min–max range; best-of: per prompt the fastest repetition of each (stalls only add time), "
+             "NOISY when the spread exceeds the effect. Bound: τ / (K̄·c + v̄) from the measured cost model; "
+             "efficiency = decode-phase speedup (prefill excluded, like the bound) / bound.", "",
+             "| method | T | τ | speedup | tokens/s | bound | efficiency | draft share | ÷ HF lookup | lossless |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for e in r["runs"]:
         sp = e["speedup"]
         lines.append(f"| {e['method']} | {_temp(e['temperature'])} | {_f(e['tau'])} | {_f(sp['median'])} ± "
                      f"{_f(sp['spread'])}{_robust(e)} | {_f(e['tokens_per_s']['median'], 1)} | {_f(e['bound'])} | "
                      f"{_f(e['efficiency'])} | {_f(100 * e['draft_frac'], 0, '%')} | {_f(e['vs_hf_prompt_lookup'])} | "
                      f"{'–' if e['lossless'] is None else _f(e['lossless'])} |")
+    return lines
+
+
+def _acceptance_md(r: dict) -> list[str]:
+    """Acceptance by draft position, per drafting method and temperature (the baseline drafts nothing)."""
     depth = max((len(e["acceptance_by_pos"]) for e in r["runs"]), default=0)
-    if depth:
-        lines += ["", "## Acceptance rate by draft position", "",
-                  "P(draft at depth k accepted | the round reached depth k).", "",
-                  "| method | T | " + " | ".join(f"k={k + 1}" for k in range(depth)) + " |",
-                  "|---|---|" + "---|" * depth]
-        for e in r["runs"]:
-            if e["kind"] == "ar":
-                continue
-            acc = e["acceptance_by_pos"] + [None] * (depth - len(e["acceptance_by_pos"]))
-            lines.append(f"| {e['method']} | {_temp(e['temperature'])} | " + " | ".join(_f(a) for a in acc) + " |")
-    if r.get("peers"):
-        lines += ["", "## HF transformers peers (T=0, same target and prompts)", "",
-                  "| peer | settings | tokens/s | speedup vs our AR | tokens == our AR |", "|---|---|---|---|---|"]
-        for name, p in r["peers"].items():
-            st = ", ".join(f"{k}={v}" for k, v in p["settings"].items()) or "–"
-            lines.append(f"| {name} | {st} | {_f(p['tokens_per_s']['median'], 1)} | "
-                         f"{_f(p['speedup_vs_ar']['median'])} ± {_f(p['speedup_vs_ar']['spread'])} | "
-                         f"{_f(p['matches_ar'])} |")
-    lines += _batch_md(r)
-    cats = r["prompts"]["categories"]
-    if len(cats) > 1:
-        lines += ["", "## Per category", "", "| method | T | " + " | ".join(f"{c} τ / speedup" for c in cats) + " |",
-                  "|---|---|" + "---|" * len(cats)]
-        for e in r["runs"]:
-            cells = [f"{_f(e['by_category'][c]['tau'])} / {_f(e['by_category'][c]['speedup'])}" for c in cats]
-            lines.append(f"| {e['method']} | {_temp(e['temperature'])} | " + " | ".join(cells) + " |")
-    cm = r["cost_model"]
-    lines += ["", "## Cost model", "",
-              f"t1 (one-token target forward at a {cm['prefix_len']}-token cache, microbenchmark) = "
-              f"{1e3 * cm['t_target_s']:.3f} ms; AR's in-situ step (forward + sampling) = "
-              + ", ".join(f"{1e3 * v:.3f} ms at T={k}" for k, v in cm["t_ar_step_s"].items())
-              + ". v(K) = (K+1)-token verify forward / t1:", "",
-              "| K | " + " | ".join(cm["verify"]) + " |", "|---|" + "---|" * len(cm["verify"]),
-              "| v(K) | " + " | ".join(_f(v) for v in cm["verify"].values()) + " |", "",
-              "Per method (T=0): c = draft seconds per drafted node / AR step, K̄ = mean drafted nodes per round, "
-              "v̄ = mean v(K) over rounds.", "", "| method | c | K̄ | v̄ |", "|---|---|---|---|"]
+    if not depth:
+        return []
+    lines = ["", "## Acceptance rate by draft position", "",
+             "P(draft at depth k accepted | the round reached depth k).", "",
+             "| method | T | " + " | ".join(f"k={k + 1}" for k in range(depth)) + " |",
+             "|---|---|" + "---|" * depth]
     for e in r["runs"]:
-        if e["kind"] != "ar" and e["temperature"] == 0:
+        if is_baseline(e):
+            continue
+        acc = e["acceptance_by_pos"] + [None] * (depth - len(e["acceptance_by_pos"]))
+        lines.append(f"| {e['method']} | {_temp(e['temperature'])} | " + " | ".join(_f(a) for a in acc) + " |")
+    return lines
+
+
+def _peers_md(r: dict) -> list[str]:
+    if not r.get("peers"):
+        return []
+    lines = ["", "## HF transformers peers (T=0, same target and prompts)", "",
+             "| peer | settings | tokens/s | speedup vs our AR | tokens == our AR |", "|---|---|---|---|---|"]
+    for name, p in r["peers"].items():
+        st = ", ".join(f"{k}={v}" for k, v in p["settings"].items()) or "–"
+        lines.append(f"| {name} | {st} | {_f(p['tokens_per_s']['median'], 1)} | "
+                     f"{_f(p['speedup_vs_ar']['median'])} ± {_f(p['speedup_vs_ar']['spread'])} | "
+                     f"{_f(p['matches_ar'])} |")
+    return lines
+
+
+def _categories_md(r: dict) -> list[str]:
+    cats = r["prompts"]["categories"]
+    if len(cats) <= 1:
+        return []
+    lines = ["", "## Per category", "", "| method | T | " + " | ".join(f"{c} τ / speedup" for c in cats) + " |",
+             "|---|---|" + "---|" * len(cats)]
+    for e in r["runs"]:
+        cells = [f"{_f(e['by_category'][c]['tau'])} / {_f(e['by_category'][c]['speedup'])}" for c in cats]
+        lines.append(f"| {e['method']} | {_temp(e['temperature'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _cost_md(r: dict) -> list[str]:
+    """t1, AR's in-situ step, v(K), and per drafting method c, K̄, v̄ at T=0."""
+    cm = r["cost_model"]
+    lines = ["", "## Cost model", "",
+             f"t1 (one-token target forward at a {cm['prefix_len']}-token cache, microbenchmark) = "
+             f"{1e3 * cm['t_target_s']:.3f} ms; AR's in-situ step (forward + sampling) = "
+             + ", ".join(f"{1e3 * v:.3f} ms at T={k}" for k, v in cm["t_ar_step_s"].items())
+             + ". v(K) = (K+1)-token verify forward / t1:", "",
+             "| K | " + " | ".join(cm["verify"]) + " |", "|---|" + "---|" * len(cm["verify"]),
+             "| v(K) | " + " | ".join(_f(v) for v in cm["verify"].values()) + " |", "",
+             "Per method (T=0): c = draft seconds per drafted node / AR step, K̄ = mean drafted nodes per round, "
+             "v̄ = mean v(K) over rounds.", "", "| method | c | K̄ | v̄ |", "|---|---|---|---|"]
+    for e in r["runs"]:
+        if not is_baseline(e) and e["temperature"] == 0:
             lines.append(f"| {e['method']} | {_f(e['c'], 3)} | {_f(e['k_mean'])} | {_f(e['v'])} |")
-    lines += training.markdown(r.get("training") or {})
-    if r.get("skipped"):
-        lines += ["", "## Skipped", ""] + [f"- {n}: {why}" for n, why in r["skipped"].items()]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _divergences_md(r: dict) -> list[str]:
@@ -194,7 +240,7 @@ def _batch_md(r: dict) -> list[str]:
 def _robust(e: dict) -> str:
     """The fastest-repetition speedup, flagged when the repetitions' spread exceeds the effect (a stall)."""
     rb = e.get("speedup_robust")
-    if not rb or e.get("kind") == "ar":
+    if not rb or is_baseline(e):
         return ""
     return f" (best-of {_f(rb['min_time'])}{', NOISY' if rb['noisy'] else ''})"
 
@@ -204,7 +250,7 @@ def console_summary(results: Mapping[str, Any]) -> str:
     r = normalize(results)
     out = []
     for e in r["runs"]:
-        if e["kind"] == "ar":
+        if is_baseline(e):
             continue
         loss = "" if e["lossless"] is None else ("  lossless" if e["lossless"] else "  NOT LOSSLESS")
         out.append(f"{e['method']:>12} T={_temp(e['temperature']):<4} tau={_f(e['tau'])}  speedup="
@@ -242,12 +288,21 @@ def plot(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     r = normalize(results)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    runs = {(e["method"], e["temperature"]): e for e in r["runs"]}
+    written = [_plot_tau_speedup(r, runs, out / "tau_speedup.png", plt),
+               _plot_acceptance(r, runs, out / "acceptance.png", plt)]
+    b = r.get("batch")
+    if b and b.get("methods"):
+        written.append(_plot_batch(b, out / "batch_speedup.png", plt))
+    curve = training.plot(r.get("training") or {}, out / "learning_curve.png", plt)
+    return written + ([curve] if curve else [])
+
+
+def _plot_tau_speedup(r: dict, runs: dict, path: Path, plt) -> Path:
+    """τ and speedup per method and temperature (bars), speedup with its min–max and the cost-model bound."""
     temps = r["settings"]["temperatures"]
     names = list(r["methods"])
-    runs = {(e["method"], e["temperature"]): e for e in r["runs"]}
     width = 0.8 / max(len(temps), 1)
-
     fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 1.1 * len(names) + 3), 7.5))
     for j, t in enumerate(temps):
         xs = [i + (j - (len(temps) - 1) / 2) * width for i in range(len(names))]
@@ -265,12 +320,15 @@ def plot(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    written.append(_save(fig, out / "tau_speedup.png", plt))
+    return _save(fig, path, plt)
 
+
+def _plot_acceptance(r: dict, runs: dict, path: Path, plt) -> Path:
+    """Acceptance rate by draft position, a line per (method, temperature)."""
     fig, ax = plt.subplots(figsize=(6, 4))
     styles = ["-", "--", ":", "-."]
-    for j, t in enumerate(temps):
-        for i, n in enumerate(names):
+    for j, t in enumerate(r["settings"]["temperatures"]):
+        for i, n in enumerate(r["methods"]):
             acc = runs[(n, t)]["acceptance_by_pos"]
             if acc:
                 ax.plot(range(1, len(acc) + 1), [a if a is not None else float("nan") for a in acc],
@@ -282,31 +340,30 @@ def plot(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     if ax.lines:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    written.append(_save(fig, out / "acceptance.png", plt))
+    return _save(fig, path, plt)
 
-    b = r.get("batch")
-    if b and b.get("methods"):
-        fig, ax = plt.subplots(figsize=(8.5, 4))
-        for i, (name, m) in enumerate(b["methods"].items()):
-            rows = m["by_batch"]
-            xs = [row["batch_size"] for row in rows]
-            med = [row["speedup"]["median"] for row in rows]
-            err = [[md - row["speedup"]["min"] for md, row in zip(med, rows)],
-                   [row["speedup"]["max"] - md for md, row in zip(med, rows)]]
-            ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, color=f"C{i}", label=f"{name} K={m['k_fixed']}")
-            ax.plot(xs, [row["dynamic"]["speedup"]["median"] for row in rows], "--", marker="x", color=f"C{i}",
-                    label=f"{name} dynamic K*")
-        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(b["batch_sizes"], [str(x) for x in b["batch_sizes"]])
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("speedup over batched AR")
-        ax.set_title(f"speedup vs batch size (T={_temp(b['temperature'])})")
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        written.append(_save(fig, out / "batch_speedup.png", plt))
-    curve = training.plot(r.get("training") or {}, out / "learning_curve.png", plt)
-    return written + ([curve] if curve else [])
+
+def _plot_batch(b: dict, path: Path, plt) -> Path:
+    """The batch sweep: speedup vs batch size per chain method, fixed K (with its spread) and the dynamic K*."""
+    fig, ax = plt.subplots(figsize=(8.5, 4))
+    for i, (name, m) in enumerate(b["methods"].items()):
+        rows = m["by_batch"]
+        xs = [row["batch_size"] for row in rows]
+        med = [row["speedup"]["median"] for row in rows]
+        err = [[md - row["speedup"]["min"] for md, row in zip(med, rows)],
+               [row["speedup"]["max"] - md for md, row in zip(med, rows)]]
+        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, color=f"C{i}", label=f"{name} K={m['k_fixed']}")
+        ax.plot(xs, [row["dynamic"]["speedup"]["median"] for row in rows], "--", marker="x", color=f"C{i}",
+                label=f"{name} dynamic K*")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(b["batch_sizes"], [str(x) for x in b["batch_sizes"]])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over batched AR")
+    ax.set_title(f"speedup vs batch size (T={_temp(b['temperature'])})")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return _save(fig, path, plt)
 
 
 def _save(fig, path: Path, plt) -> Path:

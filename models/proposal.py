@@ -7,6 +7,7 @@ and the small helpers proposers share. A tree's depth and ancestors: ``models.tr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -183,15 +184,14 @@ class PerRowProposers:
         self.rows = [self.rows[a] for a in rows]
 
 
-def batch_proposer(proposers: list[Proposer]) -> BatchProposer:
-    """One batched proposer for these per-row ones: their class's own batched form (``cls.batched(rows)``,
-    one drafter forward per round for all rows) when every row is of one class that has it, else
-    ``PerRowProposers`` — and for a single row, which the batched forms' padding and masks only slow down
-    (the batch sweep at B=1: EAGLE-3 1.26× over batched AR through its batched form, 1.43× row by row)."""
-    cls = type(proposers[0]) if proposers else None
-    make = getattr(cls, "batched", None) if len(proposers) > 1 else None
-    if make is not None and all(type(p) is cls for p in proposers):
-        return make(list(proposers))
+def batch_proposer(proposers: list[Proposer], batched: Callable[[list], BatchProposer] | None = None
+                   ) -> BatchProposer:
+    """One batched proposer for these per-row ones: ``batched(rows)`` (the method's batched form, declared as its
+    ``ProposerSpec.batched``: one drafter forward per round for all rows) when given, else ``PerRowProposers`` —
+    and for a single row, which the batched forms' padding and masks only slow down (the batch sweep at B=1:
+    EAGLE-3 1.26× over batched AR through its batched form, 1.43× row by row)."""
+    if batched is not None and len(proposers) > 1:
+        return batched(list(proposers))
     return PerRowProposers(list(proposers))
 
 

@@ -14,18 +14,21 @@ from typing import Any
 from torch import nn
 
 from models.checkpoint import WEIGHTS, load_trainable_state, read_meta
-from models.methods import dflash, draft_model, eagle3, medusa, mtp, ngram, peagle
+from models.methods import ar, dflash, draft_model, eagle3, medusa, mtp, ngram, peagle
 from models.spec import MethodSpec, ProposerSpec
 from models.target import FrozenTarget
 
+# the order is eval's default method order (conf/eval.yaml ``methods``): the AR baseline, the model-free and
+# separate-model methods, then the trained drafters
 METHODS: dict[str, MethodSpec] = {
+    "ar": ar.SPEC,
+    "ngram": ngram.SPEC,
+    "draft_model": draft_model.SPEC,
     "eagle3": eagle3.SPEC,
     "medusa": medusa.SPEC,
     "mtp": mtp.SPEC,
     "dflash": dflash.SPEC,
     "peagle": peagle.SPEC,
-    "ngram": ngram.SPEC,
-    "draft_model": draft_model.SPEC,
 }
 
 
@@ -47,8 +50,21 @@ def proposers() -> dict[str, tuple[MethodSpec, ProposerSpec]]:
 def proposer(name: str) -> tuple[MethodSpec, ProposerSpec]:
     table = proposers()
     if name not in table:
-        raise ValueError(f"unknown method {name!r}; use any of {['ar', *table]}")
+        raise ValueError(f"unknown method {name!r}; use any of {list(table)}")
     return table[name]
+
+
+def baseline() -> ProposerSpec:
+    """The proposer every method is measured and checked against (``ProposerSpec.baseline``: AR)."""
+    found = [p for _, p in proposers().values() if p.baseline]
+    if len(found) != 1:
+        raise ValueError(f"the registry needs exactly one baseline proposer, has {[p.name for p in found]}")
+    return found[0]
+
+
+def variants() -> dict[str, dict[str, Any]]:
+    """Every proposer's declared variants, in registry order: {name: {"method": proposer name, option: value}}."""
+    return {v: {"method": p.name, **dict(o)} for _, p in proposers().values() for v, o in p.variants.items()}
 
 
 def config_from_dict(spec: MethodSpec, d: dict) -> Any:

@@ -44,6 +44,17 @@ class ProposerSpec:
     prepare: Callable[[Any, str | None, dict], dict] | None = None
     size: Callable[..., dict | None] | None = None  # (drafter, checkpoint_dir, options, v, t1_s=) → options
     nodes: Callable[[dict], int] | None = None
+    # --- how eval runs it (issue 20: the registry is the only list; conf/eval.yaml reads these, no copy)
+    # batched(rows) → one BatchProposer drafting for all rows (models/proposal.py ``batch_proposer``: one drafter
+    # call per round); None → the rows draft one after another (PerRowProposers)
+    batched: Callable[[list], Any] | None = None
+    # drafts nothing: eval times it with plain decoding (decode_ar), the baseline every method is checked against
+    baseline: bool = False
+    # {name: {option: value}}: this proposer with other options, benchmarked as its own batch-1 row
+    variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # whose batch-1 K* becomes results.json's recommended_num_speculative_tokens: the lowest rank among the
+    # chains benchmarked; None → never recommended
+    recommend_rank: int | None = None
 
     def options(self, overrides: Mapping[str, Any] | None = None) -> dict:
         """The defaults with ``overrides`` applied; an unknown key is a one-line error listing the known ones."""
@@ -116,6 +127,16 @@ class MethodSpec:
     default_k: Callable[[Any], int] | None = None
     check_config: Callable[[Mapping[str, Any], int | None], None] | None = None
     final_files: tuple[str, ...] = ()
+    # --- where eval finds it (issue 20): the checkpoint dir (None → runs/<name>/final, what
+    # ``python -m train +recipe=<name>`` writes) or the separate model eval loads by default
+    default_path: str | None = None
+
+    def eval_path(self) -> str | None:
+        """What eval loads for this method unless told otherwise (conf/eval.yaml ``checkpoints.<name>``, or the
+        model path); None for a method that loads nothing."""
+        if self.source == "checkpoint":
+            return self.default_path or f"runs/{self.name}/final"
+        return self.default_path
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

@@ -25,7 +25,7 @@ from models.methods.dflash.proposers import DFlashBatchProposer, DFlashProposer
 from models.methods.ngram import NGramBatchProposer, NGramProposer
 from models.proposal import PerRowProposers, Sampling, batch_proposer
 from models.target import FrozenTarget
-from tests.test_decode import chi2_pvalue, exact_joint, sharp_tiny_llama
+from tests.test_decode import batched, chi2_pvalue, exact_joint, sharp_tiny_llama
 from tests.test_dflash import drafter, scramble, target  # noqa: F401  (target: a fixture)
 
 N = 21
@@ -75,9 +75,10 @@ def test_batched_greedy_equals_per_row_ar_and_per_row_drafts(target, name):  # n
     d = drafter(target) if name == "dflash" else None
     ps = ragged_prompts(target.vocab_size)
     refs = [decode.decode_ar(target, p, N) for p in ps]
-    bp = batch_proposer([make(name, d) for _ in ps])
+    bp = batched(name, [make(name, d) for _ in ps])  # the form its ProposerSpec declares
     assert isinstance(bp, DFlashBatchProposer if name == "dflash" else NGramBatchProposer)
-    assert isinstance(batch_proposer([make(name, d)]), PerRowProposers)  # one row: the B=1 path, no padding
+    assert isinstance(batched(name, [make(name, d)]), PerRowProposers)  # one row: the B=1 path, no padding
+    assert isinstance(batch_proposer([make(name, d) for _ in ps]), PerRowProposers)  # none declared: row by row
     batch_logs: list[list] = [[] for _ in ps]
     log_batch(bp, batch_logs)
     got = decode_batch.speculative_decode_batch(target, bp, ps, N)
@@ -91,7 +92,7 @@ def test_batched_greedy_equals_per_row_ar_and_per_row_drafts(target, name):  # n
     if name == "ngram":
         assert sum(sum(r.accepted) for r in got) > 0
     eos = refs[0].tokens[8]  # row 0 stops early at this eos; the others run on
-    got = decode_batch.speculative_decode_batch(target, [make(name, d) for _ in ps], ps, N, eos_id=eos)
+    got = decode_batch.speculative_decode_batch(target, batched(name, [make(name, d) for _ in ps]), ps, N, eos_id=eos)
     assert [r.tokens for r in got] == [decode.decode_ar(target, p, N, eos_id=eos).tokens for p in ps]
     assert len({r.rounds for r in got}) > 1  # rows finished at different rounds and left the batch
 
@@ -124,7 +125,7 @@ def test_one_drafter_forward_per_round_for_all_rows(target, monkeypatch):  # noq
     blocks = d.blocks
     monkeypatch.setattr(d, "blocks", lambda *a, **kw: (calls.append(a[0].shape[0]), blocks(*a, **kw))[1])
     ps = ragged_prompts(target.vocab_size)
-    res = decode_batch.speculative_decode_batch(target, [DFlashProposer(d) for _ in ps], ps, N)
+    res = decode_batch.speculative_decode_batch(target, batched("dflash", [DFlashProposer(d) for _ in ps]), ps, N)
     # the batch's rounds that drafted (row b takes part in rounds 0..rounds_b-1; the last ones may have no budget)
     drafting = [i for i in range(max(r.rounds for r in res)) if any(i < r.rounds and r.drafted[i] for r in res)]
     assert len(drafting) >= 10 and len(calls) == len(drafting)  # one forward per round...
@@ -144,8 +145,8 @@ def test_draft_cost_microbenchmark_times_one_batched_forward_per_round(target, m
     calls = []
     blocks = d.blocks
     monkeypatch.setattr(d, "blocks", lambda *a, **kw: (calls.append(a[0].shape[0]), blocks(*a, **kw))[1])
-    secs = measure_draft_costs(target, lambda k: DFlashProposer(d, k=k), ragged_prompts(target.vocab_size),
-                               [1, 3], [1, 2], reps=2)
+    secs = measure_draft_costs(target, lambda k, b: batched("dflash", [DFlashProposer(d, k=k) for _ in range(b)]),
+                               ragged_prompts(target.vocab_size), [1, 3], [1, 2], reps=2)
     assert set(secs) == {1, 3} and all(set(v) == {1, 2} and min(v.values()) > 0 for v in secs.values())
     assert calls == [1] * 6 + [3] * 6  # (B=1: K=1, K=2) x 3 rounds, then B=3 likewise: one forward each
 
@@ -159,21 +160,23 @@ def test_sampled_batched_dflash_reproduces_target_distribution():
                                small.model.get_output_embeddings().weight), seed=3)
     prompts = [torch.tensor([0, 2, 1]), torch.tensor([1, 1, 0, 2, 2])]
     sampling = Sampling(0.8, 1.0, 2)
-    accepted, rounds = assert_batched_rows_follow_target(small, lambda: DFlashProposer(d), prompts, sampling, 11)
+    accepted, rounds = assert_batched_rows_follow_target(small, lambda: DFlashProposer(d), prompts, sampling, 11,
+                                                         "dflash")
     assert 0.1 * rounds < accepted < 2.5 * rounds  # drafts both accepted and rejected
 
 
-def assert_batched_rows_follow_target(tgt, make, prompts, sampling, seed: int, batches: int = 70
+def assert_batched_rows_follow_target(tgt, make, prompts, sampling, seed: int, method: str, batches: int = 70
                                       ) -> tuple[int, int]:
-    """Batches of 6 rows alternating over two prompts (ragged: the padded, masked path), 4 sampled tokens each:
-    each prompt's samples must follow the target's exact joint for it (χ²). Returns (accepted drafts, rounds)."""
+    """Batches of 6 rows alternating over two prompts (ragged: the padded, masked path), 4 sampled tokens each,
+    drafted by ``method``'s batched form (its ProposerSpec's): each prompt's samples must follow the target's exact
+    joint for it (χ²). Returns (accepted drafts, rounds)."""
     exact = [exact_joint(tgt, p[None], 4, sampling) for p in prompts]
     gen = torch.Generator().manual_seed(seed)
     samples: list[list[tuple]] = [[], []]
     accepted = rounds = 0
     for _ in range(batches):
         rows = [prompts[i % 2] for i in range(6)]
-        res = decode_batch.speculative_decode_batch(tgt, [make() for _ in rows], rows, 4,
+        res = decode_batch.speculative_decode_batch(tgt, batched(method, [make() for _ in rows]), rows, 4,
                                                     sampling=Sampling(sampling.temperature, sampling.top_p,
                                                                       sampling.top_k, gen))
         for i, r in enumerate(res):
@@ -254,19 +257,22 @@ def test_batched_shared_topology_trees_reproduce_target_distribution(sampled, mo
     assert chi2_pvalue(samples, exact) > 1e-3
 
 
-def test_sampling_object_or_scalars_not_both(target):  # noqa: F811
-    """The public decoders take a Sampling object (what the ladder passes) or the four scalars: the same run
-    either way, and a one-line error when both are given (a setting would otherwise be silently ignored)."""
+def test_public_decoders_take_one_sampling_object(target):  # noqa: F811
+    """The public decoders spell sampling one way, a ``Sampling`` (what the ladder passes): the same seeded run
+    gives the same tokens through each of them, None is greedy, and the old scalar keywords are refused."""
     p = ragged_prompts(target.vocab_size)[0]
     g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-    for fn in (decode.decode_ar, lambda t, x, n, **kw: decode.speculative_decode(t, NGramProposer(), x, n, **kw),
-               lambda t, x, n, **kw: decode_batch.speculative_decode_batch(t, [NGramProposer()], [x], n, **kw)[0],
-               lambda t, x, n, **kw: decode_batch.decode_ar_batch(t, [x], n, **kw)[0]):
-        a = fn(target, p, 8, temperature=0.9, top_k=5, generator=g())
-        b = fn(target, p, 8, sampling=Sampling(0.9, top_k=5, generator=g()))
-        assert a.tokens == b.tokens
-        with pytest.raises(ValueError, match="not both"):
-            fn(target, p, 8, temperature=0.9, sampling=Sampling(0.9))
+    fns = (decode.decode_ar, lambda t, x, n, **kw: decode.speculative_decode(t, NGramProposer(), x, n, **kw),
+           lambda t, x, n, **kw: decode_batch.speculative_decode_batch(t, [NGramProposer()], [x], n, **kw)[0],
+           lambda t, x, n, **kw: decode_batch.decode_ar_batch(t, [x], n, **kw)[0])
+    sampled = [fn(target, p, 8, sampling=Sampling(0.9, top_k=5, generator=g())).tokens for fn in fns]
+    assert sampled == [fn(target, p, 8, sampling=Sampling(0.9, top_k=5, generator=g())).tokens for fn in fns]
+    greedy = [fn(target, p, 8).tokens for fn in fns]
+    assert greedy[1:] == greedy[:1] * 3 and greedy == [fn(target, p, 8, sampling=Sampling()).tokens for fn in fns]
+    assert all(s != x for s, x in zip(sampled, greedy))  # the temperature was used, not dropped
+    for fn in fns:
+        with pytest.raises(TypeError, match="temperature"):
+            fn(target, p, 8, temperature=0.9)
 
 
 def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
@@ -282,7 +288,7 @@ def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
     ps = [p[0] for p in prompts(3)]
     ps[1] = ps[1][:5]  # ragged lengths
     make = lambda: proposers.Eagle3ChainProposer(dr, k=4)  # noqa: E731
-    bp = batch_proposer([make() for _ in ps])
+    bp = batched("eagle3", [make() for _ in ps])
     assert isinstance(bp, proposers.Eagle3ChainBatchProposer)
     calls = []
     qkv = kernels.entry_qkv
@@ -340,5 +346,5 @@ def test_sampled_batched_eagle3_chains_reproduce_target_distribution():
         assert torch.allclose(got[a].q[0], one.propose(1).q[0], atol=1e-6)
         assert bool((got[a].q[torch.arange(3), got[a].tokens] > 0).all())
     accepted, rounds = assert_batched_rows_follow_target(small, lambda: Eagle3ChainProposer(d, k=3), prompts,
-                                                         sampling, 12)
+                                                         sampling, 12, "eagle3")
     assert 0.05 * rounds < accepted < 2.5 * rounds  # drafts both accepted and rejected

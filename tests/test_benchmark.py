@@ -48,7 +48,7 @@ from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from train.loop import run as train_run
 
-KINDS = ["ar", *registry.proposers()]  # every method the registry knows
+KINDS = list(registry.proposers())  # every method the registry knows, AR (the baseline) first
 CONF = Path(__file__).resolve().parent.parent / "conf"
 MAX_NEW = 8
 PROMPT_TEXTS = ["def add(a, b):\n    return a + b\ndef add(a, b):\n", "for i in range(10):\n    print(i * i)\nfor i in"]
@@ -240,6 +240,47 @@ def test_lossless_check_flags_perturbed_tokens(env):
     assert {m["first_diff"] for m in bad["mismatches"]} == {MAX_NEW - 1}
     assert r["lossless"] is False and not all_lossless(r)
     assert "LOSSLESS CHECK FAILED for broken" in markdown(r)
+
+
+def test_the_baseline_is_plain_decoding_chosen_by_its_spec(env, monkeypatch):
+    """AR is a registered method (``ProposerSpec.baseline``), yet the harness times it with ``decode_ar`` /
+    ``decode_ar_batch`` — not a speculative loop over its empty drafts — and always runs it first."""
+    import eval.batch_sweep as bs
+    import eval.benchmark as bm
+
+    assert [p.name for _, p in registry.proposers().values() if p.baseline] == ["ar"] == [registry.baseline().name]
+    calls = {"ar": 0, "ar_batch": 0, "spec": []}
+    ar, ar_batch, spec = bm.decode_ar, bs.decode_ar_batch, bm.speculative_decode
+    monkeypatch.setattr(bm, "decode_ar", lambda *a, **kw: (calls.__setitem__("ar", calls["ar"] + 1), ar(*a, **kw))[1])
+    monkeypatch.setattr(bs, "decode_ar_batch", lambda *a, **kw: (calls.__setitem__("ar_batch", calls["ar_batch"] + 1),
+                                                                  ar_batch(*a, **kw))[1])
+    monkeypatch.setattr(bm, "speculative_decode",
+                        lambda t, p, *a, **kw: (calls["spec"].append(type(p).__name__), spec(t, p, *a, **kw))[1])
+    methods, _ = build_methods(env.target, ["ngram", "ar"], options=OPTIONS)
+    assert [m.name for m in methods] == ["ar", "ngram"] and methods[0].baseline and not methods[1].baseline
+    r = run_benchmark(env.target, methods, env.prompts, settings(temperatures=[0], repetitions=1, batch_sizes=[2],
+                                                                 peers=False, warmup=0))
+    assert calls["ar"] == len(env.prompts) and set(calls["spec"]) == {"NGramProposer"}
+    assert calls["ar_batch"] == 1  # the batch sweep's baseline at B=2
+    assert r["methods"]["ar"]["kind"] == "ar" and r["runs"][0]["method"] == "ar"  # result files keep the name
+    with pytest.raises(ValueError, match="start with the one baseline"):
+        run_benchmark(env.target, methods[1:], env.prompts, settings())
+
+
+def test_the_recommended_k_comes_from_the_spec_ranks():
+    """``recommended_for``: the swept chain whose proposer has the lowest ``ProposerSpec.recommend_rank`` (a new
+    method declares its own; none ranked → no recommendation)."""
+    from eval.benchmark import recommendation
+
+    names = ("ngram", "mtp", "peagle")
+    pol = {n: {"k_star": {1: i + 1, 2: 0}, "k_star_positive_b1": i + 1} for i, n in enumerate(names)}
+    chains = [Method(n, n) for n in names]
+    ranks = {m.name: m.proposer_spec().recommend_rank for m in chains}
+    assert ranks == {"ngram": 4, "mtp": 2, "peagle": None}
+    r = recommendation(chains, pol)
+    assert r["recommended_for"] == "mtp" and r["recommended_num_speculative_tokens"] == 2
+    assert r["recommended_num_speculative_tokens_by_batch"] == {1: 2, 2: 0} and r["speculation_pays_at_batch_1"]
+    assert recommendation(chains[2:], pol) == {}
 
 
 def _accept_everything(proposal, logits, sampling):

@@ -55,12 +55,52 @@ def test_recipes_only_list_differences():
         assert f.read_text().lstrip().startswith("# @package _global_"), f
 
 
-def test_eval_yaml_options_are_the_registry_defaults():
-    """conf/eval.yaml lists every proposer's options (Hydra can only override keys it has) with exactly the
-    defaults of its ProposerSpec, the one source the harness uses when called from Python."""
-    from omegaconf import OmegaConf
+def compose_eval(*overrides: str) -> DictConfig:
+    from eval.defaults import register
 
+    register()  # what `python -m eval` does before composing: the registry's method rows as a config node
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="eval", overrides=list(overrides))
+
+
+def test_eval_config_method_rows_are_the_specs():
+    """The composed eval config's methods, checkpoints, draft model, options and variants are read from the
+    method specs (eval/defaults.py), not kept in conf/eval.yaml: the registry is their only source."""
     from models import registry
 
-    opts = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "eval.yaml").options)
-    assert opts == {name: dict(p.defaults) for name, (_, p) in registry.proposers().items()}
+    cfg = OmegaConf.to_container(compose_eval())
+    table = registry.proposers()
+    assert cfg["options"] == {name: dict(p.defaults) for name, (_, p) in table.items()}
+    assert cfg["checkpoints"] == {s.name: f"runs/{s.name}/final" for s in registry.METHODS.values()
+                                  if s.source == "checkpoint"}
+    assert cfg["draft_model"] == registry.method("draft_model").default_path == "runs/tiny_code_draft"
+    assert cfg["variants"] == {"eagle3_bf16": {"method": "eagle3", "weights": "bfloat16"},
+                               "eagle3_int8": {"method": "eagle3", "weights": "int8"},
+                               "eagle3_tree_t1": {"method": "eagle3_tree", "size_for": 1}} == registry.variants()
+    # every proposer then its variants, in registry order; AR (the one baseline) first
+    assert cfg["methods"] == ["ar", "ngram", "draft_model", "eagle3", "eagle3_bf16", "eagle3_int8", "eagle3_tree",
+                              "eagle3_tree_t1", "medusa", "mtp", "dflash", "peagle"]
+    assert registry.baseline().name == cfg["methods"][0]
+    for key in ("methods", "checkpoints", "draft_model", "options", "variants"):  # no second copy in the yaml
+        assert key not in OmegaConf.load(CONF / "eval.yaml"), key
+
+
+def test_eval_config_command_line_overrides_and_unknown_options():
+    """The generated keys take command-line overrides as before (README / Makefile spellings); an option no spec
+    declares is refused: by Hydra without ``+``, and with ``+`` as the harness's one-line error naming the known."""
+    from hydra.errors import ConfigCompositionException
+
+    from eval.bench_setup import build_methods
+
+    cfg = compose_eval("options.eagle3.k=3", "checkpoints.eagle3=runs/x/final", "methods=[ar,eagle3]",
+                       "draft_model=null", "+variants.fast={method: eagle3, k: 3}", "options.dflash.k=null")
+    assert cfg.options.eagle3 == {"k": 3, "weights": "float32"} and cfg.options.dflash.k is None
+    assert cfg.checkpoints.eagle3 == "runs/x/final" and list(cfg.methods) == ["ar", "eagle3"]
+    assert cfg.draft_model is None and cfg.variants.fast == {"method": "eagle3", "k": 3}
+    assert "eagle3_bf16" in cfg.variants  # the declared ones stay
+    with pytest.raises(ConfigCompositionException, match="foo"):
+        compose_eval("options.eagle3.foo=1")
+    cfg = compose_eval("+options.ngram.foo=1")
+    with pytest.raises(ValueError, match=r"^options.ngram: unknown option\(s\) \['foo'\]; known: ") as e:
+        build_methods(None, ["ngram"], options=OmegaConf.to_container(cfg.options))  # n-gram needs no target
+    assert "\n" not in str(e.value) and str(e.value).count("options.ngram") == 1

@@ -22,6 +22,7 @@ from scipy.stats import chisquare
 
 from eval import decode, decode_batch
 from eval.decode import Proposal
+from models import registry
 from models.methods.draft_model import DraftModelProposer
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter
@@ -34,6 +35,7 @@ from models.methods.mtp.config import MTPConfig
 from models.methods.mtp.net import MTPDrafter
 from models.methods.mtp.proposers import MTPProposer, propose_chain
 from models.methods.ngram import NGramProposer
+from models.proposal import batch_proposer
 from models.registry import load_proposer
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
@@ -88,6 +90,15 @@ def make_proposer(name: str, target: FrozenTarget, d: dict):
 
 
 PROPOSERS = ["ngram", "draft_model", "self_draft", "eagle3_chain", "eagle3_tree", "medusa_tree", "mtp_chain"]
+# make_proposer's names → the registry's proposer names (what the batched form is declared on)
+SPEC_OF = {"ngram": "ngram", "draft_model": "draft_model", "self_draft": "draft_model", "eagle3_chain": "eagle3",
+           "eagle3_tree": "eagle3_tree", "medusa_tree": "medusa", "mtp_chain": "mtp", "dspark": "dflash"}
+
+
+def batched(name: str, rows: list):
+    """``rows`` batched as eval batches them: the batched form their proposer's spec declares
+    (``ProposerSpec.batched``; one drafter call per round for all rows), else one row after another."""
+    return batch_proposer(rows, registry.proposer(SPEC_OF.get(name, name))[1].batched)
 
 
 def prompts(n: int = 3, seed: int = 0) -> list[torch.Tensor]:
@@ -427,7 +438,8 @@ def test_sampled_engine_reproduces_target_distribution(small_target):
     prop = MixedProposer(q0, seed=7)
     samples, accepted, rounds = [], 0, 0
     for _ in range(500):
-        res = decode.speculative_decode(small_target, prop, prompt, 4, temperature=0.8, top_k=2, generator=gen)
+        res = decode.speculative_decode(small_target, prop, prompt, 4,
+                                        sampling=decode.Sampling(0.8, top_k=2, generator=gen))
         samples.append(tuple(res.tokens))
         accepted += sum(res.accepted)
         rounds += res.rounds
@@ -443,7 +455,8 @@ def test_sampled_draft_model_reproduces_target_distribution(small_target):
     samples, rounds, acc = [], 0, 0
     for _ in range(300):
         prop = DraftModelProposer(draft, k=2, target=small_target)
-        res = decode.speculative_decode(small_target, prop, prompt, 4, temperature=1.0, top_p=0.9, generator=gen)
+        res = decode.speculative_decode(small_target, prop, prompt, 4,
+                                        sampling=decode.Sampling(1.0, top_p=0.9, generator=gen))
         samples.append(tuple(res.tokens))
         rounds += res.rounds
         acc += sum(res.accepted)
@@ -456,15 +469,16 @@ def test_sampled_draft_model_reproduces_target_distribution(small_target):
 def test_batched_greedy_equals_per_row_autoregressive(target, drafters, name):
     ps = prompts(4)  # lengths 5, 8, 11, 28: right padding + per-row positions
     refs = [decode.decode_ar(target, p, 19) for p in ps]
-    res = decode_batch.speculative_decode_batch(target, [make_proposer(name, target, drafters) for _ in ps], ps, 19)
+    res = decode_batch.speculative_decode_batch(target, batched(name, [make_proposer(name, target, drafters)
+                                                                       for _ in ps]), ps, 19)
     for r, ref in zip(res, refs):
         assert r.tokens == ref.tokens
         assert len(r.tokens) == 1 + sum(a + 1 for a in r.accepted) and r.target_forwards == 1 + r.rounds
     if name == "self_draft":
         assert all(r.tau > 3 for r in res)
     eos = refs[1].tokens[6]
-    res = decode_batch.speculative_decode_batch(target, [make_proposer(name, target, drafters) for _ in ps], ps, 19,
-                                          eos_id=eos)
+    res = decode_batch.speculative_decode_batch(target, batched(name, [make_proposer(name, target, drafters)
+                                                                       for _ in ps]), ps, 19, eos_id=eos)
     assert [r.tokens for r in res] == [decode.decode_ar(target, p, 19, eos_id=eos).tokens for p in ps]
     assert [r.tokens for r in decode_batch.decode_ar_batch(target, ps, 19)] == [r.tokens for r in refs]
 
@@ -501,7 +515,7 @@ def test_batched_sampling_reproduces_target_distribution(small_target):
     samples, accepted = [], 0
     for _ in range(90):
         res = decode_batch.speculative_decode_batch(small_target, [RaggedChainProposer(q0, g) for _ in range(8)],
-                                              [prompt] * 8, 4, temperature=1.0, generator=gen)
+                                              [prompt] * 8, 4, sampling=decode.Sampling(1.0, generator=gen))
         samples += [tuple(r.tokens) for r in res]
         accepted += sum(sum(r.accepted) for r in res)
     assert accepted > 100
@@ -546,10 +560,8 @@ def test_tau_oracle_is_k_plus_one_and_always_wrong_is_one(target):
 def test_errors_are_one_line(target, drafters, tiny_tokenizer, tmp_path):
     prompt = prompts()[0]
     for kw in ({"temperature": -1.0}, {"temperature": 1.0, "top_p": 0.0}, {"temperature": 1.0, "top_p": 1.5}):
-        with pytest.raises(ValueError, match="temperature|top_p"):
-            decode.decode_ar(target, prompt, 4, **kw)
-        with pytest.raises(ValueError, match="temperature|top_p"):
-            decode.speculative_decode(target, NGramProposer(), prompt, 4, **kw)
+        with pytest.raises(ValueError, match="temperature|top_p"):  # refused where the Sampling is made
+            decode.Sampling(**kw)
     with pytest.raises(ValueError, match="max_nodes"):
         Eagle3TreeProposer(drafters["eagle"], total_tokens=300)
 

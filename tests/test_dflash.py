@@ -16,6 +16,7 @@ from models.methods.dflash import build
 from models.methods.dflash.config import DFlashConfig, default_layer_ids
 from models.methods.dflash.net import DFlashDrafter
 from models.methods.dflash.proposers import DFlashProposer
+from models.proposal import Sampling
 from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from tests.test_decode import chi2_pvalue, exact_joint, sharp_tiny_llama
@@ -176,7 +177,7 @@ def test_sampled_dflash_drafts_reproduce_the_target_distribution():
     prop = DFlashProposer(d)
     samples, accepted, rounds = [], 0, 0
     for _ in range(500):
-        res = decode.speculative_decode(small, prop, prompt, 4, temperature=0.8, top_k=2, generator=gen)
+        res = decode.speculative_decode(small, prop, prompt, 4, sampling=Sampling(0.8, top_k=2, generator=gen))
         samples.append(tuple(res.tokens))
         accepted += sum(res.accepted)
         rounds += res.rounds

@@ -22,7 +22,7 @@ from models.proposal import Sampling
 from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from tests.test_batch_proposers import assert_batched_rows_follow_target
-from tests.test_decode import chi2_pvalue, exact_joint, sharp_tiny_llama
+from tests.test_decode import batched, chi2_pvalue, exact_joint, sharp_tiny_llama
 from tests.test_dflash import scramble
 from train.loop import run
 
@@ -144,8 +144,8 @@ def test_sampled_dspark_reproduces_the_target_distribution():
     gen = torch.Generator().manual_seed(11)
     samples, accepted, rounds = [], 0, 0
     for _ in range(500):
-        res = decode.speculative_decode(small, DFlashProposer(d), prompt, 4, temperature=0.8, top_k=2,
-                                        generator=gen)
+        res = decode.speculative_decode(small, DFlashProposer(d), prompt, 4,
+                                        sampling=Sampling(0.8, top_k=2, generator=gen))
         samples.append(tuple(res.tokens))
         accepted += sum(res.accepted)
         rounds += res.rounds
@@ -157,7 +157,7 @@ def test_sampled_batched_dspark_with_confidence_scheduled_k_reproduces_the_targe
     small, d = _sharp_dspark()
     prompts = [torch.tensor([0, 2, 1]), torch.tensor([1, 1, 0, 2, 2])]
     accepted, rounds = assert_batched_rows_follow_target(
-        small, lambda: DFlashProposer(d, min_confidence=0.3), prompts, Sampling(0.8, 1.0, 2), 5, batches=60)
+        small, lambda: DFlashProposer(d, min_confidence=0.3), prompts, Sampling(0.8, 1.0, 2), 5, "dflash", batches=60)
     assert accepted < 3 * rounds
 
 
@@ -178,8 +178,8 @@ def test_confidence_scheduled_k_stops_where_the_running_confidence_drops(target)
     assert sizes == {0.0: 4, 0.6: 1, 0.45: 2, 0.3: 3}  # slot 0 is always drafted
     rows = [prompt[0], prompt[0, :5]]
     for m in (0.0, 0.45):
-        res = decode_batch.speculative_decode_batch(target, [DFlashProposer(d, min_confidence=m) for _ in rows],
-                                                    rows, 16)
+        res = decode_batch.speculative_decode_batch(target, batched("dflash", [DFlashProposer(d, min_confidence=m)
+                                                                               for _ in rows]), rows, 16)
         assert [r.tokens for r in res] == [decode.decode_ar(target, r, 16).tokens for r in rows]
     with pytest.raises(ValueError, match="needs a confidence head"):
         DFlashProposer(drafter(target, block_head="none", sample_from_anchor=False), min_confidence=0.5)

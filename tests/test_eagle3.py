@@ -413,7 +413,7 @@ def test_drafting_precision_switch_is_lossless_and_close(weights):
     from eval import decode, decode_batch
     from models.methods.eagle3.kernels import Int8Linear, cached_step, inference_copy
     from models.methods.eagle3.proposers import Eagle3ChainProposer, Eagle3TreeProposer
-    from tests.test_decode import drafters, prompts
+    from tests.test_decode import batched, drafters, prompts
     from tests.test_decode import target as target_fixture
 
     tgt = target_fixture.__wrapped__()
@@ -425,8 +425,8 @@ def test_drafting_precision_switch_is_lossless_and_close(weights):
         assert decode.speculative_decode(tgt, Eagle3ChainProposer(dr, k=4, weights=weights), p, 16).tokens == ref
         tree = Eagle3TreeProposer(dr, depth=3, top_k=3, total_tokens=8, weights=weights)
         assert decode.speculative_decode(tgt, tree, p, 16).tokens == ref
-    got = decode_batch.speculative_decode_batch(tgt, [Eagle3ChainProposer(dr, k=4, weights=weights) for _ in ps],
-                                                ps, 16)
+    got = decode_batch.speculative_decode_batch(tgt, batched("eagle3", [Eagle3ChainProposer(dr, k=4, weights=weights)
+                                                                         for _ in ps]), ps, 16)
     assert [r.tokens for r in got] == [decode.decode_ar(tgt, p, 16).tokens for p in ps]
     assert all(torch.equal(before[k], v) for k, v in dr.state_dict().items())  # the drafter itself is untouched
     low = inference_copy(dr, weights)

@@ -41,6 +41,7 @@ from models.methods.peagle.proposers import PEagleProposer
 from models.target import FrozenTarget
 from models.vocab import build_draft_vocab
 from tests.families import CONVERSATION, FAMILIES, SPECS, WINDOW, make_family, save_family
+from tests.test_decode import batched
 from train.loop import run
 
 FAM = pytest.mark.parametrize("family", FAMILIES)
@@ -147,7 +148,7 @@ def test_lossless_greedy_decode_past_the_window(family):
     single = [decode.decode_ar(t, p, n).tokens for p in prompts]
     assert [r.tokens for r in decode_batch.decode_ar_batch(t, prompts, n)] == single
     for m in ("ngram", "eagle3", "mtp", "dspark"):
-        out = decode_batch.speculative_decode_batch(t, [_proposer(m, dr), _proposer(m, dr)], prompts, n)
+        out = decode_batch.speculative_decode_batch(t, batched(m, [_proposer(m, dr), _proposer(m, dr)]), prompts, n)
         assert [r.tokens for r in out] == single, m
 
 
@@ -498,7 +499,9 @@ def test_block_drafters_train_decode_and_export_on_family_targets(family, recipe
     n = WINDOW + 4
     single = [decode.decode_ar(t, p, n).tokens for p in prompts]
     assert decode.speculative_decode(t, make(), prompts[0], n).tokens == single[0]
-    assert [r.tokens for r in decode_batch.speculative_decode_batch(t, [make(), make()], prompts, n)] == single
+    method = "dflash" if recipe == "dspark" else "peagle"
+    assert [r.tokens for r in decode_batch.speculative_decode_batch(t, batched(method, [make(), make()]), prompts,
+                                                                    n)] == single
     formats = {"dspark": ["dspark-speculators", "dspark"], "peagle": ["peagle-speculators"]}[recipe]
     for fmt in formats:
         e = tmp_path / f"x_{fmt}"

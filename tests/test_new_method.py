@@ -108,6 +108,14 @@ def test_a_toy_method_trains_decodes_benchmarks_and_exports(toy_env):
     assert m.chain and m.k == 2 and m.options == {"k": 2} and isinstance(m.model, toy.BigramHead)
     p = prompts[0]
     assert speculative_decode(target, m.make(None), p, 24).tokens == decode_ar(target, p, 24).tokens
+    # ...and `python -m eval`'s config rows list it, its checkpoint dir, options and variant, from its spec alone
+    from eval.defaults import eval_defaults
+
+    rows = eval_defaults()
+    assert rows["methods"][-2:] == ["toy", "toy_k1"] and rows["checkpoints"]["toy"] == "runs/toy/final"
+    assert rows["options"]["toy"] == {"k": 3} and rows["variants"]["toy_k1"] == {"method": "toy", "k": 1}
+    methods, _ = build_methods(target, ["toy_k1"], {"toy": str(final)})  # the declared variants by default
+    assert [m.name for m in methods] == ["ar", "toy_k1"] and methods[1].k == 1 and methods[1].variant_of == "toy"
 
     # exported through one added format row, validated, detected and loaded back: the same proposals
     assert export_format("toy").name == "toy_native"  # its CLI spelling

@@ -137,7 +137,8 @@ def test_sampled_peagle_reproduces_the_target_distribution():
     gen = torch.Generator().manual_seed(11)
     samples, accepted, rounds = [], 0, 0
     for _ in range(500):
-        res = decode.speculative_decode(small, PEagleProposer(d), prompt, 4, temperature=0.8, top_k=2, generator=gen)
+        res = decode.speculative_decode(small, PEagleProposer(d), prompt, 4,
+                                        sampling=Sampling(0.8, top_k=2, generator=gen))
         samples.append(tuple(res.tokens))
         accepted += sum(res.accepted)
         rounds += res.rounds

@@ -132,7 +132,8 @@ EXPORT_FORMAT = ExportFormat("toy_native", "toy", "toy", "nothing (a test format
 
 SPEC = MethodSpec(
     name="toy", config=ToyConfig, build=build, rebuild=build, export_formats=(EXPORT_FORMAT,),
-    proposers=(ProposerSpec("toy", lambda head, _t, **o: BigramChainProposer(head, **o), {"k": 3}),),
+    proposers=(ProposerSpec("toy", lambda head, _t, **o: BigramChainProposer(head, **o), {"k": 3},
+                            variants={"toy_k1": {"k": 1}}),),  # eval benchmarks it at K=1 too, as its own row
 )
 
 

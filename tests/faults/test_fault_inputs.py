@@ -159,6 +159,7 @@ def test_batched_decode_rows_all_finished_at_prefill(tiny_llama, n, eos_first):
     from eval.decode_batch import decode_ar_batch, speculative_decode_batch
     from models.methods.ngram import NGramProposer
     from models.target import FrozenTarget
+    from tests.test_decode import batched
 
     target = FrozenTarget(tiny_llama)
     prompts = [torch.tensor([3, 4, 5, 6]), torch.tensor([7, 8])]
@@ -167,7 +168,8 @@ def test_batched_decode_rows_all_finished_at_prefill(tiny_llama, n, eos_first):
     if eos_first:
         prompts = [prompts[0], prompts[0].clone()]  # both rows' first token is eos
     got = decode_ar_batch(target, prompts, n, eos_id=eos)
-    spec = speculative_decode_batch(target, [NGramProposer(k=2) for _ in prompts], prompts, n, eos_id=eos)
+    spec = speculative_decode_batch(target, batched("ngram", [NGramProposer(k=2) for _ in prompts]), prompts, n,
+                                    eos_id=eos)
     for p, a, s in zip(prompts, got, spec):
         ref = speculative_decode(target, NGramProposer(k=2), p, n, eos_id=eos).tokens
         assert a.tokens == ref == s.tokens and len(ref) == 1
@@ -298,7 +300,10 @@ def test_eval_reads_sharegpt_prompt_files_as_training_does(tmp_path, tiny_tokeni
 def _eval_cfg(target_dir, tmp_path, *over):
     from hydra import compose, initialize_config_dir
 
+    from eval.defaults import register
     from tests.faults.fault_helpers import CONF
+
+    register()  # the registry's method rows (methods, checkpoints, options, ...) that conf/eval.yaml composes
 
     base = ["methods=[ar]", f"target.name_or_path={target_dir}", f"out_dir={tmp_path}/e", "max_new_tokens=2",
             "batch_sizes=[]", "peers=false", "repetitions=1", "warmup=0", "cost_reps=1", "temperatures=[0]",

@@ -139,5 +139,5 @@ SPEC = MethodSpec(
     # verify_costs: auto → each round verifies the K maximising the head's expected tokens / measured v(K)
     proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o),
                             {"k": "auto", "min_confidence": 0.0, "verify_costs": None},
-                            prepare=_prepare_k, size=_size_k),),
+                            prepare=_prepare_k, size=_size_k, batched=DFlashProposer.batched, recommend_rank=1),),
 )

@@ -96,7 +96,8 @@ def load_draft_model(path: str, target: FrozenTarget) -> PreTrainedModel:
 
 
 SPEC = MethodSpec(
-    name="draft_model", source="model", load=load_draft_model,
+    # tiny-code's small draft LM (python -m train.build_tiny_code --draft); also the HF assisted-generation peer
+    name="draft_model", source="model", load=load_draft_model, default_path="runs/tiny_code_draft",
     proposers=(ProposerSpec("draft_model", lambda model, target, **o: DraftModelProposer(model, target=target, **o),
-                            {"k": 4}),),
+                            {"k": 4}, recommend_rank=3),),
 )

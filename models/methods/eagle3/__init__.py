@@ -165,13 +165,17 @@ SPEC = MethodSpec(
     check_config=depth_check("ttt_steps", "step_weight"),  # ttt_steps: the chain trained (training-time test)
     proposers=(
         # weights: the drafting precision (float32 | bfloat16 | int8, ``inference_copy``)
-        ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5, "weights": "float32"}),
+        # eval's variants: the same chain drafting in bf16 / int8, benchmarked side by side (what the switch buys)
+        ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5, "weights": "float32"},
+                     batched=Eagle3ChainProposer.batched, recommend_rank=0,
+                     variants={"eagle3_bf16": {"weights": "bfloat16"}, "eagle3_int8": {"weights": "int8"}}),
         # EAGLE-2 dynamic tree, sized for CPU (verify cost grows with nodes there; GPU: depth 6, top_k 10, 60)
         # total_tokens auto: sized by the cost model (``_size_tree``; depth and top_k are then caps), for the
         # acceptance at T=0 (size_for 0) or at T=1 (size_for 1)
         ProposerSpec("eagle3_tree", _tree,
                      {"depth": 5, "top_k": 4, "total_tokens": "auto", "max_nodes": 32, "size_for": 0,
                       "weights": "float32"}, chain=False, k_option=None, prepare=_prepare_tree, size=_size_tree,
-                     nodes=lambda o: int(o["total_tokens"])),
+                     nodes=lambda o: int(o["total_tokens"]),
+                     variants={"eagle3_tree_t1": {"size_for": 1}}),  # the tree sized for T=1 acceptance
     ),
 )

@@ -30,5 +30,6 @@ SPEC = MethodSpec(
     check_config=depth_check("num_modules", "step_weight"),
     # checkpoints written before hidden_between_depths existed chained the pre-norm state
     checkpoint_defaults={"hidden_between_depths": "pre_norm"},
-    proposers=(ProposerSpec("mtp", lambda d, _t, **o: MTPProposer(d, **o), {"k": None}, prepare=_default_k),),
+    proposers=(ProposerSpec("mtp", lambda d, _t, **o: MTPProposer(d, **o), {"k": None}, prepare=_default_k,
+                            recommend_rank=2),),
 )

@@ -122,5 +122,6 @@ class NGramBatchProposer:
 SPEC = MethodSpec(
     name="ngram", source="none",
     proposers=(ProposerSpec("ngram", lambda _model, _target, **o: NGramProposer(**o),
-                            {"k": 5, "max_ngram": 3, "min_ngram": 1}),),
+                            {"k": 5, "max_ngram": 3, "min_ngram": 1}, batched=NGramProposer.batched,
+                            recommend_rank=4),),
 )
