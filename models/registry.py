@@ -1,6 +1,7 @@
 """The draft methods, by name: one explicit table (no decorators, no plugin discovery).
 
-Adding a method = its file exporting ``SPEC`` (models/spec.py) + ``conf/draft/<name>.yaml`` + one line here.
+Adding a method = its package ``models/methods/<name>/`` exporting ``SPEC`` (models/spec.py) +
+``conf/draft/<name>.yaml`` + one line here (tests/test_new_method.py proves it with a test-only one).
 train/ (build, after-training step), eval/ (proposers, options, tree sizing) and train/export read methods
 only through this module.
 """
@@ -8,6 +9,8 @@ only through this module.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,8 @@ METHODS: dict[str, MethodSpec] = {
     "dflash": dflash.SPEC,
     "peagle": peagle.SPEC,
 }
+if os.environ.get("DRAFTSMITH_TOY_METHOD") == "1":  # test-only: tests/test_new_method.py's fifth method
+    METHODS["toy"] = importlib.import_module("models.methods.toy").SPEC
 
 
 def method(name: str) -> MethodSpec:

@@ -1,4 +1,7 @@
-"""A toy fourth draft method in one file: what a new method has to provide, and nothing else.
+"""A test-only fifth draft method, placed where a real one goes: what a new method has to provide, and nothing else.
+
+It is registered only when ``DRAFTSMITH_TOY_METHOD=1`` (models/registry.py; tests/test_new_method.py runs the
+real CLIs and the config and layer tests with it), so users never see it.
 
 The "bigram head": a drafter that predicts the token after ``tok`` from ``tok``'s embedding plus a projection of
 the target's final (post-norm) hidden state at the position before ``tok``:
@@ -11,7 +14,7 @@ Drafting: a chain; draft 1 reads (newest token, h of the token before it), draft
 
 The pieces, as models/spec.py asks: ``ToyConfig`` (conf/draft/toy.yaml instantiates it), ``BigramHead`` (the
 models/drafter.py protocol), ``BigramChainProposer`` (the models/proposal.py protocol), ``SPEC``; and for export
-one ``ExportFormat`` row (``EXPORT_FORMAT``: build, check, load back, detect).
+one ``ExportFormat`` row (``EXPORT_FORMAT``: build, check, load back, detect, its README section).
 """
 
 from __future__ import annotations
@@ -21,10 +24,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from models.export import WEIGHTS, ExportFormat
-from models.export_common import Bundle, TargetInfo, Tensors, engine_target_name, fail, make_sidecar, require
+from models.export_common import WEIGHTS, Bundle, TargetInfo, Tensors, engine_target_name, fail, make_sidecar, require
 from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
-from models.spec import MethodSpec, ProposerSpec
+from models.spec import ExportFormat, MethodSpec, ProposerSpec
 from models.target import FrozenTarget, validate_layer_ids
 
 ARCH = "DraftsmithBigramHead"
@@ -127,26 +129,19 @@ def export_load(cfg: dict, sd: dict, target: FrozenTarget) -> BigramHead:
     return head.eval()
 
 
+def export_readme(cfg: dict, side: dict, serve) -> list[str]:
+    """Its section of the exported README: no engine serves this format, so no engine command is invented."""
+    return ["## Loading it", "", f"No engine serves `{ARCH}` (a test format): load it back with "
+            "`models.export.load_export(path, target)`.", ""]
+
+
 EXPORT_FORMAT = ExportFormat("toy_native", "toy", "toy", "nothing (a test format)", export_build, export_check,
-                             export_load, lambda cfg, _p: ARCH in (cfg.get("architectures") or []), WEIGHTS)
+                             export_load, lambda cfg, _p: ARCH in (cfg.get("architectures") or []), WEIGHTS,
+                             readme=export_readme)
 
 SPEC = MethodSpec(
     name="toy", config=ToyConfig, build=build, rebuild=build, export_formats=(EXPORT_FORMAT,),
     proposers=(ProposerSpec("toy", lambda head, _t, **o: BigramChainProposer(head, **o), {"k": 3},
                             variants={"toy_k1": {"k": 1}}),),  # eval benchmarks it at K=1 too, as its own row
 )
-
-
-def training_loss_reference(head: BigramHead, ids: Tensor, mask: Tensor, hidden: dict[int, Tensor],
-                            logits: Tensor) -> Tensor:
-    """The same loss written position by position (the no-vectorisation reference)."""
-    total, n = torch.zeros(()), 0.0
-    for b in range(ids.shape[0]):
-        for i in range(ids.shape[1] - 2):
-            if mask[b, i + 2]:
-                p = logits[b, i + 1].float().softmax(-1)
-                lq = head.logits(ids[b, i + 1], hidden[head.layer_ids[0]][b, i]).float().log_softmax(-1)
-                total = total - (p * lq).sum()
-                n += 1
-    return total / max(n, 1.0)
 
