@@ -21,15 +21,26 @@ from pathlib import Path
 
 from eval import engines as E
 
-FORMAT_OF = {"eagle3": "eagle3_native", "medusa": "medusa_vllm", "dflash": "dflash_speculators"}
+
+def vllm_format(method: str) -> str | None:
+    """The first of a method's export formats vLLM serves (its row names a ``vllm_method``), or None."""
+    from models import registry
+
+    return next((f.name for f in registry.method(method).export_formats if f.vllm_method), None)
+
+
+def served_methods() -> list[str]:
+    from models import registry
+
+    return [m for m in registry.trainable_methods() if vllm_format(m)]
 
 
 def _k(method: str, drafter, k: int) -> int:
-    if method == "medusa":
-        return drafter.cfg.num_heads
-    if method == "dflash":
-        return drafter.block_size - 1  # the whole block (eval/engines.py: engines may build K+1 slots)
-    return k
+    """The drafter's own K (its spec's ``default_k``: Medusa its heads, DFlash its block's slots), else ``k``."""
+    from models import registry
+
+    spec = registry.method(method)
+    return int(spec.default_k(drafter)) if spec.default_k else k
 
 
 def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int, batch_sizes: list[int],
@@ -49,7 +60,7 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
     for method, ckpt in checkpoints.items():
         d, meta = load_drafter(Path(ckpt), target)
         ks[method] = _k(method, d, k)
-        fmt = FORMAT_OF[method]
+        fmt = vllm_format(method)
         path = export(d, fmt, out / "exports" / fmt, target, meta=meta, recommended_k=ks[method], overwrite=True)
         runs.append({"name": method, "speculative_config": E.speculative_config(fmt, path, ks[method])})
         harness[method] = E.harness_counts(target, method, d, ckpt, prompts, max_new, ks[method])
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.engine_bench", description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["vllm", "llamacpp"], default="vllm")
     p.add_argument("--checkpoint", action="append", default=[], metavar="METHOD=DIR",
-                   help=f"a trained drafter (methods: {sorted(FORMAT_OF)}); repeat")
+                   help="a trained drafter METHOD=DIR of a method vLLM serves; repeat")
     p.add_argument("--target", default="tiny-code")
     p.add_argument("--n-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -126,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     ckpts = dict(c.split("=", 1) for c in a.checkpoint)
-    bad = sorted(set(ckpts) - set(FORMAT_OF))
+    bad = sorted(set(ckpts) - set(served_methods()))
     if bad:
-        print(f"error: no vLLM format for {bad}; use {sorted(FORMAT_OF)}", file=sys.stderr)
+        print(f"error: no vLLM format for {bad}; use {served_methods()}", file=sys.stderr)
         return 2
     res = measure(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.batch_sizes, a.k, a.target)
     print(render(res))

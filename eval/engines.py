@@ -26,9 +26,6 @@ REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "scripts" / "vllm_runner.py"
 VLLM_VERSION = "0.32.0"
 
-# format → vLLM speculative method (None: vLLM has no model class for it on a Llama target; the engine says why)
-VLLM_METHOD = {"eagle3_native": "eagle3", "eagle3_speculators": "eagle3", "medusa_vllm": "medusa",
-               "dflash_speculators": "dflash", "mtp_deepseek": "mtp"}
 
 
 def vllm_venv() -> Path:
@@ -72,7 +69,13 @@ def _run_vllm_once(job: dict, timeout: float, nice: int) -> dict:
 
 
 def speculative_config(fmt: str, export_dir: str | Path, k: int) -> dict:
-    return {"method": VLLM_METHOD[fmt], "model": str(export_dir), "num_speculative_tokens": int(k)}
+    """vLLM's speculative_config for an export: the method its format row names (``ExportFormat.vllm_method``)."""
+    from models.export import export_format
+
+    method = export_format(fmt).vllm_method
+    if method is None:
+        raise ValueError(f"vLLM does not serve the {fmt} layout (its format row names no vllm_method)")
+    return {"method": method, "model": str(export_dir), "num_speculative_tokens": int(k)}
 
 
 # ============================================================================================ the harness side
@@ -81,12 +84,9 @@ def chain_proposer(method: str, drafter: Any, target: Any, checkpoint: str | Non
     each of its first K heads, as vLLM's medusa proposer)."""
     from models import registry
 
-    if method == "medusa":
-        from models.methods.medusa.proposers import MedusaProposer
-
-        return MedusaProposer(drafter, choices=[[0] * i for i in range(1, k + 1)])
-    name = {"eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp"}[method]
-    return registry.make_proposer_factory(name, drafter, target, checkpoint, {"k": k})[0](k)
+    p = registry.method(method).proposers[0]  # the method's chain (EAGLE-3's, not its tree)
+    options = p.engine_options(k) if p.engine_options else {p.k_option: k}
+    return registry.make_proposer_factory(p.name, drafter, target, checkpoint, options)[0](None)
 
 
 def per_position(accepted: Sequence[int], k: int) -> list[int]:

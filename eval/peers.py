@@ -42,13 +42,15 @@ def hf_generate(target: FrozenTarget, ids: Tensor, s: BenchSettings, eos: int | 
 def peer_runs(methods: Sequence[Method]) -> list[tuple[str, dict]]:
     """HF peers: plain greedy generate, prompt lookup with our n-gram settings, assisted generation with our
     draft model (HF's own num_assistant_tokens schedule: what a user of generate() gets)."""
-    ng = next((m for m in methods if m.kind == "ngram"), None)
-    o = ng.options if ng else registry.proposer("ngram")[1].defaults
-    lookup = {"prompt_lookup_num_tokens": int(o["k"]), "max_matching_ngram_size": int(o["max_ngram"])}
-    peers = [("hf_greedy", {}), ("hf_prompt_lookup", lookup)]
-    dm = next((m for m in methods if m.kind == "draft_model"), None)
-    if dm is not None:
-        peers.append(("hf_assisted", {"assistant_model": dm.model}))
+    peers = [("hf_greedy", {})]
+    for name, (spec, p) in registry.proposers().items():  # each method's HF twin (ProposerSpec.hf_peer)
+        if p.hf_peer is None:
+            continue
+        m = next((m for m in methods if m.kind == name), None)
+        if m is not None:  # with the settings and model under test
+            peers.append(p.hf_peer(m.options, m.model))
+        elif spec.source == "none":  # a model-free twin runs even when its method is not benchmarked
+            peers.append(p.hf_peer(p.defaults, None))
     return peers
 
 

@@ -55,6 +55,12 @@ class ProposerSpec:
     # whose batch-1 K* becomes results.json's recommended_num_speculative_tokens: the lowest rank among the
     # chains benchmarked; None → never recommended
     recommend_rank: int | None = None
+    # hf_peer(options, model) → (peer name, transformers generate() kwargs): the HF twin eval also runs at T=0
+    # (n-gram → prompt lookup, draft model → assisted generation); None → no HF twin
+    hf_peer: Callable[[Mapping[str, Any], Any], tuple[str, dict]] | None = None
+    # engine_options(k) → this proposer's options for the K-token chain an engine drafts (the harness side of an
+    # in-engine comparison, eval/engines.py); None → {k_option: k}
+    engine_options: Callable[[int], dict] | None = None
 
     def options(self, overrides: Mapping[str, Any] | None = None) -> dict:
         """The defaults with ``overrides`` applied; an unknown key is a one-line error listing the known ones."""
@@ -92,6 +98,8 @@ class ExportFormat:
     weights_file: str = "model.safetensors"
     readme: Callable[[dict, dict, Any], list[str]] | None = None
     verify_target: Callable[[Any, Any, str], bool] | None = None
+    # vLLM's ``speculative_config.method`` for this layout (None: vLLM does not serve it)
+    vllm_method: str | None = None
 
 
 @dataclass(frozen=True)

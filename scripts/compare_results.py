@@ -10,6 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
+from eval.report import is_baseline
+
 
 def _runs(r: dict) -> dict[tuple[str, float], dict]:
     return {(e["method"], float(e["temperature"])): e for e in r["runs"]}
@@ -21,7 +23,7 @@ def _f(x, nd: int = 2) -> str:
 
 def compare(old: dict, new: dict, names: tuple[str, str] = ("old", "new")) -> str:
     a, b = _runs(old), _runs(new)
-    keys = [k for k in b if k in a and k[0] != "ar"]
+    keys = [k for k in b if k in a and not is_baseline(b[k])]
     lines = [f"| method | T | τ {names[0]} | τ {names[1]} | speedup {names[0]} | speedup {names[1]} | "
              f"tokens/s {names[0]} | tokens/s {names[1]} |", "|---|---|---|---|---|---|---|---|"]
     for k in keys:

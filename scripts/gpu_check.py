@@ -50,8 +50,6 @@ def main() -> int:
         over = [f"+recipe={method}", *tgt, f"output_dir={out / method}", "tracking=none", f"train.steps={args.steps}",
                 f"train.ckpt_every={args.steps}", f"train.eval_every={args.steps + 1}", "train.eval_rows=8",
                 "optim.warmup_steps=1", "data.max_rows=256", "data.regenerate=8", "train.resume=false"]
-        if method == "medusa":
-            over.append("draft.config.metric_top_k=4")  # the saved tree the eval sizes
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=over)
         print(f"== train {method} ({args.steps} steps, {args.dtype} on {args.device})", flush=True)
@@ -59,7 +57,7 @@ def main() -> int:
         ckpts[method] = str(out / method / "final")
     target = FrozenTarget.from_pretrained(args.target, dtype=args.dtype, device=args.device)
     prompts = load_prompts(target.tokenizer, args.prompts, 128)
-    names = ["ar", "ngram", *(p for p, (spec, _) in registry.proposers().items() if spec.name in ckpts)]
+    names = [p for p, (spec, _) in registry.proposers().items() if spec.source == "none" or spec.name in ckpts]
     methods, skipped = build_methods(target, names, ckpts)
     settings = BenchSettings(max_new_tokens=args.new_tokens, temperatures=[0], repetitions=1, warmup=1,
                              batch_sizes=[1, 8], peers=False, cost_reps=2, progress=False)

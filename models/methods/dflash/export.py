@@ -479,7 +479,7 @@ FORMATS = (
                  partial(load_dflash, "dflash_speculators"),
                  lambda cfg, _p: "DFlashSpeculator" in architectures(cfg)
                                  or cfg.get("speculators_model_type") == "dflash",
-                 readme=partial(readme_dflash, "dflash_speculators")),
+                 readme=partial(readme_dflash, "dflash_speculators"), vllm_method="dflash"),
     ExportFormat("dflash_zlab", "dflash", "dflash", "SGLang (DFLASH), z-lab layout",
                  build_dflash_zlab, partial(check_dflash, "dflash_zlab"), partial(load_dflash, "dflash_zlab"),
                  lambda cfg, _p: "DFlashDraftModel" in architectures(cfg),

@@ -99,5 +99,6 @@ SPEC = MethodSpec(
     # tiny-code's small draft LM (python -m train.build_tiny_code --draft); also the HF assisted-generation peer
     name="draft_model", source="model", load=load_draft_model, default_path="runs/tiny_code_draft",
     proposers=(ProposerSpec("draft_model", lambda model, target, **o: DraftModelProposer(model, target=target, **o),
-                            {"k": 4}, recommend_rank=3),),
+                            {"k": 4}, recommend_rank=3,
+                            hf_peer=lambda _o, model: ("hf_assisted", {"assistant_model": model})),),
 )

@@ -79,5 +79,7 @@ SPEC = MethodSpec(
     proposers=(ProposerSpec(
         "medusa", lambda heads, _t, **o: MedusaProposer(heads, choices=o["choices"]),
         {"top_k": 4, "num_nodes": "auto", "max_nodes": 24, "choices": None},
-        chain=False, k_option=None, prepare=_prepare_tree, size=_size_tree, nodes=lambda o: int(o["num_nodes"])),),
+        chain=False, k_option=None, prepare=_prepare_tree, size=_size_tree, nodes=lambda o: int(o["num_nodes"]),
+        # an engine's Medusa chain of K: the top-1 of each of the first K heads (vLLM's medusa proposer)
+        engine_options=lambda k: {"choices": [[0] * i for i in range(1, k + 1)], "num_nodes": k}),),
 )

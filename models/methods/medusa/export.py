@@ -192,5 +192,6 @@ FORMATS = (
                  readme=readme_medusa_fasterdecoding),
     ExportFormat("medusa_vllm", "medusa-vllm", "medusa", "vLLM (medusa)",
                  build_medusa_vllm, partial(check_medusa, "medusa_vllm"), partial(load_medusa, "medusa_vllm"),
-                 lambda cfg, _p: cfg.get("model_type") == "medusa", readme=readme_medusa_vllm),
+                 lambda cfg, _p: cfg.get("model_type") == "medusa", readme=readme_medusa_vllm,
+                 vllm_method="medusa"),
 )

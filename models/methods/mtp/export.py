@@ -298,5 +298,5 @@ FORMATS = (
     ExportFormat("mtp_deepseek", "mtp", "mtp", "vLLM (mtp) for DeepSeek-V3 targets",
                  build_mtp_deepseek, partial(check_mtp, "mtp_deepseek"), partial(load_mtp, "mtp_deepseek"),
                  lambda cfg, _p: bool(cfg.get("num_nextn_predict_layers")), readme=readme_mtp_deepseek,
-                 verify_target=verify_embeddings),
+                 verify_target=verify_embeddings, vllm_method="mtp"),
 )

@@ -119,9 +119,14 @@ class NGramBatchProposer:
         return out
 
 
+def _prompt_lookup(o: dict, _model) -> tuple[str, dict]:
+    """HF transformers' twin of this method: prompt-lookup decoding with the same K and longest n-gram."""
+    return "hf_prompt_lookup", {"prompt_lookup_num_tokens": int(o["k"]), "max_matching_ngram_size": int(o["max_ngram"])}
+
+
 SPEC = MethodSpec(
     name="ngram", source="none",
     proposers=(ProposerSpec("ngram", lambda _model, _target, **o: NGramProposer(**o),
                             {"k": 5, "max_ngram": 3, "min_ngram": 1}, batched=NGramProposer.batched,
-                            recommend_rank=4),),
+                            recommend_rank=4, hf_peer=_prompt_lookup),),
 )
