@@ -247,6 +247,44 @@ def speculative_sample_chain(
 # --------------------------------------------------------------------------------------------
 # Speculative sampling: tree
 # --------------------------------------------------------------------------------------------
+def _tree_sampling_inputs(tree_tokens: Tensor, parents: Tensor | Sequence[int], q: Tensor | None, p: Tensor,
+                          deterministic: bool) -> tuple[list[int], Tensor, Tensor | None]:
+    """``speculative_sample_tree_batch``'s inputs checked and broadcast: (parents list, p [B, N+1, V], q [B, N, V]
+    or None when deterministic)."""
+    par = _parents_list(parents)
+    n = len(par)
+    if tree_tokens.dim() != 2 or tree_tokens.shape[1] != n:
+        raise ValueError(f"tree_tokens must be [B, N] with N = len(parents) = {n}, got {tuple(tree_tokens.shape)}")
+    b = tree_tokens.shape[0]
+    p = _as_float(p)
+    q = None if q is None else _as_float(q)
+    if p.dim() == 2:
+        p = p.unsqueeze(0).expand(b, -1, -1)
+    if p.dim() != 3 or p.shape[:2] != (b, n + 1):
+        raise ValueError(f"p must be [B, N+1, V] or [N+1, V] with B={b}, N={n}, got {tuple(p.shape)}")
+    vocab = p.shape[-1]
+    if not deterministic:
+        if q is None:
+            raise ValueError("q is required for sampled drafts (deterministic=False)")
+        if q.dim() == 2:
+            q = q.unsqueeze(0).expand(b, -1, -1)
+        if q.shape != (b, n, vocab):
+            raise ValueError(f"q must be [B, N, V] or [N, V] with B={b}, N={n}, V={vocab}, got {tuple(q.shape)}")
+    return par, p, q
+
+
+def _child_table(par: list[int], device: torch.device) -> tuple[Tensor, int, int]:
+    """(table [N+1, W]: row r = the children of node r-1 (row 0: the root's), -1 padded; W; the tree depth)."""
+    children = tree_children(par)
+    width = max((len(c) for c in children), default=0)
+    depth = int(tree_layout(torch.tensor(par, dtype=torch.long))[0].max()) if par else 0
+    table = torch.full((len(par) + 1, max(width, 1)), -1, dtype=torch.long, device=device)
+    for row, kids in enumerate(children):
+        if kids:
+            table[row, : len(kids)] = torch.tensor(kids, dtype=torch.long, device=device)
+    return table, width, depth
+
+
 def speculative_sample_tree_batch(
     tree_tokens: Tensor,
     parents: Tensor | Sequence[int],
@@ -278,35 +316,9 @@ def speculative_sample_tree_batch(
     Returns ``path`` [B, D] (accepted node index at depth 1..D, -1 padded; D = tree depth),
     ``n_accepted`` [B] and ``next_token`` [B].
     """
-    par = _parents_list(parents)
-    n = len(par)
-    if tree_tokens.dim() != 2 or tree_tokens.shape[1] != n:
-        raise ValueError(f"tree_tokens must be [B, N] with N = len(parents) = {n}, got {tuple(tree_tokens.shape)}")
-    b = tree_tokens.shape[0]
-    p = _as_float(p)
-    q = None if q is None else _as_float(q)
-    if p.dim() == 2:
-        p = p.unsqueeze(0).expand(b, -1, -1)
-    if p.dim() != 3 or p.shape[:2] != (b, n + 1):
-        raise ValueError(f"p must be [B, N+1, V] or [N+1, V] with B={b}, N={n}, got {tuple(p.shape)}")
-    vocab = p.shape[-1]
-    if not deterministic:
-        if q is None:
-            raise ValueError("q is required for sampled drafts (deterministic=False)")
-        if q.dim() == 2:
-            q = q.unsqueeze(0).expand(b, -1, -1)
-        if q.shape != (b, n, vocab):
-            raise ValueError(f"q must be [B, N, V] or [N, V] with B={b}, N={n}, V={vocab}, got {tuple(q.shape)}")
-
-    device = p.device
-    children = tree_children(par)
-    width = max((len(c) for c in children), default=0)
-    depth = int(tree_layout(torch.tensor(par, dtype=torch.long))[0].max()) if par else 0
-    table = torch.full((n + 1, max(width, 1)), -1, dtype=torch.long, device=device)
-    for row, kids in enumerate(children):
-        if kids:
-            table[row, : len(kids)] = torch.tensor(kids, dtype=torch.long, device=device)
-
+    par, p, q = _tree_sampling_inputs(tree_tokens, parents, q, p, deterministic)
+    b, vocab, device = tree_tokens.shape[0], p.shape[-1], p.device
+    table, width, depth = _child_table(par, device)
     rows = torch.arange(b, device=device)
     toks = tree_tokens.long()
     cur = torch.full((b,), -1, dtype=torch.long, device=device)  # current node, -1 = root
