@@ -223,3 +223,23 @@ def test_files_and_functions_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _function_lines(node) > MAX_FUNCTION_LINES:
                 big.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name} is {_function_lines(node)} lines")
     assert not big, "\n".join(big)
+
+
+def test_readme_layout_table_agrees_with_the_folders():
+    """README's Layout table names every method package and every core module, and its paths exist."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Layout"):text.index("## Training")]
+    rows = {line.split("|")[1].strip(): line.split("|")[2] for line in table.splitlines() if line.startswith("| `")}
+    for pkg in sorted((ROOT / "models" / "methods").iterdir()):
+        if (pkg / "__init__.py").exists():
+            assert f"`{pkg.name}`" in rows["`models/methods/<name>/`"], f"README Layout lacks the method {pkg.name}"
+    for mod in package_modules():
+        if layer(mod) == "core" and mod.count(".") == 1 and mod != "models.methods":
+            name = mod.split(".")[1]
+            assert f"`{name}`" in table or f"models/{name}.py" in table, f"README Layout lacks core module {mod}"
+    for key in rows:
+        for path in re.findall(r"`([^`]+)`", key):
+            if "<" not in path and "*" not in path:
+                assert (ROOT / path).exists(), f"README Layout names {path}, which does not exist"
