@@ -15,9 +15,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from models.acceptance import best_by_cost, chain_taus
-from models.config_checks import int_at_least
 from models.methods.dflash import export
-from models.methods.dflash.config import DFlashConfig
+from models.methods.dflash.config import DFlashConfig, check_config
 from models.methods.dflash.net import DFlashDrafter
 from models.methods.dflash.proposers import DFlashProposer
 from models.spec import MethodSpec, ProposerSpec
@@ -120,15 +119,6 @@ def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: 
     if o.get("verify_costs"):  # the head schedules each round's K: the block is its cap
         best = d.num_spec
     return {**o, "k": best, "k_sized": {"k": best, "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
-
-
-def check_config(cfg: dict, max_len: int | None) -> None:
-    """The depth check: a block is the anchor plus at least one drafted slot, and fits in a training row."""
-    int_at_least(cfg, "block_size", 2)
-    block = cfg.get("block_size")
-    if block is not None and isinstance(max_len, int) and block > max_len:
-        raise ValueError(f"draft.config.block_size={block} is longer than data.max_len={max_len}: no block fits in a "
-                         "training row; lower draft.config.block_size or raise data.max_len")
 
 
 SPEC = MethodSpec(

@@ -6,7 +6,11 @@ kept apart so each of them imports it without importing the others.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from models.config_checks import int_at_least
 
 
 @dataclass
@@ -52,3 +56,27 @@ def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
     else:
         zl = [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
     return [i + 1 for i in zl]
+
+
+def _one_of(cfg: Mapping[str, Any], field: str, allowed: tuple[str, ...], what: str) -> None:
+    v = cfg.get(field)
+    if v is not None and v not in allowed:
+        raise ValueError(f"draft.config.{field}={v!r}: use {what}")
+
+
+def check_config(cfg: Mapping[str, Any], max_len: int | None = None) -> None:
+    """Every target-free check of a DFlash / DSpark ``draft.config`` (SPEC.check_config: train/checks.py runs it on
+    the yaml before any model loads; the drafter runs it on its dataclass): one ValueError naming the bad key."""
+    for field, lo in (("num_layers", 1), ("block_size", 2), ("num_anchors", 1), ("loss_chunk", 1)):
+        int_at_least(cfg, field, lo)  # block_size >= 2: a block is the anchor plus at least one drafted slot
+    _one_of(cfg, "loss", ("ce", "kl"), "'ce' (target's token) or 'kl' (its distribution)")
+    _one_of(cfg, "label_path", ("greedy", "data"), "'greedy' or 'data'")
+    if cfg.get("dpace") and cfg.get("loss", "ce") != "ce":
+        raise ValueError("draft.config.dpace=true needs loss=ce (D-PACE weights come from the CE of each slot)")
+    ce, tv = cfg.get("ce_weight"), cfg.get("tv_weight")
+    if ce is not None and tv is not None and (ce < 0 or tv < 0 or ce + tv <= 0):
+        raise ValueError(f"draft.config.ce_weight={ce}, tv_weight={tv}: both >= 0, one > 0")
+    block = cfg.get("block_size")
+    if block is not None and isinstance(max_len, int) and block > max_len:
+        raise ValueError(f"draft.config.block_size={block} is longer than data.max_len={max_len}: no block fits in a "
+                         "training row; lower draft.config.block_size or raise data.max_len")

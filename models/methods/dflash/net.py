@@ -45,10 +45,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
 from models.acceptance import chain_tau
-from models.methods.dflash.config import DFlashConfig, default_layer_ids
+from models.methods.dflash.config import DFlashConfig, check_config, default_layer_ids
 from models.methods.dflash.heads import build_block_head
 from models.norm import RMSNorm
-from models.proposal import check_k
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.target import validate_layer_ids
 from models.vocab import check_mapping, draft_to_target
@@ -107,22 +106,9 @@ class DFlashLayer(nn.Module):
 # the drafter's constructor checks, in the order it runs them: first the block and loss options (no target
 # needed), then which target hidden states it fuses; the vocabulary and mask row are checked in __init__ itself
 def _check_options(cfg: DFlashConfig) -> None:
-    """The block and loss options of ``draft.config`` (one ValueError naming the bad key)."""
-    check_k("num_layers", cfg.num_layers)
-    B = check_k("block_size", cfg.block_size)
-    if B < 2:
-        raise ValueError(f"block_size={B}: a block is the anchor plus at least one drafted slot; use >= 2")
-    check_k("num_anchors", cfg.num_anchors)
-    check_k("loss_chunk", cfg.loss_chunk)
-    if cfg.loss not in ("ce", "kl"):
-        raise ValueError(f"draft.config.loss={cfg.loss!r}: use 'ce' (target's token) or 'kl' (its distribution)")
-    if cfg.label_path not in ("greedy", "data"):
-        raise ValueError(f"draft.config.label_path={cfg.label_path!r}: use 'greedy' or 'data'")
-    if cfg.dpace and cfg.loss != "ce":
-        raise ValueError("draft.config.dpace=true needs loss=ce (D-PACE weights come from the CE of each slot)")
-    if cfg.ce_weight < 0 or cfg.tv_weight < 0 or cfg.ce_weight + cfg.tv_weight <= 0:
-        raise ValueError(f"draft.config.ce_weight={cfg.ce_weight}, tv_weight={cfg.tv_weight}: both >= 0, "
-                         "one > 0")
+    """The block and loss options of ``draft.config``: the spec's own check (config.py ``check_config``), so the
+    yaml path and a config built in code are refused by the same lines."""
+    check_config(asdict(cfg))
 
 
 def _fused_layer_ids(cfg: DFlashConfig, L: int) -> list[int]:

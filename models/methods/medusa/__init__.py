@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import logging
 
-from models.config_checks import depth_check
 from models.methods.medusa import export
-from models.methods.medusa.config import MedusaConfig
+from models.methods.medusa.config import MedusaConfig, check_config
 from models.methods.medusa.net import MedusaHeads
 from models.methods.medusa.proposers import MedusaProposer
 from models.methods.medusa.tree import (
@@ -74,7 +73,7 @@ def _size_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict, verify_cost, t
 SPEC = MethodSpec(
     name="medusa", config=MedusaConfig, build=build, rebuild=build,
     export_formats=export.FORMATS, default_k=lambda heads: heads.cfg.num_heads,
-    check_config=depth_check("num_heads", "step_weight"),
+    check_config=check_config,
     after_training=lambda heads, out_dir, metrics: heads.save_static_tree(out_dir, metrics), final_files=(TREE_FILE,),
     proposers=(ProposerSpec(
         "medusa", lambda heads, _t, **o: MedusaProposer(heads, choices=o["choices"]),

@@ -6,9 +6,13 @@ imports it without importing the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from models.config_checks import depth_check
 from models.tree import tree_capacity
+
+# the up-front draft.config check (SPEC.check_config; also run by MedusaConfig itself): the depth, the weights
+check_config = depth_check("num_heads", "step_weight")
 
 
 @dataclass
@@ -25,8 +29,7 @@ class MedusaConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.num_heads <= 0:
-            raise ValueError(f"medusa num_heads must be >= 1, got {self.num_heads}")
+        check_config(asdict(self))  # the up-front check train/checks.py runs on the yaml (SPEC.check_config)
         if self.num_layers < 0:
             raise ValueError(f"medusa num_layers must be >= 0, got {self.num_layers}")
         if self.num_layers == 0 and self.share_lm_head:

@@ -12,9 +12,8 @@ The package, one seam per module:
 
 from __future__ import annotations
 
-from models.config_checks import depth_check
 from models.methods.mtp import export
-from models.methods.mtp.config import MTPConfig
+from models.methods.mtp.config import MTPConfig, check_config
 from models.methods.mtp.net import MTPDrafter
 from models.methods.mtp.proposers import MTPProposer
 from models.spec import MethodSpec, ProposerSpec
@@ -27,7 +26,7 @@ def _default_k(drafter: MTPDrafter, _ckpt_dir: str | None, o: dict) -> dict:
 SPEC = MethodSpec(
     name="mtp", config=MTPConfig, build=lambda cfg, target, rows=None: MTPDrafter.from_target(cfg, target),
     rebuild=MTPDrafter.from_target, export_formats=export.FORMATS, default_k=lambda d: d.cfg.num_modules,
-    check_config=depth_check("num_modules", "step_weight"),
+    check_config=check_config,
     # checkpoints written before hidden_between_depths existed chained the pre-norm state
     checkpoint_defaults={"hidden_between_depths": "pre_norm"},
     proposers=(ProposerSpec("mtp", lambda d, _t, **o: MTPProposer(d, **o), {"k": None}, prepare=_default_k,

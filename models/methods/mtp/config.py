@@ -7,9 +7,14 @@ imports it without importing the others.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from transformers import PreTrainedConfig
+
+from models.config_checks import depth_check
+
+# the up-front draft.config check (SPEC.check_config; also run by MTPConfig itself): the depth, the weights
+check_config = depth_check("num_modules", "step_weight")
 
 HIDDEN_BETWEEN_DEPTHS = ("post_norm", "pre_norm")
 
@@ -32,8 +37,7 @@ class MTPConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.num_modules <= 0:
-            raise ValueError(f"mtp num_modules must be >= 1, got {self.num_modules}")
+        check_config(asdict(self))  # the up-front check train/checks.py runs on the yaml (SPEC.check_config)
         if self.hidden_between_depths not in HIDDEN_BETWEEN_DEPTHS:
             raise ValueError(f"mtp hidden_between_depths must be one of {HIDDEN_BETWEEN_DEPTHS}, got "
                              f"{self.hidden_between_depths!r}")

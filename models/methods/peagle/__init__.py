@@ -34,9 +34,8 @@ The package: ``config.py`` (PEagleConfig), ``net.py`` (the network and its COD l
 
 from __future__ import annotations
 
-from models.config_checks import depth_check
 from models.methods.peagle import export
-from models.methods.peagle.config import PEagleConfig
+from models.methods.peagle.config import PEagleConfig, check_config
 from models.methods.peagle.net import PEagleDrafter
 from models.methods.peagle.proposers import PEagleProposer
 from models.spec import MethodSpec, ProposerSpec
@@ -62,7 +61,7 @@ def rebuild(cfg: PEagleConfig, target: FrozenTarget) -> PEagleDrafter:
 
 SPEC = MethodSpec(
     name="peagle", config=PEagleConfig, build=build, rebuild=rebuild, export_formats=export.FORMATS,
-    default_k=lambda d: d.cfg.num_depths, check_config=depth_check("num_depths"),
+    default_k=lambda d: d.cfg.num_depths, check_config=check_config,
     proposers=(ProposerSpec("peagle", lambda d, _t, **o: PEagleProposer(d, **o), {"k": None},
                             prepare=lambda d, _c, o: {**o, "k": d.cfg.num_depths if o["k"] is None else int(o["k"])}),),
 )

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from models.config_checks import int_at_least
 
 
 @dataclass
@@ -22,3 +26,15 @@ class PEagleConfig:
 
 def default_layer_ids(L: int) -> list[int]:
     return [2, L // 2, L - 3]
+
+
+def check_config(cfg: Mapping[str, Any], max_len: int | None = None) -> None:
+    """Every target-free check of a P-EAGLE ``draft.config`` (SPEC.check_config: train/checks.py runs it on the
+    yaml before any model loads; the drafter runs it on its dataclass): one ValueError naming the bad key."""
+    for field in ("num_layers", "num_depths", "max_anchors"):  # num_depths: the depth check
+        int_at_least(cfg, field, 1)
+    hi, lo = cfg.get("down_sample_ratio", 1.0), cfg.get("down_sample_ratio_min", 0.0)
+    if not 0 < hi <= 1 or not 0 <= lo <= 1:
+        raise ValueError("draft.config.down_sample_ratio must be in (0, 1] and down_sample_ratio_min in [0, 1]")
+    if cfg.get("label_path", "greedy") not in ("greedy", "data"):
+        raise ValueError(f"draft.config.label_path={cfg['label_path']!r}: use 'greedy' or 'data'")

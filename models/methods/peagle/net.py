@@ -12,9 +12,8 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from models.acceptance import chain_tau
-from models.methods.peagle.config import PEagleConfig, default_layer_ids
+from models.methods.peagle.config import PEagleConfig, check_config, default_layer_ids
 from models.norm import RMSNorm
-from models.proposal import check_k
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.target import validate_layer_ids
 from models.vocab import check_mapping, draft_to_target
@@ -87,13 +86,7 @@ class PEagleDrafter(nn.Module):
         super().__init__()
         L, H, V = tc.num_hidden_layers, tc.hidden_size, tc.vocab_size
         self.cfg = cfg
-        check_k("num_layers", cfg.num_layers)
-        check_k("num_depths", cfg.num_depths)
-        check_k("max_anchors", cfg.max_anchors)
-        if not 0 < cfg.down_sample_ratio <= 1 or not 0 <= cfg.down_sample_ratio_min <= 1:
-            raise ValueError("draft.config.down_sample_ratio must be in (0, 1] and down_sample_ratio_min in [0, 1]")
-        if cfg.label_path not in ("greedy", "data"):
-            raise ValueError(f"draft.config.label_path={cfg.label_path!r}: use 'greedy' or 'data'")
+        check_config(asdict(cfg))  # the spec's own check (config.py), the same lines as the yaml path
         ids = list(cfg.layer_ids) if cfg.layer_ids is not None else default_layer_ids(L)
         if len(ids) != 3 or len(set(ids)) != 3:
             raise ValueError(f"P-EAGLE fuses 3 distinct target states (EAGLE-3's), got layer_ids={ids}")
