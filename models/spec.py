@@ -100,6 +100,9 @@ class ExportFormat:
     verify_target: Callable[[Any, Any, str], bool] | None = None
     # vLLM's ``speculative_config.method`` for this layout (None: vLLM does not serve it)
     vllm_method: str | None = None
+    # llama.cpp's ``--spec-type`` for this layout once converted to GGUF (models/export/llamacpp.py; None: its
+    # converter does not take it)
+    llamacpp: str | None = None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ set -euo pipefail
 VER="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 DEST="${1:-.engines}"
 SRC="$DEST/llama.cpp-$VER"
-TARGETS="${LLAMA_CPP_TARGETS:-llama-speculative-simple llama-cli}"
+TARGETS="${LLAMA_CPP_TARGETS:-llama-speculative-simple llama-completion llama-tokenize}"
 PIP="${PIP:-.venv/bin/pip}"
 if [ -f "$SRC/.built" ]; then
   echo "llama.cpp (llama-cpp-python $VER sources) already built in $SRC/build/bin"

@@ -1,6 +1,6 @@
 """GGUF for llama.cpp: the target, or a draft (EAGLE-3, DFlash z-lab layout) with its target's metadata.
 
-    <python with torch, transformers, sentencepiece, numpy> scripts/convert_gguf.py DIR --outfile OUT.gguf \\
+    <python with torch, transformers, numpy> scripts/convert_gguf.py DIR --outfile OUT.gguf \\
         [--target-model-dir TARGET] [--outtype f32]
 
 A thin wrapper over llama.cpp's own ``convert_hf_to_gguf.py`` from the sources scripts/build_llama_cpp.sh unpacks
@@ -41,6 +41,18 @@ def _patch() -> None:
             raise
 
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+
+    # The converter imports sentencepiece before it looks for tokenizer.model, so a BPE-only target (tokenizer.json,
+    # no tokenizer.model: tiny-code, SmolLM2) needs sentencepiece installed just to fall through to its BPE path.
+    # Answer the converter's own FileNotFoundError first; a real tokenizer.model still goes to sentencepiece.
+    orig_sp = base.TextModel._create_vocab_sentencepiece
+
+    def _create_vocab_sentencepiece(self):
+        if not (self.dir_model / "tokenizer.model").is_file():
+            raise FileNotFoundError(f"File not found: {self.dir_model / 'tokenizer.model'}")
+        return orig_sp(self)
+
+    base.TextModel._create_vocab_sentencepiece = _create_vocab_sentencepiece
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
     python -m train.export CHECKPOINT --format FORMAT --out DIR [--target NAME_OR_PATH] [--results eval.json] \\
         [--dtype bfloat16] [--force]
+    python -m train.export CHECKPOINT --format gguf --out DIR   # llama.cpp: DIR/draft.gguf (models/export/llamacpp.py)
     python -m train.export --check DIR [--target NAME_OR_PATH]
 
 CHECKPOINT is a directory written by train/ (e.g. OUTPUT_DIR/final); FORMAT is one its method declares (``--help``
@@ -21,9 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from models.checkpoint import NoSpaceError
-from models.export import ExportError, cli_formats, export, recommended_k_from_results, validate
+from models.export import ExportError, cli_formats, export, llamacpp, recommended_k_from_results, validate
 from models.target import EMBEDDED_NAME, parse_dtype, resolve_name
 from models.target_view import TargetView
+
+GGUF = "gguf"
 
 
 def _default_target(meta: dict) -> str:
@@ -37,7 +40,8 @@ def _default_target(meta: dict) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", nargs="?", help="drafter checkpoint directory (config.json + model.safetensors)")
-    p.add_argument("--format", choices=sorted(cli_formats()), help="export format")
+    p.add_argument("--format", choices=sorted([*cli_formats(), GGUF]),
+                   help="export format (gguf: llama.cpp, the method's llama.cpp layout converted by its converter)")
     p.add_argument("--out", help="output directory")
     p.add_argument("--target", help="target name or path (default: the checkpoint's / the export's)")
     p.add_argument("--results", help="eval results JSON with recommended_num_speculative_tokens")
@@ -55,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> str:
+    if (Path(args.check) / llamacpp.MARKER).is_file():  # a GGUF export: its draft.gguf, then the layout it came from
+        m = llamacpp.check_gguf(args.check)
+        inner = _check(argparse.Namespace(**{**vars(args), "check": str(Path(args.check) / "hf")}))
+        return f"{args.check}: valid GGUF export ({m['spec_type']}, draft.gguf sha256 matches); {inner}"
     if not Path(args.check).exists():
         raise ExportError(f"--check {args.check}: no such file or directory")
     if not Path(args.check).is_dir():
@@ -109,6 +117,13 @@ def _export(args: argparse.Namespace) -> str:
     except ValueError as e:
         raise ExportError(str(e)) from None
     k = recommended_k_from_results(args.results) if args.results else None
+    if args.format == GGUF:
+        out = llamacpp.export_gguf(drafter, args.out, target, target_name=name, recommended_k=k, meta=meta,
+                                   dtype=dtype, overwrite=args.force, serve_name=args.serve_name)
+        m = llamacpp.check_gguf(out)
+        size = (out / llamacpp.DRAFT).stat().st_size / 2**20
+        return (f"exported {meta['method']} checkpoint {ckpt} -> {out}/{llamacpp.DRAFT} ({size:.1f} MiB, llama.cpp "
+                f"--spec-type {m['spec_type']}, K={m['num_speculative_tokens']}) via {m['source_format']} in {out}/hf")
     out = export(drafter, args.format, args.out, target, target_name=name, recommended_k=k, meta=meta, dtype=dtype,
                  overwrite=args.force, serve_name=args.serve_name)
     fmt = cli_formats()[args.format]

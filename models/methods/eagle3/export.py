@@ -450,11 +450,13 @@ FORMATS = (
     ExportFormat("eagle3_native", "eagle3", "eagle3", "SGLang (EAGLE3), vLLM (eagle3)",
                  build_eagle3_native, partial(check_eagle3, "eagle3_native"), partial(load_eagle3, "eagle3_native"),
                  lambda cfg, _p: "LlamaForCausalLMEagle3" in architectures(cfg),
-                 readme=partial(readme_eagle3, "eagle3_native"), vllm_method="eagle3"),
+                 readme=partial(readme_eagle3, "eagle3_native"), vllm_method="eagle3",
+                 llamacpp="draft-eagle3"),
     ExportFormat("eagle3_speculators", "eagle3-speculators", "eagle3", "vLLM (speculators format)",
                  build_eagle3_speculators, partial(check_eagle3, "eagle3_speculators"),
                  partial(load_eagle3, "eagle3_speculators"),
                  lambda cfg, _p: "Eagle3Speculator" in architectures(cfg)
                                  or cfg.get("speculators_model_type") == "eagle3",
-                 readme=partial(readme_eagle3, "eagle3_speculators"), vllm_method="eagle3"),
+                 readme=partial(readme_eagle3, "eagle3_speculators"), vllm_method="eagle3",
+                 llamacpp="draft-eagle3"),
 )

@@ -1,0 +1,125 @@
+"""llama.cpp running draftsmith's GGUF exports (issue 22): its own tools, driven as subprocesses, one prompt each.
+
+- ``llama-completion`` (greedy, ``--temp 0``): the engine's AR, its tokens and its decode tokens/s;
+- ``llama-speculative-simple -md draft.gguf --spec-type T --spec-draft-n-max K``: speculative decoding, its text,
+  its decode tokens/s and, from its debug log, every round's ``accepted a/d draft tokens``;
+- ``llama-tokenize``: the engine's own token ids of a prompt text.
+
+Aligning the rounds with the harness. llama-speculative-simple evaluates the prompt minus its last token and makes
+that token its first round's anchor, so its first round also yields the first generated token, which the harness
+gets from prefill for free: every later round boundary would sit one token off. So the engine gets the prompt
+*plus* the target's first greedy token t0, and generates ``max_new_tokens - 1``: its first round drafts after t0
+from the features of the prompt, exactly the harness's first round. Prompts are kept only where the engine's
+tokenization of that text is exactly prompt + [t0] (a BPE merge across the boundary would shift it; checked with
+llama-tokenize, not assumed).
+
+End of a request: the engine caps each draft at the remaining budget (n_predict - produced - 1, as the harness
+does) and then runs one round past the budget (its n_max 0 reads as the default); rounds that start after the
+budget is spent are reported apart (``past_budget``), never compared.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from models.export.llamacpp import llamacpp_dir
+
+TOOLS = ("llama-speculative-simple", "llama-completion", "llama-tokenize")
+TRAILER = "\n\n"  # both tools LOG("\n\n") after the generated text
+ROUND = re.compile(r"accepted (\d+)/(\d+) draft tokens")
+SPEED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+EVAL = re.compile(r"\beval time =\s+([\d.]+) ms /\s+(\d+) runs")
+
+
+def binary(tool: str) -> Path:
+    return llamacpp_dir() / "build" / "bin" / tool
+
+
+def available() -> bool:
+    """All the tools the tier runs are built (scripts/build_llama_cpp.sh)."""
+    return all(binary(t).exists() for t in TOOLS)
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
+    if proc.returncode != 0:
+        tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
+        raise RuntimeError(f"{Path(cmd[0]).name} failed (rc {proc.returncode}): {' | '.join(tail)}")
+    return proc
+
+
+def tokenize(model: str | Path, text: str, timeout: float = 120) -> list[int]:
+    """The engine's token ids for ``text`` (with whatever BOS the model's GGUF asks for, as the other tools do)."""
+    proc = _run([str(binary("llama-tokenize")), "-m", str(model), "-p", text, "--ids", "--log-disable"], timeout)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _common(model: str | Path, text: str, n: int, threads: int) -> list[str]:
+    return ["-m", str(model), "-p", text, "-n", str(n), "--temp", "0", "-t", str(threads), "-c", "2048",
+            "--seed", "0"]
+
+
+def run_ar(model: str | Path, text: str, n: int, threads: int = 1, timeout: float = 600) -> dict:
+    """Greedy AR by the engine: the generated text and its decode tokens/s (prompt processing excluded)."""
+    cmd = [str(binary("llama-completion")), *_common(model, text, n, threads), "-no-cnv", "--no-display-prompt"]
+    proc = _run(cmd, timeout)
+    m = EVAL.findall(proc.stderr)
+    ms, runs = (float(m[-1][0]), int(m[-1][1])) if m else (float("nan"), 0)
+    return {"text": _strip_trailer(proc.stdout).removesuffix(" [end of text]\n"),
+            "tokens_per_s": runs / ms * 1000 if ms > 0 else float("nan")}
+
+
+def run_spec(model: str | Path, text: str, n: int, spec_type: str, k: int, draft: str | Path | None = None,
+             threads: int = 1, extra: Sequence[str] = (), timeout: float = 600) -> dict:
+    """Speculative decoding by the engine. ``rounds``: (accepted, drafted) per verification round, in order."""
+    cmd = [str(binary("llama-speculative-simple")), *_common(model, text, n, threads), "--spec-type", spec_type,
+           "--spec-draft-n-max", str(k), "-v", *extra]
+    if draft is not None:
+        cmd += ["-md", str(draft), "-td", str(threads)]
+    proc = _run(cmd, timeout)
+    out = _strip_trailer(proc.stdout)
+    prefix = "\n\n" + text  # the tool echoes the prompt's pieces after two newlines
+    if not out.startswith(prefix):
+        raise RuntimeError(f"llama-speculative-simple echoed another prompt: {out[:80]!r}")
+    sp = SPEED.findall(proc.stderr)
+    return {"text": out[len(prefix):], "rounds": [(int(a), int(d)) for a, d in ROUND.findall(proc.stderr)],
+            "tokens_per_s": float(sp[-1][2]) if sp else float("nan")}
+
+
+def _strip_trailer(s: str) -> str:
+    return s[:-len(TRAILER)] if s.endswith(TRAILER) else s
+
+
+def counts(rounds: Sequence[tuple[int, int]], budget: int, k: int) -> dict:
+    """vLLM's counter definitions over the rounds that start within ``budget`` generated tokens (after t0):
+    drafts = rounds that drafted, accepted per position unconditional (rounds accepting > j drafted tokens)."""
+    done, live, past = 0, [], 0
+    for a, d in rounds:
+        if done >= budget:
+            past += 1
+            continue
+        done += a + 1
+        if d > 0:
+            live.append(a)
+    return {"num_drafts": len(live), "num_accepted_tokens": sum(live),
+            "accepted_per_pos": [sum(1 for a in live if a > j) for j in range(k)], "past_budget": past}
+
+
+def aligned_prompts(tokenizer, model_gguf: str | Path, candidates: Sequence[Sequence[int]],
+                    first_tokens: Sequence[int], n: int) -> list[dict]:
+    """Up to ``n`` of ``candidates`` whose text + t0 the engine tokenizes to exactly prompt + [t0] (module doc)."""
+    out = []
+    for ids, t0 in zip(candidates, first_tokens):
+        want = [*ids, int(t0)]
+        text = tokenizer.decode(want)
+        if tokenizer(text, add_special_tokens=False)["input_ids"] != want:
+            continue  # cheap pre-filter with the HF tokenizer; the engine's own tokenization decides below
+        if tokenize(model_gguf, text) == want:
+            out.append({"input_ids": list(ids), "t0": int(t0), "text": text})
+        if len(out) == n:
+            break
+    return out

@@ -1,0 +1,183 @@
+"""GGUF for llama.cpp: a drafter written in the HF layout llama.cpp's converter reads, then converted by llama.cpp's
+own ``convert_hf_to_gguf.py`` (the sources scripts/build_llama_cpp.sh unpacks; scripts/convert_gguf.py wraps it).
+
+Which layout: the first of the method's format rows that names a llama.cpp ``--spec-type`` (``ExportFormat.llamacpp``)
+and builds for this drafter. EAGLE-3 → ``eagle3`` (LlamaForCausalLMEagle3); DFlash → the z-lab layout (llama.cpp's
+DFlash converter has no draft vocabulary, so a reduced-vocabulary drafter is refused with the row's own reason);
+DSpark → ``dspark-speculators`` (its converter maps d2t and the aux ids itself). Methods llama.cpp does not draft
+for a Llama target (Medusa, MTP on a target without nextn layers, P-EAGLE) have no such row and are refused.
+
+    OUT/hf/         the export in that layout, validated like any export (``--check OUT/hf``)
+    OUT/draft.gguf  what llama.cpp loads (``-md``)
+    OUT/gguf.json   what was converted: source format, --spec-type, K, llama.cpp version, sha256, serving mode
+    OUT/README.md   the llama.cpp commands
+
+Written atomically (a temporary directory beside OUT, swapped in); ``overwrite`` replaces only a previous GGUF
+export (its gguf.json marker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from torch import nn
+
+from models import registry
+from models.export_common import ExportError
+from models.target import resolve_name
+
+from .api import export
+
+REPO = Path(__file__).resolve().parents[2]
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp we build and convert with
+CONVERTER = REPO / "scripts" / "convert_gguf.py"
+MARKER, DRAFT = "gguf.json", "draft.gguf"
+
+
+def llamacpp_dir() -> Path:
+    """The llama.cpp source tree (``DRAFTSMITH_LLAMA_CPP_DIR``, default .engines/llama.cpp-<version>)."""
+    default = REPO / ".engines" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
+    return Path(os.environ.get("DRAFTSMITH_LLAMA_CPP_DIR") or default)
+
+
+def llamacpp_rows(method: str) -> list:
+    """The method's formats llama.cpp converts, in the method's order."""
+    return [f for f in registry.method(method).export_formats if f.llamacpp]
+
+
+def convert(src: str | Path, outfile: str | Path, target_dir: str | Path | None = None, outtype: str = "f32",
+            timeout: float = 3600) -> Path:
+    """``convert_hf_to_gguf.py SRC --outfile OUTFILE [--target-model-dir T]`` with this interpreter; the file
+    appears only when the converter succeeded (written beside it, then renamed)."""
+    src, outfile = Path(src), Path(outfile)
+    if not (llamacpp_dir() / "convert_hf_to_gguf.py").exists():
+        raise ExportError(f"no llama.cpp sources at {llamacpp_dir()} (its convert_hf_to_gguf.py converts to GGUF); "
+                          "run scripts/build_llama_cpp.sh or set DRAFTSMITH_LLAMA_CPP_DIR")
+    outfile.parent.mkdir(parents=True, exist_ok=True)
+    tmp = outfile.with_name(f".{outfile.name}.{os.getpid()}.tmp")
+    cmd = [sys.executable, str(CONVERTER), str(src), "--outfile", str(tmp), "--outtype", outtype]
+    if target_dir is not None:
+        cmd += ["--target-model-dir", str(target_dir)]
+    env = {**os.environ, "LLAMA_CPP_DIR": str(llamacpp_dir())}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not tmp.exists():
+        tmp.unlink(missing_ok=True)
+        tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or [f"rc {proc.returncode}"]
+        raise ExportError(f"llama.cpp's converter refused {src}: {tail[0]}")
+    os.replace(tmp, outfile)
+    return outfile
+
+
+def target_directory(name: str) -> Path:
+    """A local HF directory of the target (config + tokenizer): the converter reads the draft's tokenizer there."""
+    path = Path(resolve_name(name))
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # noqa: BLE001 - any failure means: no local copy
+        raise ExportError(f"llama.cpp's converter reads the target's tokenizer from a local directory, and {name!r} "
+                          "is none (nor in the HF cache); pass --target DIR") from None
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _build_hf(drafter: nn.Module, out: Path, target, **kw):
+    """The first llama.cpp row that builds for this drafter; each refusal says why (the row's own error)."""
+    method = drafter.config_dict().get("method")
+    rows = llamacpp_rows(method)
+    if not rows:
+        raise ExportError(f"llama.cpp drafts with no {method} layout (its --spec-types: draft-eagle3, draft-dflash, "
+                          "draft-dspark, draft-mtp for targets with nextn layers); use a vLLM or SGLang format")
+    reasons = []
+    for row in rows:
+        try:
+            return row, export(drafter, row.name, out, target, **kw)
+        except ExportError as e:
+            reasons.append(f"{row.cli}: {e}")
+    raise ExportError("no llama.cpp layout takes this drafter; " + " | ".join(reasons))
+
+
+def export_gguf(drafter: nn.Module, out: str | Path, target, *, target_name: str, overwrite: bool = False,
+                outtype: str = "f32", **kw) -> Path:
+    """Write OUT/{hf/, draft.gguf, gguf.json, README.md} (module docstring). ``kw``: models.export.export's
+    recommended_k, meta, dtype, serve_name."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(f"{out} exists and is not empty; pass overwrite=True (CLI: --force) or another --out")
+        if not (out / MARKER).is_file():
+            raise ExportError(f"refusing to replace {out}: it is not a previous GGUF export (no {MARKER})")
+    tdir = target_directory(target_name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        row, hf = _build_hf(drafter, tmp / "hf", target, target_name=target_name, **kw)
+        gguf = convert(hf, tmp / DRAFT, tdir, outtype)
+        side = json.loads((hf / "draftsmith.json").read_text())
+        k = side.get("num_speculative_tokens")
+        manifest = {"source_format": row.name, "spec_type": row.llamacpp, "num_speculative_tokens": k,
+                    "outtype": outtype, "llama_cpp_python_sources": LLAMA_CPP_PYTHON_VERSION,
+                    "draft_sha256": sha256(gguf), "serve_name": side.get("serve_name"),
+                    "serving": side.get("serving")}
+        (tmp / MARKER).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        (tmp / "README.md").write_text(readme(manifest))
+        for p in (tmp, *tmp.iterdir()):
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def check_gguf(path: str | Path) -> dict:
+    """A GGUF export's manifest, after checking draft.gguf is the file that was converted (sha256)."""
+    path = Path(path)
+    m = json.loads((path / MARKER).read_text())
+    if not (path / DRAFT).is_file():
+        raise ExportError(f"{path}: {DRAFT} is missing")
+    if sha256(path / DRAFT) != m.get("draft_sha256"):
+        raise ExportError(f"{path}/{DRAFT} is not the file this export converted (sha256 differs from {MARKER})")
+    return m
+
+
+def serve_args(manifest: dict, target_gguf: str = "target.gguf", draft: str = DRAFT) -> list[str]:
+    """llama.cpp's arguments for this draft: the same ones the engine tier runs (eval/llamacpp.py)."""
+    return ["-m", target_gguf, "-md", draft, "--spec-type", manifest["spec_type"],
+            "--spec-draft-n-max", str(manifest["num_speculative_tokens"])]
+
+
+def readme(m: dict) -> str:
+    args = " ".join(serve_args(m))
+    target = m.get("serve_name") or "TARGET_DIR"
+    return "\n".join([
+        f"# llama.cpp draft ({m['spec_type']}, from the {m['source_format']} layout)", "",
+        f"`{DRAFT}` is `hf/` converted by llama.cpp's own `convert_hf_to_gguf.py` (llama-cpp-python "
+        f"{m['llama_cpp_python_sources']} sources, {m['outtype']}; sha256 in `{MARKER}`). Serve it beside the target "
+        "it was trained for, converted by the same converter:", "",
+        "```bash",
+        f"python scripts/convert_gguf.py {target} --outfile target.gguf --outtype f32   # once (draftsmith checkout)",
+        f"llama-speculative-simple {args} --temp 0 -p \"...\" -n 128",
+        f"llama-server {args}",
+        "```", "",
+        f"`--spec-draft-n-max {m['num_speculative_tokens']}` is the recommended K. The draft reads the target's "
+        "hidden states, so the target GGUF must be the model it was trained against (a quantized target changes "
+        "them; acceptance drops, output stays the target's).", ""])
