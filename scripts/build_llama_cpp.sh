@@ -8,8 +8,15 @@ DEST="${1:-.engines}"
 SRC="$DEST/llama.cpp-$VER"
 TARGETS="${LLAMA_CPP_TARGETS:-llama-speculative-simple llama-completion llama-tokenize}"
 PIP="${PIP:-.venv/bin/pip}"
-if [ -f "$SRC/.built" ]; then
-  echo "llama.cpp (llama-cpp-python $VER sources) already built in $SRC/build/bin"
+have_all() { for t in $TARGETS; do [ -x "$SRC/build/bin/$t" ] || return 1; done; }
+if [ -f "$SRC/.built" ] && have_all; then
+  echo "llama.cpp (llama-cpp-python $VER sources) already built in $SRC/build/bin: $TARGETS"
+  exit 0
+fi
+if [ -f "$SRC/.built" ]; then  # same sources, a tool more: build only what is missing (the library is cached)
+  # shellcheck disable=SC2086
+  cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log"
+  echo "built $TARGETS in $SRC/build/bin"
   exit 0
 fi
 mkdir -p "$DEST/src"

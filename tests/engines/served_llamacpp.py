@@ -1,0 +1,130 @@
+"""The llama.cpp tier's one expensive step (test_llamacpp.py's session fixture): tiny-code drafters exported with
+``--format gguf`` and served by llama.cpp's own tools (eval/llamacpp.py), next to draftsmith's harness.
+
+1. train an EAGLE-3, a full-vocabulary DFlash and a DSpark (warm-started from that DFlash) drafter with the recipes
+   at small step counts (llama.cpp's DFlash converter has no draft vocabulary; ``DRAFTSMITH_ENGINE_CACHE`` keeps
+   them across sessions, as for the vLLM tier);
+2. convert tiny-code with the same converter, export every drafter with ``python -m train.export --format gguf``
+   (the CLI users run), plus one control: the EAGLE-3 export with its capture layer ids shifted by one (the
+   field's most reported silent bug), re-converted;
+3. llama.cpp: AR (llama-completion), n-gram (``ngram-simple``) and each draft (llama-speculative-simple) at T=0 on
+   the same aligned prompts (prompt + t0, see eval/llamacpp.py);
+4. the harness on the same prompts at the same K.
+
+Without the built tools the tier is skipped (one reason) unless ``DRAFTSMITH_REQUIRE_ENGINES=1``: then it fails.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval import engines as E
+from eval import llamacpp as L
+from models.export import llamacpp as G
+from tests.engines.served import COMMON, RECIPES, _root, _runs_dir
+
+K = 3
+N_PROMPTS, PROMPT_TOKENS, MAX_NEW, CANDIDATES = 4, 64, 48, 16
+FULL = "draft.config.draft_vocab_size=null"
+# name -> (recipe, overrides); DSpark's warm start is filled in from the DFlash run's directory
+TRAIN = {"eagle3": ("eagle3", RECIPES["eagle3"]),
+         "dflash_full": ("dflash", [*RECIPES["dflash"], FULL]),
+         "dspark_full": ("dspark", ["train.steps=60", "data.regenerate=256", "data.max_rows=1024", FULL])}
+SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash_full": "draft-dflash", "dspark_full": "draft-dspark"}
+
+
+def train(name: str, runs: Path) -> Path:
+    recipe, over = TRAIN[name]
+    out = runs / name
+    if (out / "final" / "model.safetensors").exists():
+        return out / "final"
+    if name == "dspark_full":
+        over = [*over, f"draft.config.warm_start={train('dflash_full', runs)}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "train", f"+recipe={recipe}", f"output_dir={out}", *COMMON, *over]
+    proc = subprocess.run(cmd, cwd=E.REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"training {name} failed: {proc.stderr[-3000:]}")
+    return out / "final"
+
+
+def export_gguf(ckpt: Path, out: Path, k: int | None = None) -> Path:
+    """``python -m train.export CKPT --format gguf`` exactly as a user runs it."""
+    cmd = [sys.executable, "-m", "train.export", str(ckpt), "--format", "gguf", "--out", str(out), "--target",
+           "tiny-code", "--force"]
+    proc = subprocess.run(cmd, cwd=E.REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"--format gguf failed for {ckpt}: {proc.stderr[-2000:]}")
+    return out
+
+
+def shifted_control(src: Path, out: Path) -> Path:
+    """The EAGLE-3 layout with every capture id + 1 (hf/config.json), converted again: llama.cpp then feeds the
+    drafter other layers than it was trained on, and acceptance must leave the band."""
+    hf = out / "hf"
+    hf.mkdir(parents=True, exist_ok=True)
+    for f in (src / "hf").iterdir():
+        (hf / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+    (hf / "config.json").write_text(json.dumps(cfg))
+    return G.convert(hf, out / G.DRAFT, G.target_directory("tiny-code"))
+
+
+def _build(root: Path, runs_dir: Path) -> dict:
+    from data.corpus import heldout_prompts
+    from models.registry import load_drafter
+    from models.target import FrozenTarget
+
+    target = FrozenTarget.from_pretrained("tiny-code")
+    tok = target.tokenizer
+    tgt_gguf = G.convert(G.target_directory("tiny-code"), root / "tiny_code.gguf")
+    cands = [p["input_ids"] for p in heldout_prompts(tok, CANDIDATES, PROMPT_TOKENS)]
+    first = [o[0] for o in E.ar_outputs(target, cands, 1)]
+    prompts = L.aligned_prompts(tok, tgt_gguf, cands, first, N_PROMPTS)
+    ids = [p["input_ids"] for p in prompts]
+    ckpts = {n: train(n, runs_dir) for n in TRAIN}
+    runs = [{"name": "ar", "spec_type": None},
+            {"name": "ngram", "spec_type": "ngram-simple", "k": K}]
+    harness = {"ar": {"outputs": E.ar_outputs(target, ids, MAX_NEW)}}
+    manifests = {}
+    for n, ck in ckpts.items():
+        out = export_gguf(ck, root / "exports" / n)
+        manifests[n] = G.check_gguf(out)
+        k = manifests[n]["num_speculative_tokens"]
+        runs.append({"name": n, "spec_type": manifests[n]["spec_type"], "draft": str(out / G.DRAFT), "k": k})
+        d, _ = load_drafter(ck, target)
+        harness[n] = E.harness_counts(target, d.config_dict()["method"], d, str(ck), ids, MAX_NEW, k)
+    ctrl = shifted_control(root / "exports" / "eagle3", root / "exports" / "eagle3_shifted")
+    runs.append({"name": "eagle3_shifted_control", "spec_type": "draft-eagle3", "draft": str(ctrl),
+                 "k": manifests["eagle3"]["num_speculative_tokens"]})
+    engine = L.serve(tgt_gguf, prompts, MAX_NEW, runs)
+    return {"engine": engine, "harness": harness, "prompts": prompts, "manifests": manifests,
+            "n_candidates": len(cands), "n_prompts": len(prompts)}
+
+
+def llamacpp_results(tmp_path_factory) -> dict:
+    if not L.available():
+        msg = f"llama.cpp tools {L.TOOLS} not built in {G.llamacpp_dir()} (scripts/build_llama_cpp.sh)"
+        if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    shared = _root(tmp_path_factory)  # the vLLM tier's: its trained drafters are reused (same recipes)
+    root = shared.with_name("llamacpp_tier")
+    root.mkdir(parents=True, exist_ok=True)
+    res = root / "results.json"
+    again = os.environ.get("DRAFTSMITH_LLAMACPP_RESULTS")  # re-check a previous session's results.json (dev only)
+    if again:
+        return json.loads(Path(again).read_text())
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not res.exists():
+            res.write_text(json.dumps(_build(root, _runs_dir(shared))))
+    return json.loads(res.read_text())
