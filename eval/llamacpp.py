@@ -111,7 +111,8 @@ def counts(rounds: Sequence[tuple[int, int]], budget: int, k: int) -> dict:
         if d > 0:
             live.append(a)
     return {"num_drafts": len(live), "num_accepted_tokens": sum(live),
-            "accepted_per_pos": [sum(1 for a in live if a > j) for j in range(k)], "past_budget": past}
+            "accepted_per_pos": [sum(1 for a in live if a > j) for j in range(k)], "past_budget": past,
+            "accepted_by_round": live}
 
 
 def aligned_prompts(tokenizer, model_gguf: str | Path, candidates: Sequence[Sequence[int]],
@@ -128,6 +129,13 @@ def aligned_prompts(tokenizer, model_gguf: str | Path, candidates: Sequence[Sequ
         if len(out) == n:
             break
     return out
+
+
+def ngram_run(k: int, n: int = 3) -> dict:
+    """llama.cpp's prompt lookup (``ngram-simple``) as vLLM's ngram runs it: match the last ``n`` tokens, draft
+    ``k`` (its defaults, a 12-token match and 48 drafts, almost never fire on a short request)."""
+    return {"name": "ngram", "spec_type": "ngram-simple", "k": k,
+            "extra": ["--spec-ngram-simple-size-n", str(n), "--spec-ngram-simple-size-m", str(k)]}
 
 
 def sum_counts(parts: Sequence[dict]) -> dict:
@@ -147,7 +155,8 @@ def serve(target_gguf: str | Path, prompts: Sequence[dict], max_new: int, runs: 
     out = {}
     for r in runs:
         try:
-            res = [run_spec(target_gguf, p["text"], max_new - 1, r["spec_type"], r["k"], r.get("draft"), threads)
+            res = [run_spec(target_gguf, p["text"], max_new - 1, r["spec_type"], r["k"], r.get("draft"), threads,
+                            r.get("extra", ()))
                    if r.get("spec_type") else run_ar(target_gguf, p["text"], max_new - 1, threads) for p in prompts]
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             out[r["name"]] = {"ok": False, "error": str(e)}
@@ -155,7 +164,9 @@ def serve(target_gguf: str | Path, prompts: Sequence[dict], max_new: int, runs: 
         row = {"ok": True, "error": None, "texts": [x["text"] for x in res], "k": r.get("k"),
                "tokens_per_s": sum(x["decoded"] for x in res) / max(sum(x["decode_s"] for x in res), 1e-9)}
         if r.get("spec_type"):
-            row["counts"] = sum_counts([counts(x["rounds"], max_new - 1, r["k"]) for x in res])
+            per = [counts(x["rounds"], max_new - 1, r["k"]) for x in res]
+            row["counts"] = sum_counts(per)
+            row["accepted_by_round"] = [c["accepted_by_round"] for c in per]  # per prompt, rounds that drafted
         out[r["name"]] = row
     return out
 

@@ -5,8 +5,10 @@
    at small step counts (llama.cpp's DFlash converter has no draft vocabulary; ``DRAFTSMITH_ENGINE_CACHE`` keeps
    them across sessions, as for the vLLM tier);
 2. convert tiny-code with the same converter, export every drafter with ``python -m train.export --format gguf``
-   (the CLI users run), plus one control: the EAGLE-3 export with its capture layer ids shifted by one (the
-   field's most reported silent bug), re-converted;
+   (the CLI users run), plus two controls: the EAGLE-3 export with its capture layer ids shifted by one (the
+   field's most reported silent bug), and the DSpark drafter in the speculators layout, which llama.cpp serves
+   with a wrong head on this untied target (its converter drops a full-vocabulary draft's lm_head but keeps its
+   embedding, and the loader then ties the two);
 3. llama.cpp: AR (llama-completion), n-gram (``ngram-simple``) and each draft (llama-speculative-simple) at T=0 on
    the same aligned prompts (prompt + t0, see eval/llamacpp.py);
 4. the harness on the same prompts at the same K.
@@ -45,8 +47,9 @@ def train(name: str, runs: Path) -> Path:
     out = runs / name
     if (out / "final" / "model.safetensors").exists():
         return out / "final"
-    if name == "dspark_full":
-        over = [*over, f"draft.config.warm_start={train('dflash_full', runs)}"]
+    if name == "dspark_full":  # DFlash's weights and its data cache (keyed by content: the same rows, no regeneration)
+        over = [*over, f"draft.config.warm_start={train('dflash_full', runs)}",
+                f"data.cache_dir={runs / 'dflash_full' / 'data_cache'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "train", f"+recipe={recipe}", f"output_dir={out}", *COMMON, *over]
     proc = subprocess.run(cmd, cwd=E.REPO, env=env, capture_output=True, text=True)
@@ -78,6 +81,17 @@ def shifted_control(src: Path, out: Path) -> Path:
     return G.convert(hf, out / G.DRAFT, G.target_directory("tiny-code"))
 
 
+def speculators_dspark(ckpt: Path, target, out: Path) -> Path:
+    """The full-vocabulary DSpark drafter in the dspark-speculators layout (frozen embedding + lm_head copies),
+    converted: what --format gguf avoids by taking the z-lab layout first."""
+    from models.export import export
+    from models.registry import load_drafter
+
+    d, meta = load_drafter(ckpt, target)
+    hf = export(d, "dspark_speculators", out / "hf", target, target_name="tiny-code", meta=meta, overwrite=True)
+    return G.convert(hf, out / G.DRAFT, G.target_directory("tiny-code"))
+
+
 def _build(root: Path, runs_dir: Path) -> dict:
     from data.corpus import heldout_prompts
     from models.registry import load_drafter
@@ -92,7 +106,7 @@ def _build(root: Path, runs_dir: Path) -> dict:
     ids = [p["input_ids"] for p in prompts]
     ckpts = {n: train(n, runs_dir) for n in TRAIN}
     runs = [{"name": "ar", "spec_type": None},
-            {"name": "ngram", "spec_type": "ngram-simple", "k": K}]
+            L.ngram_run(K)]
     harness = {"ar": {"outputs": E.ar_outputs(target, ids, MAX_NEW)}}
     manifests = {}
     for n, ck in ckpts.items():
@@ -105,6 +119,9 @@ def _build(root: Path, runs_dir: Path) -> dict:
     ctrl = shifted_control(root / "exports" / "eagle3", root / "exports" / "eagle3_shifted")
     runs.append({"name": "eagle3_shifted_control", "spec_type": "draft-eagle3", "draft": str(ctrl),
                  "k": manifests["eagle3"]["num_speculative_tokens"]})
+    runs.append({"name": "dspark_speculators_control", "spec_type": "draft-dspark",
+                 "draft": str(speculators_dspark(ckpts["dspark_full"], target, root / "exports" / "dspark_spec")),
+                 "k": manifests["dspark_full"]["num_speculative_tokens"]})
     engine = L.serve(tgt_gguf, prompts, MAX_NEW, runs)
     return {"engine": engine, "harness": harness, "prompts": prompts, "manifests": manifests,
             "n_candidates": len(cands), "n_prompts": len(prompts)}

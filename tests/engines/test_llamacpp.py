@@ -2,12 +2,12 @@
 T=0, with the acceptance draftsmith's harness measured (issue 22). One session fixture (served_llamacpp.py) trains,
 exports (``--format gguf``) and serves everything once.
 
-Tolerance of the acceptance comparison. The engine gets prompt + t0 (eval/llamacpp.py), so its rounds start where
-the harness's do; both decode greedily in float32 with the same weights, so every round drafts and accepts the
-same tokens, except in each request's last in-budget round: with one token left the harness drafts nothing, while
-llama.cpp reads its draft cap 0 as "the default" and drafts K. So per prompt the engine may count one more draft
-and one more accepted token at each position (never fewer): 0 <= engine - harness <= N over N prompts. A draft
-served wrong (capture layers off by one: the control) changes the drafts in every round, far outside the band.
+Tolerance of the acceptance comparison: none, round by round. The engine gets prompt + t0 (eval/llamacpp.py), so
+its rounds start where the harness's do; both decode greedily in float32 with the same weights, so every round
+drafts and accepts the same tokens, except that a request may end with one more engine round: with one token
+left the harness drafts nothing, while llama.cpp reads its draft cap 0 as "the default" and drafts K. So per
+prompt the engine's accepted-per-round list must start with the harness's and be at most one round longer. A draft
+served wrong changes some round (the two controls show it on drafters this weak).
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ def test_prompts_are_aligned(served):
     assert served["n_prompts"] == 4, f"only {served['n_prompts']} of {served['n_candidates']} candidates aligned"
 
 
-@pytest.mark.parametrize("name", ["ar", "ngram", *DRAFTS, "eagle3_shifted_control"])
+CONTROLS = ["eagle3_shifted_control", "dspark_speculators_control"]
+
+
+@pytest.mark.parametrize("name", ["ar", "ngram", *DRAFTS, *CONTROLS])
 def test_llamacpp_decodes_losslessly(served, name):
     """llama.cpp's text continues every prompt exactly as draftsmith's AR tokens (its AR gives exactly them)."""
     from eval.llamacpp import matches_harness
@@ -53,22 +56,18 @@ def test_llamacpp_decodes_losslessly(served, name):
         assert [p["text"] + t for p, t in zip(served["prompts"], r["texts"])] == full
 
 
-def _outside_band(engine: dict, harness: dict, n: int) -> list[str]:
-    bad = []
-    if not 0 <= engine["num_drafts"] - harness["num_drafts"] <= n:
-        bad.append(f"drafts {engine['num_drafts']} vs harness {harness['num_drafts']}")
-    for j, (e, h) in enumerate(zip(engine["accepted_per_pos"], harness["accepted_per_pos"])):
-        if not 0 <= e - h <= n:
-            bad.append(f"position {j + 1}: accepted {e} vs harness {h}")
-    return bad
+def _differs(engine: list[list[int]], harness: list[list[int]]) -> list[str]:
+    """Prompts whose engine rounds are not the harness's (plus at most one final round): module docstring."""
+    return [f"prompt {i}: engine {e} vs harness {h}" for i, (e, h) in enumerate(zip(engine, harness))
+            if e[:len(h)] != h or len(e) - len(h) not in (0, 1)]
 
 
 @pytest.mark.parametrize("name", DRAFTS)
 def test_llamacpp_acceptance_equals_the_harness(served, name):
     r, h = _run(served, name), served["harness"][name]
     assert len(r["counts"]["accepted_per_pos"]) == r["k"]
-    assert not _outside_band(r["counts"], h, served["n_prompts"]), (
-        f"{name}: llama.cpp {r['counts']} vs harness { {x: h[x] for x in ('num_drafts', 'accepted_per_pos')} }")
+    bad = _differs(r["accepted_by_round"], h["accepted_by_round"])
+    assert not bad, f"{name}: " + "; ".join(bad)
     assert h["num_accepted_tokens"] > 0  # a drafter that never accepts would make this test vacuous
 
 
@@ -78,8 +77,18 @@ def test_block_drafters_accept_past_the_first_slot(served):
         assert served["harness"][name]["accepted_per_pos"][1] > 0, f"{name} too weak: {served['harness'][name]}"
 
 
-def test_shifted_layer_ids_leave_the_band(served):
-    """The check has power: the EAGLE-3 draft fed layers off by one stays lossless but accepts differently."""
+def test_shifted_layer_ids_are_seen(served):
+    """The check has power: the EAGLE-3 draft fed layers off by one stays lossless but drafts other tokens."""
     ctrl = _run(served, "eagle3_shifted_control")
-    assert _outside_band(ctrl["counts"], served["harness"]["eagle3"], served["n_prompts"]), (
-        f"capture ids + 1 gave the trained drafter's acceptance: {ctrl['counts']}")
+    assert _differs(ctrl["accepted_by_round"], served["harness"]["eagle3"]["accepted_by_round"]), (
+        f"capture ids + 1 gave the trained drafter's rounds: {ctrl['counts']}")
+
+
+def test_llamacpp_ties_a_full_vocabulary_speculators_dspark_head(served):
+    """An engine bug --format gguf routes around (z-lab layout first), tracked: llama.cpp's converter drops the
+    speculators DSpark export's lm_head when the draft vocabulary is full, keeps its embedding, and its loader
+    then uses that embedding as the output head; on an untied target (tiny-code) drafts are wrong. When llama.cpp
+    serves it right, this fails: then the speculators row may come first again."""
+    ctrl, h = _run(served, "dspark_speculators_control"), served["harness"]["dspark_full"]
+    assert _differs(ctrl["accepted_by_round"], h["accepted_by_round"])
+    assert ctrl["counts"]["num_accepted_tokens"] < h["num_accepted_tokens"] / 2, ctrl["counts"]

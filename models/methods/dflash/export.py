@@ -485,14 +485,17 @@ FORMATS = (
                  lambda cfg, _p: "DFlashDraftModel" in architectures(cfg),
                  readme=partial(readme_dflash, "dflash_zlab"), llamacpp="draft-dflash"),
     # DSpark = a DFlash drafter with block_head=markov, sample_from_anchor=true (the same method)
+    ExportFormat("dspark_zlab", "dspark", "dflash", "SGLang (DSPARK), z-lab / SpecForge layout",
+                 build_dspark_zlab, partial(check_dflash, "dspark_zlab"), partial(load_dflash, "dspark_zlab"),
+                 lambda cfg, _p: "DSparkDraftModel" in architectures(cfg),
+                 readme=partial(readme_dspark, "dspark_zlab"), llamacpp="draft-dspark"),
+    # after the z-lab row: llama.cpp converts both, and this one keeps frozen copies of the target's embedding and
+    # head, which its converter turns into a tied head when the draft vocabulary is full (the z-lab layout ships
+    # neither, so llama.cpp shares the target's own); with a reduced vocabulary only this one builds
     ExportFormat("dspark_speculators", "dspark-speculators", "dflash", "vLLM (dspark, speculators format)",
                  build_dspark_speculators, partial(check_dflash, "dspark_speculators"),
                  partial(load_dflash, "dspark_speculators"),
                  lambda cfg, _p: "DSparkSpeculator" in architectures(cfg)
                                  or cfg.get("speculators_model_type") == "dspark",
                  readme=partial(readme_dspark, "dspark_speculators"), llamacpp="draft-dspark"),
-    ExportFormat("dspark_zlab", "dspark", "dflash", "SGLang (DSPARK), z-lab / SpecForge layout",
-                 build_dspark_zlab, partial(check_dflash, "dspark_zlab"), partial(load_dflash, "dspark_zlab"),
-                 lambda cfg, _p: "DSparkDraftModel" in architectures(cfg),
-                 readme=partial(readme_dspark, "dspark_zlab"), llamacpp="draft-dspark"),
 )
