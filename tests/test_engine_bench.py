@@ -21,6 +21,6 @@ def test_render_lists_every_method_and_refusals():
 
 
 def test_cli_refuses_unknown_method_and_unwired_engine(capsys):
-    assert main(["--checkpoint", "peagle=runs/peagle/final"]) == 2  # no format row names a vLLM method
+    assert main(["--checkpoint", "ngram=runs/ngram/final"]) == 2  # no drafter, so no format row names a vLLM method
     assert main(["--engine", "llamacpp"]) == 2
     assert "not wired" in capsys.readouterr().err
