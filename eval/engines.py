@@ -69,13 +69,14 @@ def _run_vllm_once(job: dict, timeout: float, nice: int) -> dict:
 
 
 def speculative_config(fmt: str, export_dir: str | Path, k: int) -> dict:
-    """vLLM's speculative_config for an export: the method its format row names (``ExportFormat.vllm_method``)."""
+    """vLLM's speculative_config for an export: the method its format row names (``ExportFormat.vllm_method``)
+    and the row's other keys (``vllm_options``, e.g. P-EAGLE's ``parallel_drafting``)."""
     from models.export import export_format
 
-    method = export_format(fmt).vllm_method
-    if method is None:
+    f = export_format(fmt)
+    if f.vllm_method is None:
         raise ValueError(f"vLLM does not serve the {fmt} layout (its format row names no vllm_method)")
-    return {"method": method, "model": str(export_dir), "num_speculative_tokens": int(k)}
+    return {"method": f.vllm_method, "model": str(export_dir), "num_speculative_tokens": int(k), **dict(f.vllm_options)}
 
 
 # ============================================================================================ the harness side

@@ -98,8 +98,10 @@ class ExportFormat:
     weights_file: str = "model.safetensors"
     readme: Callable[[dict, dict, Any], list[str]] | None = None
     verify_target: Callable[[Any, Any, str], bool] | None = None
-    # vLLM's ``speculative_config.method`` for this layout (None: vLLM does not serve it)
+    # vLLM's ``speculative_config.method`` for this layout (None: vLLM does not serve it), and the other
+    # speculative_config keys vLLM needs for it (pairs, e.g. P-EAGLE's ``(("parallel_drafting", True),)``)
     vllm_method: str | None = None
+    vllm_options: tuple[tuple[str, Any], ...] = ()
     # llama.cpp's ``--spec-type`` for this layout once converted to GGUF (models/export/llamacpp.py; None: its
     # converter does not take it)
     llamacpp: str | None = None

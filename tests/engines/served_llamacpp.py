@@ -35,10 +35,12 @@ from tests.engines.served import COMMON, RECIPES, _root, _runs_dir
 K = 3
 N_PROMPTS, PROMPT_TOKENS, MAX_NEW, CANDIDATES = 4, 64, 48, 16
 FULL = "draft.config.draft_vocab_size=null"
-# name -> (recipe, overrides); DSpark's warm start is filled in from the DFlash run's directory
+# name -> (recipe, overrides), {runs}: the runs directory. The vLLM tier's data cache (same rows: no second
+# regeneration) and its EAGLE-3 drafter; DFlash and DSpark again with a full vocabulary, DSpark from that DFlash.
 TRAIN = {"eagle3": ("eagle3", RECIPES["eagle3"]),
          "dflash_full": ("dflash", [*RECIPES["dflash"], FULL]),
-         "dspark_full": ("dspark", ["train.steps=60", "data.regenerate=256", "data.max_rows=1024", FULL])}
+         "dspark_full": ("dspark", ["train.steps=60", *RECIPES["dflash"][1:], FULL,
+                                    "draft.config.warm_start={runs}/dflash_full/final"])}
 SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash_full": "draft-dflash", "dspark_full": "draft-dspark"}
 
 
@@ -47,9 +49,9 @@ def train(name: str, runs: Path) -> Path:
     out = runs / name
     if (out / "final" / "model.safetensors").exists():
         return out / "final"
-    if name == "dspark_full":  # DFlash's weights and its data cache (keyed by content: the same rows, no regeneration)
-        over = [*over, f"draft.config.warm_start={train('dflash_full', runs)}",
-                f"data.cache_dir={runs / 'dflash_full' / 'data_cache'}"]
+    if name == "dspark_full":
+        train("dflash_full", runs)
+    over = [a.format(runs=runs) for a in over]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "train", f"+recipe={recipe}", f"output_dir={out}", *COMMON, *over]
     proc = subprocess.run(cmd, cwd=E.REPO, env=env, capture_output=True, text=True)

@@ -8,9 +8,8 @@ Facts (shared/design/dflash.md §4, read against vllm-project/speculators ``mode
   ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``.{q,k}_norm.weight``, ``.mlp.{gate,up,down}_proj.weight``,
   ``.{input,post_attention}_layernorm.weight``.
 - Layer ids: ours (HF ``output_hidden_states`` index) = vLLM / speculators ``aux_hidden_state_layer_ids`` (capture
-  "entering layer k") = z-lab ``dflash_config.target_layer_ids`` + 1 ("output of layer k"). vLLM's update_dflash
-  derives ``target_layer_ids = aux − 1``; SGLang requires target_layer_ids in [0, L_t) (vLLM PR #40727: an
-  off-by-one here cost 3-5 % acceptance silently).
+  "entering layer k") = z-lab ``dflash_config.target_layer_ids`` + 1 ("output of layer k"). vLLM's update_dflash /
+  update_dspark derive ``target_layer_ids = aux − 1``; SGLang wants them in [0, L_t) (vLLM PR #40727: off by one).
 - Block size: vLLM ``num_speculative_tokens`` = B − 1 (speculators ``speculative_tokens``); SGLang's
   ``--speculative-num-draft-tokens`` = B (anchor included).
 - speculators stores ``embed_tokens.weight`` and ``lm_head.weight [Vd, H]`` (frozen copies of the verifier's)
@@ -27,9 +26,10 @@ DSpark (shared/design/dflash.md §7; speculators ``models/dspark/config.py``, Sp
 - z-lab / SGLang (SpecForge ``--to hf``): ``architectures: [DSparkDraftModel]``, ``dflash_config.projector_type:
   dspark`` + the same head keys, ``target_layer_ids`` in the z-lab convention (ours − 1); SGLang
   ``--speculative-algorithm DSPARK --speculative-dspark-block-size B``.
-- W1 is indexed by target ids (speculators 0.9.0 ``MarkovHead``: ``Embedding(verifier_vocab_size, r)``), W2 writes
-  draft-vocabulary logits, so the speculators format holds a reduced draft vocabulary; the z-lab layout has none
-  (as for DFlash) and needs the full vocabulary.
+- W1 is indexed by target ids, W2 writes draft-vocabulary logits (speculators 0.9.0 ``MarkovHead``): the
+  speculators format holds a reduced draft vocabulary, the z-lab layout none (as for DFlash).
+- vLLM 0.32 ``qwen3_dspark.py`` loads these names (``lm_head``, ``d2t`` offsets; ``t2d`` skipped; a reduced vocabulary
+  must ship both) as ``Qwen3DSparkModel``; ``method: dspark`` runs in its V2 model runner only (not vLLM-CPU).
 """
 
 from __future__ import annotations
@@ -107,7 +107,6 @@ def _check_kind(d: nn.Module, dspark: bool) -> None:
                           + (" (export --format dflash-speculators or dflash)" if not _is_dspark(d) else ""))
 
 
-
 def _dspark_fields(d: nn.Module) -> dict:
     c = d.cfg
     return {"markov_rank": int(c.markov_rank), "markov_head_type": c.markov_head_type,
@@ -139,7 +138,8 @@ def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
         "transformer_layer_config": layer,
         "draft_vocab_size": d.draft_vocab_size, "target_hidden_size": d.hidden_size,
         "block_size": B,
-        # speculators / vLLM capture convention = ours; vLLM's update_dflash requires it (and mask_token_id)
+        # speculators / vLLM capture convention = ours; vLLM's update_dflash requires it (and mask_token_id);
+        # update_dspark captures them too (eagle_aux_hidden_state_layer_ids) and derives target_layer_ids = aux - 1
         "aux_hidden_state_layer_ids": ids,
         "mask_token_id": int(d.cfg.mask_token_id),
         # vLLM 0.32 (transformers_utils/configs/speculators/algos.py update_dflash) turns this key into
@@ -457,15 +457,17 @@ def readme_dspark(fmt: str, cfg: dict, side: dict, s: Serve) -> list[str]:
              f"{blk} speculative tokens (vLLM `num_speculative_tokens` <= {blk}; SGLang "
              f"`--speculative-dspark-block-size {blk}`). Serving it with DFlash's B-1 convention shifts every "
              "slot.", "",
-             "Read against speculators `models/dspark/*`, vLLM `update_dspark` and SpecForge "
-             "`configs/qwen3-8b-dspark.json` (shared/design/dflash.md §7); draftsmith has not run either "
-             "engine on it — compare served acceptance with `python -m eval`.", "",
-             "Check the served slot alignment: vLLM's `update_dspark` sets `dspark_bonus_anchor=true`, and a "
-             "vLLM fork patches it to `not sample_from_anchor`, saying upstream forces the DFlash-style layout "
-             "on every speculators checkpoint. vLLM's DSpark runtime does not use the confidence head (SGLang's "
-             "DSPARK sizes each verify window from it; draftsmith's eval: `options.dflash.min_confidence`).", ""]
+             "Read against speculators `models/dspark/*`, vLLM 0.32 (`update_dspark`, `qwen3_dspark.py`, "
+             "`v1/worker/gpu/spec_decode/dspark/speculator.py`) and SpecForge `configs/qwen3-8b-dspark.json` "
+             "(shared/design/dflash.md §7). vLLM 0.32 serves `sample_from_anchor: true` as written "
+             "(`dspark_bonus_anchor = not sample_from_anchor`: num_speculative_tokens query slots from the anchor "
+             "on) with the Markov head; the confidence head only under `enable_adaptive_verification` (SGLang's "
+             "DSPARK sizes each verify window from it; draftsmith's eval: `options.dflash.min_confidence`). It runs "
+             "DSpark in its V2 model runner only, which needs Triton (a GPU): vLLM-CPU 0.32 refuses it (\"Model "
+             "Runner V1 does not support: dspark speculative decoding\"), so draftsmith's engine tier checks how "
+             "vLLM reads this config, not its drafts: compare served acceptance with `python -m eval`.", ""]
     if fmt == "dspark_speculators":
-        return lines + vllm_section(s, s.speculative_config("dspark"), "vLLM (dspark)")
+        return lines + vllm_section(s, s.speculative_config("dspark"), "vLLM (dspark; GPU, Model Runner V2)")
     return lines + ["## SGLang (DSPARK, SGLang PR #30261)", "", "```bash",
                     f"python -m sglang.launch_server --model-path {s.target} \\",
                     f"  --speculative-algorithm DSPARK --speculative-draft-model-path {s.path} \\",
@@ -489,13 +491,12 @@ FORMATS = (
                  build_dspark_zlab, partial(check_dflash, "dspark_zlab"), partial(load_dflash, "dspark_zlab"),
                  lambda cfg, _p: "DSparkDraftModel" in architectures(cfg),
                  readme=partial(readme_dspark, "dspark_zlab"), llamacpp="draft-dspark"),
-    # after the z-lab row: llama.cpp converts both, and this one keeps frozen copies of the target's embedding and
-    # head, which its converter turns into a tied head when the draft vocabulary is full (the z-lab layout ships
-    # neither, so llama.cpp shares the target's own); with a reduced vocabulary only this one builds
+    # after z-lab: with a full vocabulary llama.cpp ties this layout's head to its embedding (README, llama.cpp)
     ExportFormat("dspark_speculators", "dspark-speculators", "dflash", "vLLM (dspark, speculators format)",
                  build_dspark_speculators, partial(check_dflash, "dspark_speculators"),
                  partial(load_dflash, "dspark_speculators"),
                  lambda cfg, _p: "DSparkSpeculator" in architectures(cfg)
                                  or cfg.get("speculators_model_type") == "dspark",
-                 readme=partial(readme_dspark, "dspark_speculators"), llamacpp="draft-dspark"),
+                 readme=partial(readme_dspark, "dspark_speculators"), vllm_method="dspark",
+                 llamacpp="draft-dspark"),
 )

