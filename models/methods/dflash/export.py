@@ -4,9 +4,8 @@ Facts (shared/design/dflash.md §4, read against vllm-project/speculators ``mode
 ``convert/dflash/converter.py``; vLLM ``transformers_utils/configs/speculators/algos.py`` ``update_dflash``,
 ``model_executor/models/qwen3_dflash.py``; SGLang ``srt/speculative/dflash_utils.py``, ``srt/models/dflash.py``):
 
-- Both carry the same body: ``fc.weight [H, F·H]``, ``hidden_norm.weight``, ``norm.weight`` and Qwen3 layers
-  ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``.{q,k}_norm.weight``, ``.mlp.{gate,up,down}_proj.weight``,
-  ``.{input,post_attention}_layernorm.weight``.
+- Both carry the same body: ``fc.weight [H, F·H]``, ``hidden_norm``, ``norm`` and Qwen3 ``layers.{i}.``: ``self_attn.
+  {q,k,v,o}_proj``, ``.{q,k}_norm``, ``mlp.{gate,up,down}_proj``, ``{input,post_attention}_layernorm`` (``.weight``).
 - Layer ids: ours (HF ``output_hidden_states`` index) = vLLM / speculators ``aux_hidden_state_layer_ids`` (capture
   "entering layer k") = z-lab ``dflash_config.target_layer_ids`` + 1 ("output of layer k"). vLLM's update_dflash /
   update_dspark derive ``target_layer_ids = aux − 1``; SGLang wants them in [0, L_t) (vLLM PR #40727: off by one).
@@ -486,17 +485,16 @@ FORMATS = (
                  build_dflash_zlab, partial(check_dflash, "dflash_zlab"), partial(load_dflash, "dflash_zlab"),
                  lambda cfg, _p: "DFlashDraftModel" in architectures(cfg),
                  readme=partial(readme_dflash, "dflash_zlab"), llamacpp="draft-dflash"),
-    # DSpark = a DFlash drafter with block_head=markov, sample_from_anchor=true (the same method)
+    # DSpark = a DFlash drafter with block_head=markov, sample_from_anchor=true (the same method). z-lab first: with a
+    # full vocabulary llama.cpp ties the speculators layout's head to its embedding (README, llama.cpp)
     ExportFormat("dspark_zlab", "dspark", "dflash", "SGLang (DSPARK), z-lab / SpecForge layout",
                  build_dspark_zlab, partial(check_dflash, "dspark_zlab"), partial(load_dflash, "dspark_zlab"),
                  lambda cfg, _p: "DSparkDraftModel" in architectures(cfg),
                  readme=partial(readme_dspark, "dspark_zlab"), llamacpp="draft-dspark"),
-    # after z-lab: with a full vocabulary llama.cpp ties this layout's head to its embedding (README, llama.cpp)
     ExportFormat("dspark_speculators", "dspark-speculators", "dflash", "vLLM (dspark, speculators format)",
                  build_dspark_speculators, partial(check_dflash, "dspark_speculators"),
                  partial(load_dflash, "dspark_speculators"),
                  lambda cfg, _p: "DSparkSpeculator" in architectures(cfg)
                                  or cfg.get("speculators_model_type") == "dspark",
-                 readme=partial(readme_dspark, "dspark_speculators"), vllm_method="dspark",
-                 llamacpp="draft-dspark"),
+                 readme=partial(readme_dspark, "dspark_speculators"), vllm_method="dspark", llamacpp="draft-dspark"),
 )
