@@ -183,6 +183,15 @@ def render(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def combine(root: Path) -> Path:
+    """ROOT/results.md: every ROOT/*/results.json (one per engine and target) rendered in one file."""
+    parts = [json.loads(f.read_text()) for f in sorted(root.glob("*/results.json"))]
+    text = "\n".join(render(r).replace("# In-engine:", "## In-engine:", 1) for r in parts)
+    (root / "results.md").write_text("# In-engine tokens/s: AR, n-gram and each drafter, served by the engines\n\n"
+                                     + text)
+    return root / "results.md"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.engine_bench", description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["vllm", "llamacpp"], default="vllm")
@@ -197,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (vLLM runs 1 OpenMP thread)")
     p.add_argument("--out", default="bench/engines")
+    p.add_argument("--combine", metavar="ROOT", help="only write ROOT/results.md from ROOT/*/results.json")
     a = p.parse_args(argv)
+    if a.combine:
+        print(combine(Path(a.combine)))
+        return 0
     ckpts = dict(c.split("=", 1) for c in a.checkpoint)
     if a.engine == "llamacpp":
         from models.export import ExportError
