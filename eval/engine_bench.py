@@ -179,7 +179,8 @@ def render(res: dict) -> str:
     bs = [str(b) for b in res["batch_sizes"]]
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     lines = [f"# In-engine: {res['engine']} {res['version']} on {res['target']}", "",
-             f"{res['n_prompts']} held-out prompts x {res['max_new_tokens']} new tokens, greedy, float32, "
+             f"{res['n_prompts']} prompts ({res.get('prompts', 'held-out stdlib')}) x {res['max_new_tokens']} new "
+             "tokens, greedy, float32, "
              f"{res.get('threads', 1)} thread(s). Speedups are over the engine's own AR at the same batch size. "
              "Acceptance: unconditional per-position rates (accepted at depth k / drafts), engine | harness.", "",
              "| method | K | lossless | " + " | ".join(f"tok/s B={b} | x AR B={b}" for b in bs)
