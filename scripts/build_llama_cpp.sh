@@ -9,11 +9,30 @@ SRC="$DEST/llama.cpp-$VER"
 TARGETS="${LLAMA_CPP_TARGETS:-llama-speculative-simple llama-completion llama-tokenize}"
 PIP="${PIP:-.venv/bin/pip}"
 have_all() { for t in $TARGETS; do [ -x "$SRC/build/bin/$t" ] || return 1; done; }
-if [ -f "$SRC/.built" ] && have_all; then
+# llama.cpp leaks its logger and never drains it when a tool exits (ggml-org/llama.cpp #22142): on a loaded machine
+# a tool's last lines are lost (the tail of the generated text, the speed and round counters the engine tier reads).
+# One line per tool drains it before main returns; nothing else in the engine is touched.
+MARK="common_log_pause(common_log_main()); // draftsmith: drain the leaked logger (llama.cpp #22142)"
+patched() { grep -qF "$MARK" "$SRC/examples/speculative-simple/speculative-simple.cpp" \
+            && grep -qF "$MARK" "$SRC/tools/completion/completion.cpp"; }
+patch_flush() {
+  MARK="$MARK" python3 - "$SRC" <<'PY'
+import os, pathlib, sys
+root, mark = pathlib.Path(sys.argv[1]), os.environ["MARK"]
+for f in ("examples/speculative-simple/speculative-simple.cpp", "tools/completion/completion.cpp"):
+    p = root / f
+    s = p.read_text()
+    if mark not in s:
+        i = s.rindex("\n    return 0;\n}")  # main's last return
+        p.write_text(s[:i] + "\n    " + mark + s[i:])
+PY
+}
+if [ -f "$SRC/.built" ] && have_all && patched; then
   echo "llama.cpp (llama-cpp-python $VER sources) already built in $SRC/build/bin: $TARGETS"
   exit 0
 fi
-if [ -f "$SRC/.built" ]; then  # same sources, a tool more: build only what is missing (the library is cached)
+if [ -f "$SRC/.built" ]; then  # same sources, a tool more or the patch: build only that (the library is cached)
+  patch_flush
   # shellcheck disable=SC2086
   cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log"
   echo "built $TARGETS in $SRC/build/bin"
@@ -27,6 +46,7 @@ rm -rf "$SRC" "$DEST/src/llama_cpp_python-$VER"
 tar xzf "$DEST/src/llama_cpp_python-$VER.tar.gz" -C "$DEST/src"
 mv "$DEST/src/llama_cpp_python-$VER/vendor/llama.cpp" "$SRC"
 rm -rf "$DEST/src/llama_cpp_python-$VER"
+patch_flush
 cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$SRC/cmake.log"
 # shellcheck disable=SC2086

@@ -2,10 +2,11 @@
 ``--format gguf`` and served by llama.cpp's own tools (eval/llamacpp.py), next to draftsmith's harness.
 
 1. train an EAGLE-3, a full-vocabulary DFlash and a DSpark (warm-started from that DFlash) drafter with the recipes
-   at small step counts (llama.cpp's DFlash converter has no draft vocabulary; ``DRAFTSMITH_ENGINE_CACHE`` keeps
-   them across sessions, as for the vLLM tier);
+   at small step counts (llama.cpp's DFlash converter has no draft vocabulary), and take the vLLM tier's
+   reduced-vocabulary DSpark (same runs directory; ``DRAFTSMITH_ENGINE_CACHE`` keeps them across sessions);
 2. convert tiny-code with the same converter, export every drafter with ``python -m train.export --format gguf``
-   (the CLI users run), plus two controls: the EAGLE-3 export with its capture layer ids shifted by one (the
+   (the CLI users run; its serving manifest checked for the mode these runs use), the EAGLE-3 drafter also in the
+   eagle3-speculators layout, plus two controls: the EAGLE-3 export with its capture layer ids shifted by one (the
    field's most reported silent bug), and the DSpark drafter in the speculators layout, which llama.cpp serves
    with a wrong head on this untied target (its converter drops a full-vocabulary draft's lm_head but keeps its
    embedding, and the loader then ties the two);
@@ -37,10 +38,17 @@ N_PROMPTS, PROMPT_TOKENS, MAX_NEW, CANDIDATES = 4, 64, 48, 16
 FULL = "draft.config.draft_vocab_size=null"
 # name -> (recipe, overrides), {runs}: the runs directory. The vLLM tier's data cache (same rows: no second
 # regeneration) and its EAGLE-3 drafter; DFlash and DSpark again with a full vocabulary, DSpark from that DFlash.
+# "dflash"/"dspark": the vLLM tier's reduced-vocabulary pair (the same runs), for DSpark's d2t path.
 TRAIN = {"eagle3": ("eagle3", RECIPES["eagle3"]),
          "dflash_full": ("dflash", [*RECIPES["dflash"], FULL]),
          "dspark_full": ("dspark", ["train.steps=60", *RECIPES["dflash"][1:], FULL,
-                                    "draft.config.warm_start={runs}/dflash_full/final"])}
+                                    "draft.config.warm_start={runs}/dflash_full/final"]),
+         "dflash": ("dflash", RECIPES["dflash"]),
+         "dspark": ("dspark", RECIPES["dspark"])}
+NEEDS = {"dspark_full": "dflash_full", "dspark": "dflash"}  # warm starts: trained first
+# served through --format gguf (the results' names); plus the eagle3-speculators layout of the EAGLE-3 drafter
+SERVED = ["eagle3", "dflash_full", "dspark_full", "dspark"]
+LAYOUTS = {"eagle3_speculators": "eagle3"}
 SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash_full": "draft-dflash", "dspark_full": "draft-dspark"}
 
 
@@ -49,8 +57,8 @@ def train(name: str, runs: Path) -> Path:
     out = runs / name
     if (out / "final" / "model.safetensors").exists():
         return out / "final"
-    if name == "dspark_full":
-        train("dflash_full", runs)
+    if name in NEEDS:
+        train(NEEDS[name], runs)
     over = [a.format(runs=runs) for a in over]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "train", f"+recipe={recipe}", f"output_dir={out}", *COMMON, *over]
@@ -83,19 +91,54 @@ def shifted_control(src: Path, out: Path) -> Path:
     return G.convert(hf, out / G.DRAFT, G.target_directory("tiny-code"))
 
 
-def speculators_dspark(ckpt: Path, target, out: Path) -> Path:
-    """The full-vocabulary DSpark drafter in the dspark-speculators layout (frozen embedding + lm_head copies),
-    converted: what --format gguf avoids by taking the z-lab layout first."""
+def converted(ckpt: Path, fmt: str, target, out: Path) -> Path:
+    """A drafter exported in layout ``fmt`` and converted by llama.cpp's converter (what --format gguf does for
+    its first layout; here for the others llama.cpp also takes)."""
     from models.export import export
     from models.registry import load_drafter
 
     d, meta = load_drafter(ckpt, target)
-    hf = export(d, "dspark_speculators", out / "hf", target, target_name="tiny-code", meta=meta, overwrite=True)
+    hf = export(d, fmt, out / "hf", target, target_name="tiny-code", meta=meta, overwrite=True)
     return G.convert(hf, out / G.DRAFT, G.target_directory("tiny-code"))
+
+
+def draft_tie_gaps(target, drafter, ckpt: Path, prompts: list[list[int]], k: int) -> list[list[float]]:
+    """Per prompt, per drafting round: the smallest top-2 logit gap among the harness drafter's greedy picks
+    (DFlash/DSpark: models/methods/dflash/proposers.py ``pick_token``, wrapped for this pass only). A round whose
+    pick is a near tie may draft another token in an engine's float32 kernels without anything being wrong."""
+    import torch
+
+    import models.methods.dflash.proposers as P
+    from eval.decode import speculative_decode
+
+    gaps, orig = [], P.pick_token
+
+    def pick(logits, *a, **kw):
+        top = torch.topk(logits.float(), 2).values
+        gaps.append(float(top[0] - top[1]))
+        return orig(logits, *a, **kw)
+
+    out = []
+    P.pick_token = pick
+    try:
+        for ids in prompts:
+            gaps.clear()
+            r = speculative_decode(target, E.chain_proposer("dflash", drafter, target, str(ckpt), k),
+                                   torch.tensor([ids]), MAX_NEW)
+            rounds, i = [], 0
+            for d in r.drafted:
+                if d > 0:
+                    rounds.append(min(gaps[i:i + d]))
+                i += d
+            out.append(rounds)
+    finally:
+        P.pick_token = orig
+    return out
 
 
 def _build(root: Path, runs_dir: Path) -> dict:
     from data.corpus import heldout_prompts
+    from models.export import validate
     from models.registry import load_drafter
     from models.target import FrozenTarget
 
@@ -111,18 +154,26 @@ def _build(root: Path, runs_dir: Path) -> dict:
             L.ngram_run(K)]
     harness = {"ar": {"outputs": E.ar_outputs(target, ids, MAX_NEW)}}
     manifests = {}
-    for n, ck in ckpts.items():
+    for n in SERVED:
+        ck = ckpts[n]
         out = export_gguf(ck, root / "exports" / n)
         manifests[n] = G.check_gguf(out)
+        validate(out / "hf", None, target, enable_thinking=False)  # the serving mode of these runs (manifest)
         k = manifests[n]["num_speculative_tokens"]
         runs.append({"name": n, "spec_type": manifests[n]["spec_type"], "draft": str(out / G.DRAFT), "k": k})
         d, _ = load_drafter(ck, target)
         harness[n] = E.harness_counts(target, d.config_dict()["method"], d, str(ck), ids, MAX_NEW, k)
+        if d.config_dict()["method"] == "dflash":
+            harness[n]["tie_gaps"] = draft_tie_gaps(target, d, ck, ids, k)
     ctrl = shifted_control(root / "exports" / "eagle3", root / "exports" / "eagle3_shifted")
     runs.append({"name": "eagle3_shifted_control", "spec_type": "draft-eagle3", "draft": str(ctrl),
                  "k": manifests["eagle3"]["num_speculative_tokens"]})
+    for fmt, n in LAYOUTS.items():
+        runs.append({"name": fmt, "spec_type": manifests[n]["spec_type"], "k": manifests[n]["num_speculative_tokens"],
+                     "draft": str(converted(ckpts[n], fmt, target, root / "exports" / fmt))})
     runs.append({"name": "dspark_speculators_control", "spec_type": "draft-dspark",
-                 "draft": str(speculators_dspark(ckpts["dspark_full"], target, root / "exports" / "dspark_spec")),
+                 "draft": str(converted(ckpts["dspark_full"], "dspark_speculators", target,
+                                        root / "exports" / "dspark_spec")),
                  "k": manifests["dspark_full"]["num_speculative_tokens"]})
     engine = L.serve(tgt_gguf, prompts, MAX_NEW, runs)
     return {"engine": engine, "harness": harness, "prompts": prompts, "manifests": manifests,

@@ -7,18 +7,22 @@ its rounds start where the harness's do; both decode greedily in float32 with th
 drafts and accepts the same tokens, except that a request may end with one more engine round: with one token
 left the harness drafts nothing, while llama.cpp reads its draft cap 0 as "the default" and drafts K. So per
 prompt the engine's accepted-per-round list must start with the harness's and be at most one round longer. A draft
-served wrong changes some round (the two controls show it on drafters this weak).
+served wrong changes some round (the two controls show it on drafters this weak). One exception, measured: where
+the harness's own drafter picks between two tokens whose logits differ by less than NEAR_TIE (DSpark on tiny-code:
+0.0003 at one round of one prompt), llama.cpp's float32 kernels may pick the other; a prompt may then leave the
+harness's rounds there, and only there.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.engines.served_llamacpp import TRAIN, llamacpp_results
+from tests.engines.served_llamacpp import LAYOUTS, SERVED, llamacpp_results
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-DRAFTS = list(TRAIN)
+DRAFTS = [*SERVED, *LAYOUTS]
+HARNESS = {**{n: n for n in SERVED}, **LAYOUTS}  # the drafter whose harness run a served layout is compared with
 
 
 @pytest.fixture(scope="session")
@@ -56,24 +60,36 @@ def test_llamacpp_decodes_losslessly(served, name):
         assert [p["text"] + t for p, t in zip(served["prompts"], r["texts"])] == full
 
 
-def _differs(engine: list[list[int]], harness: list[list[int]]) -> list[str]:
-    """Prompts whose engine rounds are not the harness's (plus at most one final round): module docstring."""
-    return [f"prompt {i}: engine {e} vs harness {h}" for i, (e, h) in enumerate(zip(engine, harness))
-            if e[:len(h)] != h or len(e) - len(h) not in (0, 1)]
+NEAR_TIE = 1e-2
+
+
+def _differs(engine: list[list[int]], harness: list[list[int]], gaps: list[list[float]] | None = None) -> list[str]:
+    """Prompts whose engine rounds are not the harness's (plus at most one final round), unless they first part at
+    a round where the harness's drafter had a near tie (``gaps``: per prompt, per round): module docstring."""
+    bad = []
+    for i, (e, h) in enumerate(zip(engine, harness)):
+        if e[:len(h)] == h and len(e) - len(h) in (0, 1):
+            continue
+        j = next((j for j, (a, b) in enumerate(zip(e, h)) if a != b), min(len(e), len(h)))
+        if gaps is not None and j < len(gaps[i]) and gaps[i][j] < NEAR_TIE:
+            print(f"prompt {i} leaves the harness at round {j}, a near tie (top-2 gap {gaps[i][j]:.4f})")
+            continue
+        bad.append(f"prompt {i}: engine {e} vs harness {h} (first differs at round {j})")
+    return bad
 
 
 @pytest.mark.parametrize("name", DRAFTS)
 def test_llamacpp_acceptance_equals_the_harness(served, name):
-    r, h = _run(served, name), served["harness"][name]
+    r, h = _run(served, name), served["harness"][HARNESS[name]]
     assert len(r["counts"]["accepted_per_pos"]) == r["k"]
-    bad = _differs(r["accepted_by_round"], h["accepted_by_round"])
+    bad = _differs(r["accepted_by_round"], h["accepted_by_round"], h.get("tie_gaps"))
     assert not bad, f"{name}: " + "; ".join(bad)
     assert h["num_accepted_tokens"] > 0  # a drafter that never accepts would make this test vacuous
 
 
 def test_block_drafters_accept_past_the_first_slot(served):
     """The DFlash/DSpark checks have power only if their drafters accept at slot 2+ (a slot bug shows there)."""
-    for name in ("dflash_full", "dspark_full"):
+    for name in ("dflash_full", "dspark_full", "dspark"):
         assert served["harness"][name]["accepted_per_pos"][1] > 0, f"{name} too weak: {served['harness'][name]}"
 
 
