@@ -34,7 +34,7 @@ fi
 if [ -f "$SRC/.built" ]; then  # same sources, a tool more or the patch: build only that (the library is cached)
   patch_flush
   # shellcheck disable=SC2086
-  cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log"
+  cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log" 2>&1 || { tail -30 "$SRC/build.log"; exit 1; }
   echo "built $TARGETS in $SRC/build/bin"
   exit 0
 fi
@@ -48,8 +48,8 @@ mv "$DEST/src/llama_cpp_python-$VER/vendor/llama.cpp" "$SRC"
 rm -rf "$DEST/src/llama_cpp_python-$VER"
 patch_flush
 cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$SRC/cmake.log"
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$SRC/cmake.log" 2>&1 || { tail -30 "$SRC/cmake.log"; exit 1; }
 # shellcheck disable=SC2086
-cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log"
+cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log" 2>&1 || { tail -30 "$SRC/build.log"; exit 1; }
 touch "$SRC/.built"
 echo "built $TARGETS in $SRC/build/bin"
