@@ -4,6 +4,10 @@ Per row we store the requested layers' states plus the last hidden state after t
 (id L), from which the target's logits are recomputed on the fly with its lm_head — storing
 logits would cost V/H times more disk. Shards are safetensors files written atomically, so an
 interrupted build resumes at the first missing shard. The manifest reports bytes per token.
+
+One cache can serve several methods: it may store more layers than a method reads (``store_layer_ids``, from
+``train.feature_layers``), and a cache whose stored layers include the requested ones is reused as it is, so the
+30-layer target runs once for every recipe that shares the directory.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ _FIX = "free space, or point train.feature_cache at a larger disk"
 
 
 def _key(meta: dict) -> dict:
-    return {k: meta[k] for k in ("target", "layer_ids", "dtype", "rows", "shard_rows", "row_digest")}
+    """What decides the content, bar the layer set (a superset serves a subset; checked apart)."""
+    return {k: meta[k] for k in ("target", "dtype", "rows", "shard_rows", "row_digest")}
 
 
 def _row_digest(rows: list[dict]) -> str:
@@ -38,11 +43,16 @@ def _row_digest(rows: list[dict]) -> str:
 
 class FeatureCache:
     def __init__(self, root: Path, target: FrozenTarget, rows: list[dict], layer_ids: list[int],
-                 dtype: str = "bfloat16", shard_rows: int = 64, batch_size: int = 8):
+                 dtype: str = "bfloat16", shard_rows: int = 64, batch_size: int = 8,
+                 store_layer_ids: list[int] | None = None):
         self.root, self.target, self.rows = Path(root), target, rows
-        self.layer_ids = sorted(set(layer_ids) | {target.num_layers})
+        self.layer_ids = sorted(set(layer_ids) | {target.num_layers})  # what get/batch return
+        bad = [k for k in store_layer_ids or [] if not 0 <= k <= target.num_layers]
+        if bad:
+            raise ValueError(f"train.feature_layers {bad}: layer ids must lie in [0, {target.num_layers}]")
+        self.stored = sorted(set(self.layer_ids) | set(store_layer_ids or []))  # what the shards hold
         self.dtype, self.shard_rows, self.batch_size = parse_dtype(dtype), shard_rows, batch_size
-        self.meta = {"target": target.identity(), "layer_ids": self.layer_ids, "dtype": str(self.dtype),
+        self.meta = {"target": target.identity(), "layer_ids": self.stored, "dtype": str(self.dtype),
                      "rows": len(rows), "shard_rows": shard_rows, "row_digest": _row_digest(rows)}
         self._shard: tuple[int, dict[str, torch.Tensor]] | None = None
 
@@ -58,8 +68,15 @@ class FeatureCache:
         if mpath.exists():
             old = json.loads(mpath.read_text())
             if _key(old) != _key(self.meta):
-                raise ValueError(f"feature cache {self.root} was built for other data/target/layers; "
+                raise ValueError(f"feature cache {self.root} was built for other data/target/dtype; "
                                  "delete it or set train.feature_cache to a new directory")
+            missing = sorted(set(self.layer_ids) - set(old["layer_ids"]))
+            if missing:
+                raise ValueError(f"feature cache {self.root} stores layers {old['layer_ids']}, not {missing}; "
+                                 "set train.feature_cache to a new directory (train.feature_layers: the union "
+                                 "of every method that shares one)")
+            self.stored = list(old["layer_ids"])  # reused as built: its shards hold these
+            self.meta["layer_ids"] = self.stored
         with out_of_space_as_error(mpath, _FIX):
             mpath.write_text(json.dumps(self.meta, indent=1))
         todo = [i for i in range(self.n_shards()) if not self.shard_path(i).exists()]
@@ -81,10 +98,10 @@ class FeatureCache:
         for b in range(lo, hi, self.batch_size):
             chunk = self.rows[b : min(hi, b + self.batch_size)]
             ids = pad_ids([r["input_ids"] for r in chunk], self.target.model.config.pad_token_id or 0)
-            out = self.target(ids, layer_ids=self.layer_ids, logits_to_keep=1)  # logits come from h_L later
+            out = self.target(ids, layer_ids=self.stored, logits_to_keep=1)  # logits come from h_L later
             for j, r in enumerate(chunk):
                 n = len(r["input_ids"])
-                for k in self.layer_ids:
+                for k in self.stored:
                     tensors[f"{b + j}.{k}"] = out.hidden[k][j, :n].to(self.dtype).contiguous()
         tmp = self.shard_path(i).with_suffix(".tmp")
         try:

@@ -97,6 +97,34 @@ def test_online_and_offline_give_same_loss(target_dir, tmp_path):
     assert cache.shard_path(1).exists()
 
 
+def test_one_feature_cache_serves_methods_whose_layers_it_stores(target_dir, tmp_path):
+    """train.feature_layers: a cache built with the union of layers serves each subset, bit-identical to a cache of
+    its own; a layer it does not store, or other data, is refused with the fix."""
+    target = FrozenTarget.from_pretrained(str(target_dir))
+    rows, _ = build_rows(DataConfig(max_rows=6, max_len=48, val_rows=2), target.tokenizer)
+    shared = FeatureCache(tmp_path / "shared", target, rows, [1], dtype="float32", shard_rows=4,
+                          store_layer_ids=[1, 2, 3])
+    shared.build(show_progress=False)
+    n_files = len(list((tmp_path / "shared").iterdir()))
+    reader = FeatureCache(tmp_path / "shared", target, rows, [2, 3], dtype="float32", shard_rows=4)
+    reader.build(show_progress=False)  # nothing to build: its layers are stored
+    assert len(list((tmp_path / "shared").iterdir())) == n_files
+    own = FeatureCache(tmp_path / "own", target, rows, [2, 3], dtype="float32", shard_rows=4)
+    own.build(show_progress=False)
+    h_shared, logits_shared = reader.batch([0, 5], 48)
+    h_own, logits_own = own.batch([0, 5], 48)
+    assert sorted(h_shared) == sorted(h_own) == [2, 3, target.num_layers]
+    for k in h_own:
+        assert torch.equal(h_shared[k], h_own[k])
+    assert torch.equal(logits_shared, logits_own)
+    with pytest.raises(ValueError, match=r"not \[0\].*feature_layers"):
+        FeatureCache(tmp_path / "shared", target, rows, [0, 1], dtype="float32", shard_rows=4).build(False)
+    with pytest.raises(ValueError, match="other data"):
+        FeatureCache(tmp_path / "shared", target, rows[:5], [1], dtype="float32", shard_rows=4).build(False)
+    with pytest.raises(ValueError, match="layer ids must lie"):
+        FeatureCache(tmp_path / "z", target, rows, [1], store_layer_ids=[99])
+
+
 def test_wrong_tokenizer_data_is_refused(tiny_tokenizer):
     class Big:
         def __len__(self):

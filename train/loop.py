@@ -289,7 +289,7 @@ def build_feature_cache(t: Training) -> None:
     cfg, d = t.cfg, t.d
     if cfg.train.mode == "offline":
         t.cache = FeatureCache(Path(cfg.train.feature_cache), t.target, t.train_rows, list(t.drafter.layer_ids),
-                               dtype=cfg.train.feature_dtype)
+                               dtype=cfg.train.feature_dtype, store_layer_ids=cfg.train.get("feature_layers"))
         if d.is_main:
             m = t.cache.build()
             t.log(f"feature cache: {m['bytes'] / 1e6:.1f} MB, {m['bytes_per_token']:.0f} bytes/token")
