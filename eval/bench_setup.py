@@ -307,7 +307,9 @@ def build_methods(
 
     ``variants`` {name: {"method": a proposer name, option: value, ...}}: the same method with other options,
     benchmarked as its own row (what a config switch buys, e.g. EAGLE-3 drafting in bf16); None → the variants
-    the proposers declare (``registry.variants()``)."""
+    the proposers declare (``registry.variants()``). A variant with its own ``checkpoints.<variant>`` loads that
+    drafter instead (a DSpark checkpoint is a dflash one: ``+variants.dspark={method: dflash}`` and
+    ``+checkpoints.dspark=runs/dspark/final`` put it beside DFlash in one run)."""
     checkpoints = dict(checkpoints or {})
     table = registry.proposers()
     variants = {k: dict(v) for k, v in (registry.variants() if variants is None else variants).items()}
@@ -370,7 +372,7 @@ def _source_path(spec: MethodSpec, name: str, checkpoints: Mapping[str, str | No
         if str(draft_model).startswith(("runs/", "./", "/")) and not Path(draft_model).exists():
             return None, f"{name} {draft_model} not found (tiny-code's: python -m train.build_tiny_code --draft)"
         return str(draft_model), None
-    path = checkpoints.get(spec.name)
+    path = checkpoints.get(name) or checkpoints.get(spec.name)  # a variant may name its own: checkpoints.<variant>
     if not path or not (Path(path) / "model.safetensors").exists():
         return None, f"no checkpoint at {path!r} (train it: python -m train +recipe={spec.name})"
     return str(path), None

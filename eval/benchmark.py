@@ -241,7 +241,9 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
     results.update(skipped=dict(skipped or {}), runs=runs, peers=peer_summaries(single, s), policy=policy,
                    batch=batch)
     # what each drafter cost to train and its learning curve (eval/training.py, from its run directory)
-    results["training"] = collect_training((m.kind, m.checkpoint) for m in methods if not m.baseline)
+    # (a variant with a drafter of its own under its name; one sharing its method's is reported once, there)
+    results["training"] = collect_training((m.variant_of and m.name or m.kind, m.checkpoint)
+                                           for m in methods if not m.baseline)
     results.update(recommendation(swept, policy))
     results["lossless"] = all(v["lossless"] for v in results["methods"].values())
     return results

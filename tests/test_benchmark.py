@@ -497,6 +497,25 @@ def test_variants_run_a_method_with_other_options_as_its_own_row(env):
         build_methods(env.target, ["x"], env.ckpts, variants={"x": {"method": "eagle3", "weights": "fp4"}})
 
 
+def test_a_variant_with_its_own_checkpoint_runs_that_drafter_beside_its_method(env, tmp_path):
+    """``checkpoints.<variant>``: a second drafter of one method (DSpark beside DFlash) in the same run, loaded from
+    its own directory and reported under its own name, training record included."""
+    other = _train(env.dir / "target", tmp_path / "other", "eagle3")
+    variants = {"eagle3_b": {"method": "eagle3"}}
+    ckpts = {**env.ckpts, "eagle3_b": other}
+    methods, _ = build_methods(env.target, ["eagle3", "eagle3_b"], ckpts, options=OPTIONS, variants=variants)
+    by = {m.name: m for m in methods}
+    assert by["eagle3_b"].checkpoint == other and by["eagle3"].checkpoint == env.ckpts["eagle3"]
+    assert by["eagle3_b"].model is not by["eagle3"].model
+    r = run_benchmark(env.target, methods, env.prompts, settings(temperatures=[0], repetitions=1, batch_sizes=[],
+                                                                 peers=False))
+    assert r["lossless"] and set(r["training"]) == {"eagle3", "eagle3_b"}
+    assert r["training"]["eagle3_b"]["steps"] == 2
+    # without one, the variant shares its method's drafter and is reported once, under the method
+    methods, _ = build_methods(env.target, ["eagle3", "eagle3_b"], env.ckpts, options=OPTIONS, variants=variants)
+    assert {m.checkpoint for m in methods if not m.baseline} == {env.ckpts["eagle3"]}
+
+
 def test_training_cost_and_learning_curve_come_from_the_run_directories(full, env, tmp_path):
     """results["training"]: per trained drafter the steps, training minutes (metrics.jsonl elapsed_s), the
     held-out curve (val.jsonl) and the data cost (data_stats.json); the report draws learning_curve.png."""
