@@ -1,0 +1,112 @@
+"""Copy a trained run into the repo as a shipped drafter: ``final/`` with its weights in fp16, plus the run's
+training record (metrics.jsonl, val.jsonl, data_stats.json), so the benchmark runs, and reports what the drafter
+cost to train, on a fresh machine without retraining. Every machine this project runs on starts bare; a drafter
+that took an hour of CPU to train is kept only in git.
+
+    python scripts/ship_drafter.py runs/eagle3_smollm2 models/smollm2_drafters/eagle3 --recipe eagle3_smollm2
+
+The copy is checked before it is kept: it loads as a drafter of the target it was trained for (config.json's
+target identity), every tensor finite. ``manifest.json`` says where it came from (recipe, steps, source sha256,
+this commit) and the fp16 file's sha256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+RECORD = ("metrics.jsonl", "val.jsonl", "data_stats.json")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def to_fp16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32 weights → fp16; integer buffers (vocabulary maps) unchanged. Refuses weights fp16 cannot hold."""
+    out = {}
+    for k, v in state.items():
+        if v.is_floating_point():
+            if v.abs().max() > torch.finfo(torch.float16).max:
+                raise ValueError(f"{k}: a weight exceeds fp16's range; ship this drafter in fp32")
+            v = v.to(torch.float16)
+        out[k] = v.contiguous()
+    return out
+
+
+def ship(run: Path, dest: Path, recipe: str | None, target: str | None) -> dict:
+    final = run / "final"
+    if not (final / "model.safetensors").exists():
+        raise FileNotFoundError(f"{final}/model.safetensors: not a finished run (train it first)")
+    if dest.exists():
+        raise FileExistsError(f"{dest} exists; remove it yourself to ship a new drafter there")
+    tmp = Path(tempfile.mkdtemp(prefix=".ship_", dir=dest.parent if dest.parent.exists() else None))
+    try:
+        (tmp / "final").mkdir()
+        for f in final.iterdir():
+            if f.is_file() and f.name != "model.safetensors":
+                shutil.copy2(f, tmp / "final" / f.name)
+        save_file(to_fp16(load_file(str(final / "model.safetensors"))), str(tmp / "final" / "model.safetensors"))
+        for name in RECORD:
+            if (run / name).exists():
+                shutil.copy2(run / name, tmp / name)
+        meta = json.loads((final / "config.json").read_text())
+        if target is not None:  # loads as a drafter of its target, the fp16 weights finite
+            from models.registry import load_drafter
+            from models.target import FrozenTarget
+
+            load_drafter(tmp / "final", FrozenTarget.from_pretrained(target))
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        manifest = {"method": meta.get("method"), "recipe": recipe, "source": str(run),
+                    "source_sha256": sha256(final / "model.safetensors"),
+                    "fp16_sha256": sha256(tmp / "final" / "model.safetensors"),
+                    "bytes": (tmp / "final" / "model.safetensors").stat().st_size, "commit": commit,
+                    "steps": _last_step(run / "metrics.jsonl"), "loaded_against": target}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, dest)
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # only what this call wrote
+        raise
+
+
+def _last_step(path: Path) -> int | None:
+    if not path.exists():
+        return None
+    steps = [json.loads(x).get("step") for x in path.read_text().splitlines() if x.strip()]
+    return max((s for s in steps if s is not None), default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="a run directory (its final/ and training record)")
+    ap.add_argument("dest", type=Path, help="where the shipped copy goes (must not exist)")
+    ap.add_argument("--recipe", help="the recipe that trained it, for the manifest")
+    ap.add_argument("--target", help="load the copy against this target (e.g. the GGUF-converted directory)")
+    a = ap.parse_args(argv)
+    try:
+        m = ship(a.run, a.dest, a.recipe, a.target)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"shipped {a.run} → {a.dest} ({m['bytes'] / 1e6:.1f} MB fp16, steps {m['steps']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

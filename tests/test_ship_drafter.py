@@ -1,0 +1,53 @@
+"""scripts/ship_drafter.py: a trained run copied into the repo in fp16 loads back as the same drafter, carries its
+training record, and refuses to overwrite or to ship what is not a finished run."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.registry import load_drafter
+from models.target import FrozenTarget
+from tests.test_train_loop import cfg_for
+from train.loop import run
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("ship_drafter", ROOT / "scripts" / "ship_drafter.py")
+ship_drafter = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ship_drafter)
+
+
+def test_shipped_drafter_is_fp16_loads_and_keeps_its_record(target_dir, tmp_path, capsys):
+    run(cfg_for(target_dir, tmp_path / "run", "train.steps=2", method="dflash"))
+    dest = tmp_path / "repo" / "dflash"
+    assert ship_drafter.main([str(tmp_path / "run"), str(dest), "--recipe", "dflash", "--target",
+                              str(target_dir)]) == 0
+    src, got = (load_file(str(p / "final" / "model.safetensors")) for p in (tmp_path / "run", dest))
+    assert set(src) == set(got)
+    for k, v in src.items():
+        if v.is_floating_point():
+            assert got[k].dtype == torch.float16
+            torch.testing.assert_close(got[k].float(), v, rtol=1e-3, atol=1e-4)
+        else:
+            assert torch.equal(got[k], v)  # vocabulary maps stay exact
+    m = json.loads((dest / "manifest.json").read_text())
+    assert m["method"] == "dflash" and m["steps"] == 2 and m["recipe"] == "dflash"
+    assert m["fp16_sha256"] == ship_drafter.sha256(dest / "final" / "model.safetensors")
+    assert (dest / "metrics.jsonl").exists() and (dest / "val.jsonl").exists()
+    drafter, meta = load_drafter(dest / "final", FrozenTarget.from_pretrained(str(target_dir)))
+    assert meta["method"] == "dflash"
+    # never over what exists; not a finished run; nothing left behind by a refusal
+    capsys.readouterr()
+    assert ship_drafter.main([str(tmp_path / "run"), str(dest)]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert ship_drafter.main([str(tmp_path / "nothing"), str(tmp_path / "repo" / "x")]) == 2
+    assert "not a finished run" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["dflash"]
+
+
+def test_fp16_refuses_weights_out_of_range():
+    with pytest.raises(ValueError, match="fp16's range"):
+        ship_drafter.to_fp16({"w": torch.tensor([1e6])})
