@@ -107,3 +107,28 @@ def test_eval_config_command_line_overrides_and_unknown_options():
     with pytest.raises(ValueError, match=r"^options.ngram: unknown option\(s\) \['foo'\]; known: ") as e:
         build_methods(None, ["ngram"], options=OmegaConf.to_container(cfg.options))  # n-gram needs no target
     assert "\n" not in str(e.value) and str(e.value).count("options.ngram") == 1
+
+
+def test_smollm2_recipes_share_one_feature_cache_that_stores_their_layers():
+    """Every *_smollm2 recipe reads one feature cache (the 30-layer target runs once): the same data rows, and
+    train.feature_layers holds each recipe's layers, so none of them is refused the cache another built."""
+    from models.methods.dflash.config import default_layer_ids as dflash_ids
+    from models.methods.eagle3.config import default_layer_ids as eagle3_ids
+    from models.methods.peagle.config import default_layer_ids as peagle_ids
+
+    L = 30  # SmolLM2-135M-Instruct
+    recipes = sorted(f.stem for f in (CONF / "recipe").glob("*_smollm2.yaml"))
+    assert {"eagle3_smollm2", "dflash_smollm2", "dspark_smollm2", "peagle_smollm2", "medusa_smollm2",
+            "mtp_smollm2"} <= set(recipes)
+    caches, datas = set(), set()
+    for r in recipes:
+        cfg = compose_with("recipe", r)
+        caches.add(cfg.train.feature_cache)
+        datas.add(OmegaConf.to_yaml(cfg.data))
+        assert cfg.train.mode == "offline", r
+        c = cfg.draft.config
+        ids = {"eagle3": lambda: c.layer_ids or eagle3_ids(L), "peagle": lambda: c.layer_ids or peagle_ids(L),
+               "dflash": lambda: c.layer_ids or dflash_ids(L, c.num_layers), "medusa": list,
+               "mtp": list}[cfg.draft.method]()
+        assert set(ids) <= set(cfg.train.feature_layers), (r, ids)
+    assert len(caches) == 1 and len(datas) == 1
