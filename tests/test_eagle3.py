@@ -446,21 +446,3 @@ def test_drafting_precision_switch_is_lossless_and_close(weights):
     assert 0 < rel < 0.05, rel
     with pytest.raises(ValueError, match="weights="):
         Eagle3ChainProposer(dr, weights="fp8")
-
-
-def test_lm_head_init_target_starts_from_the_targets_rows():
-    """lm_head_init=target: a new drafter's head is the target's lm_head rows of its draft vocabulary (untied target:
-    the output head, not the embedding), still trainable; random keeps EAGLE-3's init; a bad value is refused."""
-    from models.methods.eagle3 import build
-
-    model = make_tiny_llama(64, layers=3, hidden=H)
-    target = FrozenTarget(model)
-    assert not torch.equal(model.lm_head.weight, model.get_input_embeddings().weight)
-    rows = [{"input_ids": list(range(3, 40)), "loss_mask": [1] * 37}]
-    d = build(Eagle3Config(layer_ids=[0, 1, 2], draft_vocab_size=24, lm_head_init="target"), target, rows)
-    torch.testing.assert_close(d.lm_head.weight, model.lm_head.weight[d.draft_ids], rtol=0, atol=0)
-    assert d.lm_head.weight.requires_grad
-    r = build(Eagle3Config(layer_ids=[0, 1, 2], draft_vocab_size=24), target, rows)
-    assert not torch.allclose(r.lm_head.weight, model.lm_head.weight[r.draft_ids])
-    with pytest.raises(ValueError, match="lm_head_init"):
-        Eagle3Config(lm_head_init="embed")

@@ -29,15 +29,6 @@ class Eagle3Config:
     norm_before_fc: bool = False  # one RMSNorm over cat(h_0, h_1, h_2) [3H] before fc (tensor input_norm.weight)
     fc_norm: bool = False  # one RMSNorm per fused state before the cat (tensors fc_norm.{i}.weight [H])
     norm_output: bool = False  # the next step reads norm(a) instead of a; logits lm_head(norm(a)) either way
-    # "random": EAGLE-3's own initialisation; "target": lm_head starts as the target's lm_head rows of the draft
-    # vocabulary (still trained), so the first steps learn to reach a state the target's own head reads instead of
-    # also learning a vocabulary projection from scratch (CPU-sized runs). The norm keeps its ones: targets scale
-    # their final norm differently (Gemma's is 1 + w).
-    lm_head_init: str = "random"
-
-    def __post_init__(self) -> None:
-        if self.lm_head_init not in ("random", "target"):
-            raise ValueError(f"draft.config.lm_head_init={self.lm_head_init!r}: use 'random' or 'target'")
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
