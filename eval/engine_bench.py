@@ -60,13 +60,14 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
             {"name": "ngram", "speculative_config": {"method": "ngram", "num_speculative_tokens": k,
                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}}]
     harness, ks = {}, {"ngram": k}
-    for method, ckpt in checkpoints.items():
+    for name, ckpt in checkpoints.items():  # name: the row's label (a method, or e.g. dspark for a dflash drafter)
         d, meta = load_drafter(Path(ckpt), target)
-        ks[method] = _k(method, d, k)
+        method = meta["method"]
+        ks[name] = _k(method, d, k)
         fmt = vllm_format(method)
-        path = export(d, fmt, out / "exports" / fmt, target, meta=meta, recommended_k=ks[method], overwrite=True)
-        runs.append({"name": method, "speculative_config": E.speculative_config(fmt, path, ks[method])})
-        harness[method] = E.harness_counts(target, method, d, ckpt, prompts, max_new, ks[method])
+        path = export(d, fmt, out / "exports" / name, target, meta=meta, recommended_k=ks[name], overwrite=True)
+        runs.append({"name": name, "speculative_config": E.speculative_config(fmt, path, ks[name])})
+        harness[name] = E.harness_counts(target, method, d, ckpt, prompts, max_new, ks[name])
     ar = E.ar_outputs(target, prompts, max_new)
     engine = E.run_vllm({"target": resolve_name(target_name), "prompts": prompts, "max_new_tokens": max_new,
                          "runs": runs, "batch_sizes": batch_sizes, "max_num_seqs": max(batch_sizes)})
@@ -122,13 +123,13 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
     ids = [p["input_ids"] for p in prompts]
     runs = [{"name": "ar", "spec_type": None}, L.ngram_run(k)]
     harness = {}
-    for method, ckpt in checkpoints.items():
+    for name, ckpt in checkpoints.items():  # name: the row's label (a method, or e.g. dspark for a dflash drafter)
         d, meta = load_drafter(Path(ckpt), target)
-        g = G.export_gguf(d, out / "exports" / method, target, target_name=target_name, meta=meta, overwrite=True)
+        g = G.export_gguf(d, out / "exports" / name, target, target_name=target_name, meta=meta, overwrite=True)
         m = G.check_gguf(g)
-        runs.append({"name": method, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
+        runs.append({"name": name, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
                      "k": m["num_speculative_tokens"]})
-        harness[method] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, m["num_speculative_tokens"])
+        harness[name] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, m["num_speculative_tokens"])
     ar = E.ar_outputs(target, ids, max_new)
     engine = L.serve(tgt, prompts, max_new, runs, threads)
     base = engine["ar"].get("tokens_per_s") if engine["ar"]["ok"] else None
@@ -215,8 +216,9 @@ def combine(root: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.engine_bench", description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["vllm", "llamacpp"], default="vllm")
-    p.add_argument("--checkpoint", action="append", default=[], metavar="METHOD=DIR",
-                   help="a trained drafter METHOD=DIR of a method vLLM serves; repeat")
+    p.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
+                   help="a trained drafter DIR, its row labelled NAME (the method is the checkpoint's own: "
+                        "dspark=runs/dspark/final is a dflash drafter); repeat")
     p.add_argument("--target", default="tiny-code")
     p.add_argument("--n-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -231,13 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     if a.combine:
         print(combine(Path(a.combine)))
         return 0
+    from models.checkpoint import read_meta
+
     ckpts = dict(c.split("=", 1) for c in a.checkpoint)
+    try:
+        methods = {name: read_meta(Path(d))["method"] for name, d in ckpts.items()}
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: --checkpoint: {e}", file=sys.stderr)
+        return 2
     if a.engine == "llamacpp":
         from models.export import ExportError
         from models.export.llamacpp import require_rows
 
         try:
-            for method in ckpts:  # up front: a method llama.cpp cannot draft for costs no checkpoint load
+            for method in methods.values():  # up front: a method llama.cpp cannot draft for costs no checkpoint load
                 require_rows(method)
             res = measure_llamacpp(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.k, a.target, a.threads,
                                    a.prompts, a.prompt_tokens)
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(render(res))
         return 0 if all(r["lossless"] for r in res["methods"].values() if r["ok"]) else 1
-    bad = sorted(set(ckpts) - set(served_methods()))
+    bad = sorted(set(methods.values()) - set(served_methods()))
     if bad:
         print(f"error: no vLLM format for {bad}; use {served_methods()}", file=sys.stderr)
         return 2

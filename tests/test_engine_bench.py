@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from eval.engine_bench import main, render
 
 
@@ -20,8 +22,20 @@ def test_render_lists_every_method_and_refusals():
     assert "refused: ValueError: no MTP model for llama" in md
 
 
-def test_cli_refuses_methods_an_engine_cannot_serve(capsys):
-    assert main(["--checkpoint", "ngram=runs/ngram/final"]) == 2  # no drafter, so no format row names a vLLM method
-    capsys.readouterr()
-    assert main(["--engine", "llamacpp", "--checkpoint", "medusa=runs/medusa/final"]) == 2
+def _ckpt(tmp_path, method: str):
+    d = tmp_path / method / "final"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"method": method}))
+    return d
+
+
+def test_cli_refuses_methods_an_engine_cannot_serve(capsys, tmp_path):
+    """The refusal reads the checkpoint's own method, whatever the row is labelled (dspark=DIR of a dflash
+    drafter); a directory with no checkpoint config is one line too."""
+    assert main(["--checkpoint", f"ngram={_ckpt(tmp_path, 'ngram')}"]) == 2  # no drafter: no vLLM format row
+    assert "no vLLM format for ['ngram']" in capsys.readouterr().err
+    assert main(["--engine", "llamacpp", "--checkpoint", f"heads={_ckpt(tmp_path, 'medusa')}"]) == 2
     assert "llama.cpp has no medusa draft layout" in capsys.readouterr().err
+    assert main(["--checkpoint", f"dspark={tmp_path / 'nothing'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --checkpoint") and "nothing" in err[0]
