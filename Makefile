@@ -111,13 +111,15 @@ smollm2-drafters: install
 		$(BIN)/python scripts/ship_drafter.py runs/$${r}_smollm2 $(SMOLLM2_DRAFTERS)/$$r --recipe $${r}_smollm2 \
 			--target smollm2 || exit 1; \
 	done
-# DFlash and DSpark twice: K sized by the cost model (tokens/s), and the whole block verified (*_block: every slot's
-# acceptance measured, the equal-cost comparison of slots 3+)
+# DFlash and DSpark with K sized by the cost model (tokens/s), with the whole block verified (*_block: every slot's
+# acceptance measured, the equal-cost comparison of slots 3+), and DSpark with each round's K scheduled by its
+# confidence head against the measured v(K) (dspark_conf)
 BLOCK_ROWS = "+variants.dflash_block={method: dflash, k: null}" "+variants.dspark_block={method: dflash, k: null}" \
-	+checkpoints.dspark_block=$(SMOLLM2_DRAFTERS)/dspark/final
+	+checkpoints.dspark_block=$(SMOLLM2_DRAFTERS)/dspark/final "+variants.dspark_conf={method: dflash, verify_costs: auto}" \
+	+checkpoints.dspark_conf=$(SMOLLM2_DRAFTERS)/dspark/final
 bench-block: install
 	$(REAL_EVAL) $(BLOCK_ROWS) prompts=mt_bench n_prompts=12 "batch_sizes=[]" peers=false \
-		"methods=[ar,ngram,eagle3,eagle3_tree,dflash,dflash_block,dspark,dspark_block,peagle,medusa,mtp]" \
+		"methods=[ar,ngram,eagle3,eagle3_tree,dflash,dflash_block,dspark,dspark_block,dspark_conf,peagle,medusa,mtp]" \
 		out_dir=bench/results_smollm2_block $(REAL_ARGS)
 bench-real: install
 	$(REAL_EVAL) prompts=mt_bench n_prompts=80 "batch_sizes=[1,4]" out_dir=bench/results_smollm2_mt_bench $(REAL_ARGS)
