@@ -94,7 +94,7 @@ bench: install
 #   make smollm2-drafters   trains and ships whichever of the six is not shipped (~3 h on 2 cores, all resumable;
 #                           the 30-layer target runs once: one shared feature cache, runs/smollm2_features)
 #   make bench-block        issue 21's run: every drafter on 12 MT-Bench first turns, T=0 and T=1, one process
-#   make bench-real         MT-Bench (80) and HumanEval (164): hours on 2 cores; REAL_ARGS="n_prompts=16" to look
+#   make bench-real         MT-Bench (80, T=0 and 1) and HumanEval (164, T=0) at once, 32 new tokens: ~65 min; REAL_ARGS="n_prompts=16" to look
 SMOLLM2_RECIPES  ?= eagle3 dflash dspark peagle medusa mtp
 SMOLLM2_DRAFTERS ?= models/smollm2_drafters
 SMOLLM2_CKPTS = checkpoints.eagle3=$(SMOLLM2_DRAFTERS)/eagle3/final checkpoints.dflash=$(SMOLLM2_DRAFTERS)/dflash/final \
@@ -102,8 +102,11 @@ SMOLLM2_CKPTS = checkpoints.eagle3=$(SMOLLM2_DRAFTERS)/eagle3/final checkpoints.
 	checkpoints.mtp=$(SMOLLM2_DRAFTERS)/mtp/final "+variants.dspark={method: dflash}" \
 	+checkpoints.dspark=$(SMOLLM2_DRAFTERS)/dspark/final
 REAL_ARGS ?=
+# bench-real: both sets at once, one thread each on the 2 cores (~65 min); 32 new tokens so that all 80 + 164
+# prompts fit one session; the block rows and P-EAGLE are bench-block's
+REAL_SET_ARGS ?= max_new_tokens=32 "batch_sizes=[]" require_n_prompts=true $(REAL_ARGS)
 REAL_EVAL = $(BIN)/python -m eval target=smollm2 $(SMOLLM2_CKPTS) draft_model=null prompt_tokens=640 \
-	max_new_tokens=64 repetitions=1 threads=1
+	repetitions=1 threads=1
 smollm2-drafters: install
 	@for r in $(SMOLLM2_RECIPES); do \
 		[ -f $(SMOLLM2_DRAFTERS)/$$r/final/model.safetensors ] && continue; \
@@ -118,12 +121,14 @@ BLOCK_ROWS = "+variants.dflash_block={method: dflash, k: null}" "+variants.dspar
 	+checkpoints.dspark_block=$(SMOLLM2_DRAFTERS)/dspark/final "+variants.dspark_conf={method: dflash, verify_costs: auto}" \
 	+checkpoints.dspark_conf=$(SMOLLM2_DRAFTERS)/dspark/final
 bench-block: install
-	$(REAL_EVAL) $(BLOCK_ROWS) prompts=mt_bench n_prompts=12 "batch_sizes=[]" peers=false \
+	$(REAL_EVAL) $(BLOCK_ROWS) prompts=mt_bench n_prompts=12 max_new_tokens=64 "batch_sizes=[]" peers=false \
 		"methods=[ar,ngram,eagle3,eagle3_tree,dflash,dflash_block,dspark,dspark_block,dspark_conf,peagle,medusa,mtp]" \
 		out_dir=bench/results_smollm2_block $(REAL_ARGS)
 bench-real: install
-	$(REAL_EVAL) prompts=mt_bench n_prompts=80 "batch_sizes=[1,4]" out_dir=bench/results_smollm2_mt_bench $(REAL_ARGS)
-	$(REAL_EVAL) prompts=humaneval n_prompts=164 "batch_sizes=[1,4]" out_dir=bench/results_smollm2_humaneval $(REAL_ARGS)
+	$(REAL_EVAL) prompts=mt_bench n_prompts=80 "methods=[ar,ngram,eagle3,eagle3_tree,dflash,mtp,medusa]" \
+		out_dir=bench/results_smollm2_mt_bench $(REAL_SET_ARGS) & mt=$$!; \
+	$(REAL_EVAL) prompts=humaneval n_prompts=164 "methods=[ar,ngram,eagle3_tree,dflash,mtp,medusa]" temperatures=[0] \
+		out_dir=bench/results_smollm2_humaneval $(REAL_SET_ARGS); he=$$?; wait $$mt; exit $$(( $$? | he ))
 
 # On a CUDA machine: every recipe a few bf16 steps, lossless decode, absolute tokens/s (scripts/gpu_check.py).
 gpu-check: install
