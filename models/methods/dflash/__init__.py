@@ -6,7 +6,8 @@ The package, one seam per module:
     net.py        the network and its training loss (block mask, ``DFlashDrafter``; the method's maths)
     heads.py      intra-block heads (DSpark's Markov + confidence head)
     proposers.py  the B=1 and batched proposers (one block forward per round)
-    export.py     the speculators / z-lab formats, DFlash and DSpark
+    export.py     the speculators / z-lab formats, DFlash and DSpark (build, load back, README)
+    check.py      their validator (headers, block conventions, layer ids, shapes, vocabulary maps)
     here          a new drafter (mask token, draft vocabulary, warm start), the eval-time K sizing, ``SPEC``
 """
 

@@ -28,7 +28,8 @@ processed once (step 0) and the chain's earlier drafts sit at positions i+1..i+k
 
 The package: ``config.py`` (Eagle3Config), ``net.py`` (the network and its TTT loss, what training and export
 read), ``kernels.py`` (drafting with a KV cache), ``proposers.py`` (chain, batched chain, EAGLE-2 tree),
-``export.py`` (the engine formats); here: build/rebuild, the EAGLE-2 tree sizing and ``SPEC``.
+``export.py`` (the engine formats), ``check.py`` (their validator); here: build/rebuild, the EAGLE-2 tree sizing
+and ``SPEC``.
 """
 
 from __future__ import annotations
