@@ -127,7 +127,7 @@ bench-block: install
 bench-real: install
 	$(REAL_EVAL) prompts=mt_bench n_prompts=80 "methods=[ar,ngram,eagle3,eagle3_tree,dflash,mtp,medusa]" \
 		out_dir=bench/results_smollm2_mt_bench $(REAL_SET_ARGS) & mt=$$!; \
-	$(REAL_EVAL) prompts=humaneval n_prompts=164 "methods=[ar,ngram,eagle3_tree,dflash,mtp,medusa]" temperatures=[0] \
+	$(REAL_EVAL) prompts=humaneval n_prompts=164 "methods=[ar,ngram,eagle3_tree,dflash,mtp,medusa]" "temperatures=[0]" \
 		out_dir=bench/results_smollm2_humaneval $(REAL_SET_ARGS); he=$$?; wait $$mt; exit $$(( $$? | he ))
 # the batch sweep on the real target: where speculation stops paying (B = 1 / 4 / 8, T=0, 16 MT-Bench first turns; ~14 min)
 bench-real-batch: install
