@@ -94,7 +94,8 @@ bench: install
 #   make smollm2-drafters   trains and ships whichever of the six is not shipped (~3 h on 2 cores, all resumable;
 #                           the 30-layer target runs once: one shared feature cache, runs/smollm2_features)
 #   make bench-block        issue 21's run: every drafter on 12 MT-Bench first turns, T=0 and T=1, one process
-#   make bench-real         MT-Bench (80, T=0 and 1) and HumanEval (164, T=0) at once, 32 new tokens: ~65 min; REAL_ARGS="n_prompts=16" to look
+#   make bench-real         MT-Bench (80, T=0 and 1) and HumanEval (164, T=0) at once, 32 new tokens: ~75 min;
+#                           REAL_ARGS="n_prompts=16" to look
 SMOLLM2_RECIPES  ?= eagle3 dflash dspark peagle medusa mtp
 SMOLLM2_DRAFTERS ?= models/smollm2_drafters
 SMOLLM2_CKPTS = checkpoints.eagle3=$(SMOLLM2_DRAFTERS)/eagle3/final checkpoints.dflash=$(SMOLLM2_DRAFTERS)/dflash/final \
@@ -102,9 +103,9 @@ SMOLLM2_CKPTS = checkpoints.eagle3=$(SMOLLM2_DRAFTERS)/eagle3/final checkpoints.
 	checkpoints.mtp=$(SMOLLM2_DRAFTERS)/mtp/final "+variants.dspark={method: dflash}" \
 	+checkpoints.dspark=$(SMOLLM2_DRAFTERS)/dspark/final
 REAL_ARGS ?=
-# bench-real: both sets at once, one thread each on the 2 cores (~65 min); 32 new tokens so that all 80 + 164
-# prompts fit one session; the block rows and P-EAGLE are bench-block's
-REAL_SET_ARGS ?= max_new_tokens=32 "batch_sizes=[]" require_n_prompts=true $(REAL_ARGS)
+# bench-real(-batch): 32 new tokens, so that all 80 + 164 prompts fit one session (bench-real runs both sets at once,
+# one thread each on the 2 cores); the block rows and P-EAGLE are bench-block's
+REAL_SET_ARGS ?= max_new_tokens=32 require_n_prompts=true $(REAL_ARGS)
 REAL_EVAL = $(BIN)/python -m eval target=smollm2 $(SMOLLM2_CKPTS) draft_model=null prompt_tokens=640 \
 	repetitions=1 threads=1
 smollm2-drafters: install
@@ -126,13 +127,13 @@ bench-block: install
 		out_dir=bench/results_smollm2_block $(REAL_ARGS)
 bench-real: install
 	$(REAL_EVAL) prompts=mt_bench n_prompts=80 "methods=[ar,ngram,eagle3,eagle3_tree,dflash,mtp,medusa]" \
-		out_dir=bench/results_smollm2_mt_bench $(REAL_SET_ARGS) & mt=$$!; \
+		"batch_sizes=[]" out_dir=bench/results_smollm2_mt_bench $(REAL_SET_ARGS) & mt=$$!; \
 	$(REAL_EVAL) prompts=humaneval n_prompts=164 "methods=[ar,ngram,eagle3_tree,dflash,mtp,medusa]" "temperatures=[0]" \
-		out_dir=bench/results_smollm2_humaneval $(REAL_SET_ARGS); he=$$?; wait $$mt; exit $$(( $$? | he ))
+		"batch_sizes=[]" out_dir=bench/results_smollm2_humaneval $(REAL_SET_ARGS); he=$$?; wait $$mt; exit $$(( $$? | he ))
 # the batch sweep on the real target: where speculation stops paying (B = 1 / 4 / 8, T=0, 16 MT-Bench first turns; ~14 min)
 bench-real-batch: install
 	$(REAL_EVAL) prompts=mt_bench n_prompts=16 "temperatures=[0]" "methods=[ar,ngram,eagle3,mtp]" "batch_sizes=[1,4,8]" \
-		peers=false max_new_tokens=32 require_n_prompts=true out_dir=bench/results_smollm2_batch $(REAL_ARGS)
+		peers=false out_dir=bench/results_smollm2_batch $(REAL_SET_ARGS)
 
 # On a CUDA machine: every recipe a few bf16 steps, lossless decode, absolute tokens/s (scripts/gpu_check.py).
 gpu-check: install
