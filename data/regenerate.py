@@ -7,8 +7,8 @@ Both entry points are batched over items (left padding, ``model.generate``) and 
 finished item is appended to a JSON-lines file as ``{"index": i, ...}`` (flushed per batch); a rerun
 reads that file, checks the stored items still match the inputs, and generates only the missing ones.
 
-Greedy (``temperature=0``) output does not depend on batching or on where a run was interrupted.
-Sampling (pure temperature, no top-k/top-p) is seeded per batch from ``seed`` and the batch's first
+Greedy (``temperature=0``) output does not depend on where a run was interrupted. Sampling (pure
+temperature, no top-k/top-p, ``models.generate``) is seeded per batch from ``seed`` and the batch's first
 index; batches are fixed (``range(b, b + batch_size)``) and a batch the cache holds only part of is generated
 again whole, so a resumed run draws exactly the samples of an uninterrupted one (same ``batch_size``).
 """
@@ -18,17 +18,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.chat import render_chat
 from data.chat_spans import closing_token, special_strings
 from models.checkpoint import out_of_space_as_error
+from models.generate import generate_batch
 
 _PROBE = "Zq7 probe reply"  # a reply text no template contains, to find what closes a turn
 
@@ -36,8 +35,9 @@ _PROBE = "Zq7 probe reply"  # a reply text no template contains, to find what cl
 # ------------------------------------------------------------------------------------ jsonl resume
 
 
-def _load_done(out_path: Path) -> dict[int, dict]:
-    """Finished items by index. A torn last line (crash mid-write) is cut off so appends stay valid jsonl."""
+def load_done(out_path: Path, repair: bool = True) -> dict[int, dict]:
+    """Finished items by index. A torn last line (crash mid-write) is cut off so appends stay valid jsonl
+    (``repair=False``: only skipped, for a reader beside a running writer)."""
     done: dict[int, dict] = {}
     if not out_path.exists():
         return done
@@ -63,14 +63,14 @@ def _load_done(out_path: Path) -> dict[int, dict]:
             raise ValueError(f"{out_path}: record at byte {start} has no integer 'index'")
         done[rec["index"]] = rec
         good_end = pos
-    if good_end < len(raw):
+    if repair and good_end < len(raw):
         with open(out_path, "r+b") as fh:
             fh.truncate(good_end)
     return done
 
 
 def _append(out_path: Path, records: list[dict]) -> None:
-    """One batch's records in a single write (a kill leaves all of them or a torn tail that _load_done cuts)."""
+    """One batch's records in a single write (a kill leaves all of them or a torn tail that load_done cuts)."""
     if not records:
         return
     data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode()
@@ -164,46 +164,9 @@ def _generate_batch(
     temperature: float,
     seed: int,
 ) -> list[list[int]]:
-    """New tokens per prompt, cut after the first stop token (the stop token is kept)."""
-    width = max(len(p) for p in prompts)
-    if min(len(p) for p in prompts) == 0:
-        raise ValueError("empty prompt: generation needs at least one token of context")
-    # Left padding: every row's last prompt token sits at the same column, so new tokens append in lockstep;
-    # generate() derives position ids from the attention mask, so padded rows see the same positions.
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        input_ids[r, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        attention[r, width - len(p):] = 1
-    device = model.device
-    if temperature > 0:
-        sampling = dict(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
-    else:
-        # Explicit, so a hub model's sampling defaults (generation_config.do_sample) cannot leak in.
-        sampling = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
-    # Sampling draws from the global RNG inside generate(); fork it so seeding here leaves the caller's
-    # RNG untouched.
-    devices = [device] if device.type == "cuda" else []
-    rng = torch.random.fork_rng(devices=devices) if temperature > 0 else nullcontext()
-    with rng, torch.no_grad():
-        if temperature > 0:
-            torch.manual_seed(seed)
-        out = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=stops,
-            pad_token_id=pad_id,
-            num_beams=1,
-            **sampling,
-        )
-    new = out[:, width:].tolist()
-    result = []
-    stop_set = set(stops)
-    for row in new:
-        cut = next((j + 1 for j, t in enumerate(row) if t in stop_set), len(row))
-        result.append(row[:cut])
-    return result
+    """New tokens per prompt, cut after the first stop token (the stop token is kept): models/generate.py's loop
+    (a preallocated KV cache, finished rows dropped), 2-3x ``model.generate`` at regeneration's batch sizes."""
+    return generate_batch(model, prompts, stops, pad_id, max_new_tokens, temperature, seed)
 
 
 def _pad_id(tok: PreTrainedTokenizerBase, stops: list[int]) -> int:
@@ -230,7 +193,7 @@ def _run_resumable(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _load_done(out_path)
+    done = load_done(out_path)
     for i, rec in done.items():
         if i >= len(items) or not same_input(items[i], rec):
             raise ValueError(f"{out_path}: stored item {i} does not match input item {i}; the file was written for "

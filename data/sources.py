@@ -22,6 +22,10 @@ from pathlib import Path
 
 from data import corpus
 
+# The sampler behind regenerated text (models/generate.py): part of the cache key, since its random draws differ from
+# transformers' generate()
+GENERATOR = "draftsmith.generate/1"
+
 
 @dataclass
 class DataConfig:
@@ -46,6 +50,14 @@ class DataConfig:
     cache_dir: str = "runs/data_cache"
     seed: int = 0
     max_turns: int | None = None  # chat: keep each conversation's first N user→assistant exchanges (None: all)
+    # chat, with max_turns: this share of the conversations (picked with ``seed``) keeps one exchange more, so the
+    # data holds multi-turn contexts (a second reply conditioned on the target's own first one)
+    extra_turn_share: float = 0.0
+    # chat, with regenerate=N: train and validate only on the N conversations the target answered (on-policy data)
+    regen_only: bool = False
+    # regenerated data shipped compressed (``<cache file name>.gz``, scripts/ship_regen.py): a cache file absent
+    # from cache_dir is first unpacked from here, so a fresh machine trains without regenerating
+    shipped_dir: str | None = None
 
 
 def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature: float | None = None) -> Path:
@@ -60,10 +72,13 @@ def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature
            "tokenizer": {"size": len(tok), "vocab": _sha(vocab), "template": getattr(tok, "chat_template", None)},
            "inputs": _sha(inputs),
            "temperature": float(cfg.regen_temperature if temperature is None else temperature),
-           "top_p": 1.0, "top_k": 0, "seed": cfg.seed, "max_new_tokens": cfg.regen_new_tokens}
+           "top_p": 1.0, "top_k": 0, "seed": cfg.seed, "max_new_tokens": cfg.regen_new_tokens,
+           "generator": GENERATOR}
     digest = _sha(key)[:16]
     path = Path(cfg.cache_dir) / f"regen_{kind}_{digest}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.shipped_dir and not path.exists():
+        unpack_shipped(Path(cfg.shipped_dir) / (path.name + ".gz"), path)
     meta = path.with_suffix(".key.json")  # for people: what the hash covers
     if not meta.exists():
         from models.checkpoint import out_of_space_as_error
@@ -71,6 +86,50 @@ def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature
         with out_of_space_as_error(meta, "free space, or set data.cache_dir on a larger disk"):
             meta.write_text(json.dumps(key, indent=1))
     return path
+
+
+def pack_cache_file(path: Path, packed: Path) -> list[dict]:
+    """A regeneration cache file's complete records (in index order) → ``packed`` (gzip, atomically); read beside
+    a running writer, so a torn tail is skipped, never cut. Returns the records packed."""
+    import gzip
+    import os
+
+    from data.regenerate import load_done
+
+    done = load_done(path, repair=False) if path.exists() else {}
+    recs = [done[i] for i in sorted(done)]
+    packed.parent.mkdir(parents=True, exist_ok=True)
+    tmp = packed.with_name(packed.name + f".tmp{os.getpid()}")
+    try:
+        # mtime=0: the same records give the same bytes (git sees no change when nothing new was generated)
+        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as fh:
+            fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, packed)
+    return recs
+
+
+def unpack_shipped(packed: Path, path: Path) -> bool:
+    """``packed`` (gzip, from scripts/ship_regen.py) → ``path``, atomically; False when nothing is shipped."""
+    import gzip
+    import os
+
+    if not packed.exists():
+        return False
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        with gzip.open(packed, "rb") as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    except (OSError, EOFError) as e:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"{packed}: unreadable shipped regeneration ({type(e).__name__}: {e}); restore it with "
+                         "git checkout, or set data.shipped_dir=null to regenerate") from None
+    os.replace(tmp, path)
+    print(f"data: unpacked the shipped regeneration {packed} into {path}", flush=True)
+    return True
 
 
 def _sha(obj) -> str:
@@ -166,32 +225,21 @@ def _first_prompt_len(tok, conv: list[dict], cfg: DataConfig) -> int:
     return len(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats: dict | None) -> list[list[dict]]:
-    """``convs`` with the assistant turns of ``chat_regen_count`` of them replaced by the target's own replies,
-    split round-robin over ``regen_temperature`` (e.g. [0, 1]: half greedy, half T=1), each group batched and
-    resumable in its own keyed cache file; the others keep their dataset replies."""
+def regenerate_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats: dict | None = None,
+                    temperatures: list[float] | None = None) -> tuple[list[list[dict]], list[int]]:
+    """(``convs`` with the assistant turns of ``chat_regen_count`` of them replaced by the target's own replies,
+    the indices replaced). The picks are split round-robin over ``regen_temperature`` (e.g. [0, 1]: half greedy,
+    half T=1), each group batched and resumable in its own keyed cache file; the others keep their dataset replies.
+    ``temperatures``: regenerate only those groups (one process per group, train/regenerate.py); the other groups'
+    conversations come back as they were."""
     import time
 
     from data.regenerate import regenerate_conversations
 
-    n = chat_regen_count(cfg, len(convs))
-    if n == len(convs):
-        picks = list(range(len(convs)))
-    else:
-        # A reply that would start past max_len is cut from every training row, so generating it only costs time
-        # (a long prompt also pads its whole batch): sample among conversations whose first prompt fits in
-        # max_len // 2 tokens, and batch them by length.
-        plen = {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
-        fits = [i for i in range(len(convs)) if plen[i] <= cfg.max_len // 2]
-        if len(fits) < n:
-            print(f"data: only {len(fits)} of {len(convs)} conversations have a first prompt of <= "
-                  f"{cfg.max_len // 2} tokens (data.max_len // 2); regenerating those", flush=True)
-        picks = sorted(random.Random(cfg.seed).sample(fits, min(n, len(fits))), key=lambda i: (plen[i], i))
-    temps = regen_temperatures(cfg)
+    groups = regen_plan(cfg, tok, convs)
     out = list(convs)
-    for j, temp in enumerate(temps):
-        group = picks[j :: len(temps)]
-        if not group:
+    for temp, group in groups:
+        if not group or (temperatures is not None and temp not in temperatures):
             continue
         inputs = [convs[i] for i in group]
         path = regen_cache_path(cfg, model, tok, "chat", inputs, temp)
@@ -211,7 +259,51 @@ def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stat
                 "from_cache": len(group) - made,
                 "generated_now": made, "seconds": round(secs, 1),
                 "items_per_s": round(made / secs, 2) if made and secs > 0 else None, "cache": str(path)})
-    return out
+    return out, [i for _, group in groups for i in group]
+
+
+def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]]) -> list[tuple[float, list[int]]]:
+    """(temperature, conversation indices) per regeneration group: ``chat_regen_count`` picks, dealt round-robin
+    over ``regen_temperature`` in order of first-prompt length."""
+    n = chat_regen_count(cfg, len(convs))
+    if n == len(convs):
+        picks = list(range(len(convs)))
+    else:
+        # A reply that would start past max_len is cut from every training row, so generating it only costs time
+        # (a long prompt also pads its whole batch): sample among conversations whose first prompt fits in
+        # max_len // 2 tokens, and batch them by length.
+        plen = {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
+        fits = [i for i in range(len(convs)) if plen[i] <= cfg.max_len // 2]
+        if len(fits) < n:
+            print(f"data: only {len(fits)} of {len(convs)} conversations have a first prompt of <= "
+                  f"{cfg.max_len // 2} tokens (data.max_len // 2); regenerating those", flush=True)
+        picks = sorted(random.Random(cfg.seed).sample(fits, min(n, len(fits))), key=lambda i: (plen[i], i))
+    temps = regen_temperatures(cfg)
+    return [(temp, picks[j :: len(temps)]) for j, temp in enumerate(temps)]
+
+
+def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats: dict | None) -> list[list[dict]]:
+    return regenerate_chat(cfg, model, tok, convs, stats)[0]
+
+
+def chat_conversations(cfg: DataConfig) -> tuple[list[list[dict]], dict]:
+    """(The configured conversations, cut to ``max_turns`` exchanges (``extra_turn_share`` of them one more),
+    the reader's counts)."""
+    from data.chat import load_conversations
+
+    if not cfg.source:
+        raise ValueError("data.kind=chat needs data.source=PATH_OR_HUB_ID (ShareGPT or OpenAI messages)")
+    convs, read = load_conversations(cfg.source, cfg.split, cfg.skip_malformed, cfg.max_rows)
+    if read["skipped"]:  # never silently: say how many and the first reason
+        print(f"data: skipped {read['skipped']} of {read['rows']} malformed rows in {cfg.source} "
+              f"(data.skip_malformed=true; first: {read['first_error']})", flush=True)
+    if cfg.max_turns is not None:
+        if not 0.0 <= cfg.extra_turn_share <= 1.0:
+            raise ValueError(f"data.extra_turn_share={cfg.extra_turn_share}: give a share in [0, 1]")
+        rng = random.Random(cfg.seed + 1)
+        longer = set(rng.sample(range(len(convs)), round(cfg.extra_turn_share * len(convs))))
+        convs = [first_exchanges(c, int(cfg.max_turns) + (i in longer)) for i, c in enumerate(convs)]
+    return convs, read
 
 
 def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> tuple[list[dict], list[dict]]:
@@ -226,20 +318,17 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
                 raise ValueError("data.regenerate > 0 needs the target model")
             train = train + _regenerated_code(cfg, model, tok, train, stats)
     elif cfg.kind == "chat":
-        from data.chat import load_conversations, tokenize_conversations
+        from data.chat import tokenize_conversations
 
-        if not cfg.source:
-            raise ValueError("data.kind=chat needs data.source=PATH_OR_HUB_ID (ShareGPT or OpenAI messages)")
-        convs, read = load_conversations(cfg.source, cfg.split, cfg.skip_malformed, cfg.max_rows)
-        if read["skipped"]:  # never silently: say how many and the first reason
-            print(f"data: skipped {read['skipped']} of {read['rows']} malformed rows in {cfg.source} "
-                  f"(data.skip_malformed=true; first: {read['first_error']})", flush=True)
-        if cfg.max_turns is not None:
-            convs = [first_exchanges(c, int(cfg.max_turns)) for c in convs]
+        convs, read = chat_conversations(cfg)
         if cfg.regenerate:
             if model is None:
                 raise ValueError("data.regenerate needs the target model")
-            convs = _regenerated_chat(cfg, model, tok, convs, stats)
+            convs, picks = regenerate_chat(cfg, model, tok, convs, stats)
+            if cfg.regen_only:  # on-policy only: the conversations the target answered, in their dataset order
+                convs = [convs[i] for i in sorted(picks)]
+        elif cfg.regen_only:
+            raise ValueError("data.regen_only=true needs data.regenerate (a count or 'all')")
         rows, tstats = tokenize_conversations(tok, convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
                                               cfg.enable_thinking)
         if not rows:

@@ -39,18 +39,19 @@ def manual_greedy(model, ids: list[int], stops: set[int], max_new: int) -> list[
 
 
 class CountingGenerate:
-    """Wraps model.generate and records the unpadded prompts of every call."""
+    """Wraps data.regenerate's batched generation and records the prompts of every call."""
 
-    def __init__(self, model):
-        self.inner = model.generate
+    def __init__(self):
+        import data.regenerate as regen
+
+        self.inner = regen.generate_batch
         self.prompts: list[list[int]] = []
         self.calls = 0
 
-    def __call__(self, *args, input_ids=None, attention_mask=None, **kw):
+    def __call__(self, model, prompts, *args, **kw):
         self.calls += 1
-        for row, m in zip(input_ids.tolist(), attention_mask.tolist()):
-            self.prompts.append([t for t, keep in zip(row, m) if keep])
-        return self.inner(*args, input_ids=input_ids, attention_mask=attention_mask, **kw)
+        self.prompts += [list(p) for p in prompts]
+        return self.inner(model, prompts, *args, **kw)
 
 
 def _lines(path):
@@ -112,8 +113,8 @@ def test_continuations_resume_generates_only_missing_items(tmp_path, tiny_llama,
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(lines[:2]))  # interrupted after the first batch
 
-    counter = CountingGenerate(tiny_llama)
-    monkeypatch.setattr(tiny_llama, "generate", counter)
+    counter = CountingGenerate()
+    monkeypatch.setattr("data.regenerate.generate_batch", counter)
     resumed = regenerate_continuations(tiny_llama, tok, prompts, path, batch_size=2, max_new_tokens=5)
     assert resumed == full
     assert counter.calls == 1 and counter.prompts == [prompts[2], prompts[3]]
@@ -135,8 +136,8 @@ def test_conversations_resume_and_torn_last_line(tmp_path, tiny_llama, tiny_toke
     # two finished lines plus half of a third (a crash mid-write)
     path.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
 
-    counter = CountingGenerate(tiny_llama)
-    monkeypatch.setattr(tiny_llama, "generate", counter)
+    counter = CountingGenerate()
+    monkeypatch.setattr("data.regenerate.generate_batch", counter)
     resumed = regenerate_conversations(tiny_llama, tok, CONVS, path, batch_size=2, max_new_tokens=MAX_NEW)
     assert resumed == full
     # items 2 and 3 have one assistant turn each: one batch, one generate call, their prompts only
@@ -213,3 +214,35 @@ def test_first_exchanges_drops_leading_replies_and_cuts_after_n():
     assert [m["content"] for m in first_exchanges(conv, 2)] == ["s", "u1", "a1", "u2", "a2"]
     with pytest.raises(ValueError, match="max_turns"):
         first_exchanges(conv, 0)
+
+
+def test_on_policy_chat_data_extra_turns_regen_only_and_shipped(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):
+    """extra_turn_share keeps a second exchange for that share; regen_only trains on the regenerated conversations
+    alone; a packed cache (pack_cache_file) is unpacked on a fresh cache_dir and nothing is generated again."""
+    from data.sources import DataConfig, build_rows, chat_conversations, pack_cache_file
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"question {i}?"}, {"from": "gpt", "value": f"answer {i}"},
+        {"from": "human", "value": f"and {i}?"}, {"from": "gpt", "value": f"more {i}"}]}) + "\n" for i in range(8)))
+    cfg = DataConfig(kind="chat", source=str(src), max_len=256, max_turns=1, extra_turn_share=0.5, val_rows=1,
+                     regenerate=4, regen_only=True, regen_temperature=0.0, regen_new_tokens=3, regen_batch_size=2,
+                     cache_dir=str(tmp_path / "cache"))
+    convs, _ = chat_conversations(cfg)
+    assert sorted(sum(m["role"] == "assistant" for m in c) for c in convs) == [1] * 4 + [2] * 4
+    train, val = build_rows(cfg, tiny_tokenizer, tiny_llama)
+    assert len(train) + len(val) == 4 and len(val) == 1  # only the 4 regenerated conversations
+
+    cached = list((tmp_path / "cache").glob("regen_chat_*.jsonl"))
+    assert len(cached) == 1
+    shipped = tmp_path / "shipped"
+    assert len(pack_cache_file(cached[0], shipped / (cached[0].name + ".gz"))) == 4
+
+    def no_generation(*a, **k):
+        raise AssertionError("a shipped regeneration must not be generated again")
+
+    monkeypatch.setattr("data.regenerate.generate_batch", no_generation)
+    fresh = DataConfig(**{**vars(cfg), "cache_dir": str(tmp_path / "fresh"), "shipped_dir": str(shipped)})
+    assert build_rows(fresh, tiny_tokenizer, tiny_llama) == (train, val)
+    with pytest.raises(ValueError, match="regen_only=true needs data.regenerate"):
+        build_rows(DataConfig(**{**vars(cfg), "regenerate": 0}), tiny_tokenizer, tiny_llama)
