@@ -2,8 +2,10 @@
 
 Per row we store the requested layers' states plus the last hidden state after the final norm
 (id L), from which the target's logits are recomputed on the fly with its lm_head — storing
-logits would cost V/H times more disk. Shards are safetensors files written atomically, so an
-interrupted build resumes at the first missing shard. The manifest reports bytes per token.
+logits would cost V/H times more disk — and the target's full-vocabulary argmax (``{row}.top``, int32), so a
+reduced-vocabulary drafter's step computes the lm_head over its draft vocabulary only (``DraftVocabTeacher``).
+Shards are safetensors files written atomically, so an interrupted build resumes at the first missing shard. The
+manifest reports bytes per token.
 
 One cache can serve several methods: it may store more layers than a method reads (``store_layer_ids``, from
 ``train.feature_layers``), and a cache whose stored layers include the requested ones is reused as it is, so the
@@ -21,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from models.checkpoint import out_of_space_as_error
+from models.drafter import DraftVocabTeacher
 from models.target import FrozenTarget, parse_dtype
 
 MANIFEST = "manifest.json"
@@ -99,10 +102,12 @@ class FeatureCache:
             chunk = self.rows[b : min(hi, b + self.batch_size)]
             ids = pad_ids([r["input_ids"] for r in chunk], self.target.model.config.pad_token_id or 0)
             out = self.target(ids, layer_ids=self.stored, logits_to_keep=1)  # logits come from h_L later
+            top = self._head(out.hidden[self.target.num_layers]).argmax(-1)  # [b, T], from fp32 h_L
             for j, r in enumerate(chunk):
                 n = len(r["input_ids"])
                 for k in self.stored:
                     tensors[f"{b + j}.{k}"] = out.hidden[k][j, :n].to(self.dtype).contiguous()
+                tensors[f"{b + j}.top"] = top[j, :n].to(torch.int32).contiguous()
         tmp = self.shard_path(i).with_suffix(".tmp")
         try:
             with out_of_space_as_error(self.shard_path(i), _FIX):
@@ -112,7 +117,11 @@ class FeatureCache:
             raise
         os.replace(tmp, self.shard_path(i))
 
-    def get(self, row: int) -> dict[int, torch.Tensor]:
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.target.model.get_output_embeddings()
+        return head(h.to(head.weight.dtype)).float()
+
+    def _load_shard(self, row: int) -> dict[str, torch.Tensor]:
         s = row // self.shard_rows
         if self._shard is None or self._shard[0] != s:
             try:
@@ -120,11 +129,22 @@ class FeatureCache:
             except Exception as e:  # noqa: BLE001 - truncated/corrupt shard: name it and the fix
                 raise ValueError(f"{self.shard_path(s)}: unreadable feature shard ({type(e).__name__}: {e}); delete "
                                  "it and rerun to rebuild it") from None
-        return {k: self._shard[1][f"{row}.{k}"].float() for k in self.layer_ids}
+        return self._shard[1]
+
+    def get(self, row: int) -> dict[int, torch.Tensor]:
+        shard = self._load_shard(row)
+        return {k: shard[f"{row}.{k}"].float() for k in self.layer_ids}
+
+    def has_top(self) -> bool:
+        """Whether the shards store the target's argmax (caches built before it did not)."""
+        return f"{(self.n_shards() - 1) * self.shard_rows}.top" in self._load_shard((self.n_shards() - 1)
+                                                                                   * self.shard_rows)
 
     @torch.no_grad()
-    def batch(self, rows: list[int], width: int) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Hidden states {id: [B, width, H]} (zero-padded) and the target's logits [B, width, V]."""
+    def batch(self, rows: list[int], width: int, draft_ids: torch.Tensor | None = None
+              ) -> tuple[dict[int, torch.Tensor], torch.Tensor | DraftVocabTeacher]:
+        """Hidden states {id: [B, width, H]} (zero-padded) and the target's logits [B, width, V]; with
+        ``draft_ids`` (and a cache that stores the argmax), a ``DraftVocabTeacher`` instead: logits at those ids."""
         per = [self.get(r) for r in rows]
         hidden = {}
         for k in self.layer_ids:
@@ -132,9 +152,15 @@ class FeatureCache:
             for j, p in enumerate(per):
                 h[j, : p[k].shape[0]] = p[k]
             hidden[k] = h
-        head = self.target.model.get_output_embeddings()
-        logits = head(hidden[self.target.num_layers].to(head.weight.dtype)).float()
-        return hidden, logits
+        h_last = hidden[self.target.num_layers]
+        if draft_ids is None:
+            return hidden, self._head(h_last)
+        top = torch.zeros(len(rows), width, dtype=torch.long)
+        for j, r in enumerate(rows):
+            t = self._load_shard(r)[f"{r}.top"]
+            top[j, : t.shape[0]] = t.long()
+        w = self.target.model.get_output_embeddings().weight.index_select(0, draft_ids)  # [Vd, H]
+        return hidden, DraftVocabTeacher(top, torch.nn.functional.linear(h_last.to(w.dtype), w).float(), draft_ids)
 
 
 def pad_ids(seqs: list[list[int]], pad_id: int) -> torch.Tensor:

@@ -11,16 +11,34 @@ Conventions shared by all methods:
   target (assistant tokens for chat data, every real token for code windows; 0 on padding).
 - ``hidden``: {layer id → [B, T, H]} in the HF ``output_hidden_states`` index convention
   (models/target.py); id L (= num_hidden_layers) is the last layer *after* the final norm.
-- ``target_logits``: [B, T, V] the target's logits; position t predicts token t+1.
+- ``target_logits``: [B, T, V] the target's logits; position t predicts token t+1. A drafter with a reduced
+  vocabulary that sets ``reads_draft_vocab_teacher`` may get a ``DraftVocabTeacher`` instead (offline training
+  from a feature cache): the same information it reads, without the full-vocabulary lm_head at every step.
 - ``metrics``: flat {name: float}, e.g. ``loss_0``, ``acc_0`` … per step/head, plus
   ``sim_tau`` (expected accepted length of a greedy chain from per-position agreement).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass
+class DraftVocabTeacher:
+    """The target's logits as a reduced-vocabulary drafter reads them: the full-vocabulary argmax (stored once in the
+    feature cache) and the logits at the draft-vocabulary ids only. On SmolLM2 (V=49152, Vd=4096) this removes the
+    [B*T, H] x [H, V] lm_head from every training step, a third of an EAGLE-3 step on CPU."""
+
+    top: torch.Tensor  # [B, T] the target's argmax over its full vocabulary (target ids)
+    logits: torch.Tensor  # [B, T, Vd] the target's logits at draft_ids, in draft-id order
+    draft_ids: torch.Tensor  # [Vd] the target id of each draft id (what ``logits`` was gathered at)
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, draft_ids: torch.Tensor) -> DraftVocabTeacher:
+        return cls(logits.argmax(-1), logits.index_select(-1, draft_ids), draft_ids)
 
 
 class Drafter(Protocol):

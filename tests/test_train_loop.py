@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from data.features import FeatureCache
+from models.drafter import DraftVocabTeacher
 from data.sources import DataConfig, build_rows
 from models.target import FrozenTarget
 from train.loop import build_drafter, collate, run, target_features
@@ -91,6 +92,14 @@ def test_online_and_offline_give_same_loss(target_dir, tmp_path):
     on = drafter.training_loss(ids, mask, *target_features(target, drafter.layer_ids, ids, idx, None))[0]
     off = drafter.training_loss(ids, mask, *target_features(target, drafter.layer_ids, ids, idx, cache))[0]
     torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-6)
+    # the stored argmax + draft-vocab logits (what a reduced-vocabulary EAGLE-3 step reads offline): same loss
+    assert cache.has_top() and drafter.reads_draft_vocab_teacher
+    hidden, teacher = target_features(target, drafter.layer_ids, ids, idx, cache, drafter.draft_ids)
+    assert isinstance(teacher, DraftVocabTeacher) and teacher.logits.shape[-1] == len(drafter.draft_ids)
+    loss, m = drafter.training_loss(ids, mask, hidden, teacher)
+    torch.testing.assert_close(on, loss, rtol=1e-5, atol=1e-6)
+    assert m["n_0"] == drafter.training_loss(ids, mask, *target_features(target, drafter.layer_ids, ids, idx,
+                                                                          None))[1]["n_0"]
     # an interrupted build resumes: remove one shard, rebuild, same files
     cache.shard_path(1).unlink()
     cache.build(show_progress=False)
@@ -155,3 +164,25 @@ def test_final_checkpoint_loads_back_and_refuses_other_target(target_dir, tmp_pa
     other = FrozenTarget(make_tiny_llama(target.vocab_size, seed=1), target.tokenizer)  # same shape, other weights
     with pytest.raises(ValueError, match="another target"):
         load_drafter(tmp_path / "final", other)
+
+
+def test_length_bucketed_epochs_cover_every_row_once_with_less_padding():
+    """train.length_bucket: each epoch still visits every row once, in an order fixed by (seed, epoch), and a
+    step's rows have similar lengths, so its padded width shrinks."""
+    import numpy as np
+
+    from train.distributed import Dist
+    from train.loop import batch_indices
+
+    d = Dist(rank=0, world_size=1, local_rank=0)
+    lengths = tuple(int(x) for x in np.random.default_rng(0).integers(20, 512, 96))
+    n, bs = len(lengths), 4
+
+    def epoch(bucket):
+        return [batch_indices(n, s, 0, bs, 1, d, seed=3, lengths=lengths, bucket=bucket) for s in range(n // bs)]
+
+    plain, bucketed = epoch(0), epoch(8)
+    assert sorted(i for b in bucketed for i in b) == list(range(n))
+    assert bucketed == epoch(8) and bucketed != plain
+    padded = lambda batches: sum(bs * max(lengths[i] for i in b) for b in batches)
+    assert padded(bucketed) < 0.8 * padded(plain)

@@ -115,6 +115,7 @@ def validate_train_config(cfg: DictConfig) -> None:
         _int_at_least(cfg, key, 1)
     _int_at_least(cfg, "train.eval_rows", 0)
     _int_at_least(cfg, "train.threads", 0)
+    _int_at_least(cfg, "train.length_bucket", 0, optional=True)
     _int_at_least(cfg, "train.stop_after", 1, optional=True)
     if _get(cfg, "train.mode") not in ("online", "offline"):
         raise ConfigError(f"train.mode={_get(cfg, 'train.mode')!r}: use 'online' or 'offline'")

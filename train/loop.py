@@ -8,6 +8,7 @@ checkpoint needs only the step count and reproduces an uninterrupted run exactly
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -45,15 +46,37 @@ class TrainStep(torch.nn.Module):
 
 
 def batch_indices(n_rows: int, step: int, micro: int, batch_size: int, grad_accum: int, d: Dist,
-                  seed: int) -> list[int]:
-    """Rows of one micro-batch: epochs are seeded permutations; ranks take disjoint slices."""
+                  seed: int, lengths: tuple[int, ...] | None = None, bucket: int = 0) -> list[int]:
+    """Rows of one micro-batch: epochs are seeded permutations; ranks take disjoint slices. With ``lengths`` and
+    ``bucket`` > 1, rows of similar length share a step (``epoch_order``)."""
     per_step = batch_size * grad_accum * d.world_size
     start = step * per_step + (micro * d.world_size + d.rank) * batch_size
     out = []
     for pos in range(start, start + batch_size):
         epoch, i = divmod(pos, n_rows)
-        out.append(int(np.random.default_rng([seed, epoch]).permutation(n_rows)[i]))
+        out.append(int(epoch_order(n_rows, seed, epoch, per_step, lengths if bucket > 1 else None, bucket)[i]))
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n_rows: int, seed: int, epoch: int, per_step: int, lengths: tuple[int, ...] | None,
+                bucket: int) -> np.ndarray:
+    """One epoch's row order: a seeded permutation; with ``lengths``, cut into windows of ``bucket`` steps, each
+    window sorted by row length and its steps shuffled. A batch is padded to its longest row, so random batches of
+    chat rows (40 to 512 tokens) spend much of a step on padding; sorted windows nearly remove it, while the
+    windows and the step order inside them keep the epoch random."""
+    perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
+    if lengths is None:
+        return perm
+    rng = np.random.default_rng([seed, epoch, 1])
+    window = bucket * per_step
+    parts = []
+    for w0 in range(0, n_rows, window):
+        chunk = perm[w0 : w0 + window]
+        chunk = chunk[np.argsort([lengths[i] for i in chunk], kind="stable")]
+        steps = [chunk[b : b + per_step] for b in range(0, len(chunk), per_step)]
+        parts += [steps[j] for j in rng.permutation(len(steps))]
+    return np.concatenate(parts)
 
 
 def collate(rows: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,9 +88,12 @@ def collate(rows: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def target_features(target: FrozenTarget, layer_ids: list[int], ids: torch.Tensor, rows: list[int],
-                    cache: FeatureCache | None) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+                    cache: FeatureCache | None, draft_ids: torch.Tensor | None = None
+                    ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """The target's hidden states and logits for a batch: from the feature cache (offline; with ``draft_ids``, a
+    DraftVocabTeacher) or a target forward (online)."""
     if cache is not None:
-        return cache.batch(rows, ids.shape[1])
+        return cache.batch(rows, ids.shape[1], draft_ids)
     out = target(ids, layer_ids=layer_ids)
     return {k: v.float() for k, v in out.hidden.items()}, out.logits.float()
 
@@ -144,6 +170,8 @@ class Training:
     engine: Any = None  # DeepSpeed's, when enabled
     forward: Any = None  # the step module, DDP- or DeepSpeed-wrapped
     cache: FeatureCache | None = None  # offline mode's target features
+    row_lengths: tuple[int, ...] | None = None  # train rows' token counts (train.length_bucket)
+    teacher_ids: torch.Tensor | None = None  # offline, reduced-vocabulary drafter: the cache gives DraftVocabTeacher
     pad_id: int = 0
     tracker: Any = None
     metrics_file: Any = None  # rank 0's metrics.jsonl, open while the steps run
@@ -199,6 +227,7 @@ def load_target_and_data(t: Training) -> None:
     if d.is_main:
         d.barrier()
     t.val_rows = val_rows[: cfg.train.eval_rows]
+    t.row_lengths = tuple(len(r["input_ids"]) for r in t.train_rows)
     t.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     n_tok = sum(sum(r["loss_mask"]) for r in t.train_rows)
     t.log(f"data: {len(t.train_rows)} train rows ({n_tok} target tokens), {len(t.val_rows)} val rows")
@@ -294,6 +323,12 @@ def build_feature_cache(t: Training) -> None:
             m = t.cache.build()
             t.log(f"feature cache: {m['bytes'] / 1e6:.1f} MB, {m['bytes_per_token']:.0f} bytes/token")
         d.barrier()
+        if getattr(t.drafter, "reads_draft_vocab_teacher", False):
+            if t.cache.has_top():
+                t.teacher_ids = t.drafter.draft_ids
+            else:
+                t.log(f"feature cache {t.cache.root} predates the stored target argmax: every step runs the "
+                      "full-vocabulary lm_head (rebuild the cache in a new directory to train faster)")
     elif cfg.train.mode != "online":
         raise ValueError(f"train.mode={cfg.train.mode!r}: use 'online' or 'offline'")
 
@@ -374,9 +409,10 @@ def optimizer_step(t: Training, step: int) -> tuple[dict[str, float], int]:
     agg: dict[str, float] = {}
     toks = 0
     for micro in range(cfg.train.grad_accum):
-        idx = batch_indices(len(t.train_rows), step, micro, cfg.train.batch_size, cfg.train.grad_accum, d, cfg.seed)
+        idx = batch_indices(len(t.train_rows), step, micro, cfg.train.batch_size, cfg.train.grad_accum, d, cfg.seed,
+                            t.row_lengths, cfg.train.get("length_bucket", 0))
         ids, mask = collate([t.train_rows[i] for i in idx], t.pad_id)
-        hidden, logits = target_features(t.target, list(t.drafter.layer_ids), ids, idx, t.cache)
+        hidden, logits = target_features(t.target, list(t.drafter.layer_ids), ids, idx, t.cache, t.teacher_ids)
         loss, m = t.forward(ids, mask, hidden, logits)
         skipped = not loss.requires_grad  # nothing scored (e.g. DFlash found no trainable block in these rows)
         if skipped:  # zero gradients through every trainable weight: DDP/DeepSpeed ranks still all reduce

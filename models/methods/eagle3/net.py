@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from models.acceptance import chain_tau
+from models.drafter import DraftVocabTeacher
 from models.methods.eagle3.config import Eagle3Config, decoder_shape, fused_layer_ids
 from models.norm import RMSNorm
 from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -128,6 +129,8 @@ def _check_vocab_inputs(cfg: Eagle3Config, V: int, H: int, embed_weight: Tensor,
 
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 draft head for a frozen target (see the package docstring for the exact maths)."""
+
+    reads_draft_vocab_teacher = True  # _teacher reads the target's argmax and its draft-vocab logits only
 
     def __init__(self, cfg: Eagle3Config, target_config: PretrainedConfig, embed_weight: torch.Tensor,
                  d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
@@ -292,14 +295,20 @@ class Eagle3Drafter(nn.Module):
         B, T = input_ids.shape
         if tuple(loss_mask.shape) != (B, T):
             raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != input_ids shape {(B, T)}")
-        if tuple(target_logits.shape) != (B, T, self.vocab_size):
-            raise ValueError(f"target_logits shape {tuple(target_logits.shape)} != {(B, T, self.vocab_size)} "
-                             "[batch, seq, target vocab]")
+        if isinstance(target_logits, DraftVocabTeacher):  # offline: argmax stored, logits at draft_ids only
+            if not torch.equal(target_logits.draft_ids, self.draft_ids):
+                raise ValueError("the teacher's draft vocabulary is not this drafter's (d2t/t2d changed)")
+            target_top, draft_logits = target_logits.top, target_logits.logits
+        else:
+            if tuple(target_logits.shape) != (B, T, self.vocab_size):
+                raise ValueError(f"target_logits shape {tuple(target_logits.shape)} != {(B, T, self.vocab_size)} "
+                                 "[batch, seq, target vocab]")
+            target_top, draft_logits = None, target_logits.detach().index_select(-1, self.draft_ids)
         with torch.no_grad():
-            tl = target_logits.detach()
-            target_top = tl.argmax(-1)                                              # [B, T] target ids
+            if target_top is None:
+                target_top = target_logits.detach().argmax(-1)                      # [B, T] target ids
             in_draft = self.t2d[target_top]                                         # [B, T]
-            p_draft = torch.softmax(tl.index_select(-1, self.draft_ids).float(), dim=-1)  # [B, T, Vd]
+            p_draft = torch.softmax(draft_logits.float(), dim=-1)                   # [B, T, Vd]
             lm = loss_mask.bool()
         return target_top, in_draft, p_draft, lm
 
