@@ -55,7 +55,10 @@ class FeatureCache:
             raise ValueError(f"train.feature_layers {bad}: layer ids must lie in [0, {target.num_layers}]")
         self.stored = sorted(set(self.layer_ids) | set(store_layer_ids or []))  # what the shards hold
         self.dtype, self.shard_rows, self.batch_size = parse_dtype(dtype), shard_rows, batch_size
-        self.meta = {"target": target.identity(), "layer_ids": self.stored, "dtype": str(self.dtype),
+        ident = target.identity()
+        if target.model.dtype != torch.float32:  # states depend on the dtype the target computes in
+            ident["compute_dtype"] = str(target.model.dtype).replace("torch.", "")
+        self.meta = {"target": ident, "layer_ids": self.stored, "dtype": str(self.dtype),
                      "rows": len(rows), "shard_rows": shard_rows, "row_digest": _row_digest(rows)}
         self._shard: tuple[int, dict[str, torch.Tensor]] | None = None
 

@@ -64,6 +64,8 @@ def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature
     """The cache file for regenerated data, named by a hash of everything the output depends on: the target
     (shape + embedding fingerprint), the tokenizer, the inputs, the sampling settings and the length cap. A
     change to any of them is a different file (regenerated), never a reuse of another target's outputs."""
+    import torch
+
     from models.target import FrozenTarget
 
     ident = {k: v for k, v in FrozenTarget(model, tok).identity().items() if k != "name_or_path"}
@@ -74,6 +76,8 @@ def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature
            "temperature": float(cfg.regen_temperature if temperature is None else temperature),
            "top_p": 1.0, "top_k": 0, "seed": cfg.seed, "max_new_tokens": cfg.regen_new_tokens,
            "generator": GENERATOR}
+    if model.dtype != torch.float32:  # the text depends on the dtype the target computes in (fp32 keys as before)
+        key["dtype"] = str(model.dtype).replace("torch.", "")
     digest = _sha(key)[:16]
     path = Path(cfg.cache_dir) / f"regen_{kind}_{digest}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -152,6 +152,13 @@ def _env(threads: int, device: torch.device, target: FrozenTarget) -> dict:
            "device": str(device), "dtype": str(target.model.dtype).replace("torch.", "")}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
+    else:  # the SIMD flags decide which dtype is fast here (models/kernels.py)
+        from models.kernels import cpu_features
+
+        env["cpu"] = cpu_features()
+    probe = getattr(target.model, "draftsmith_kernels", None)
+    if probe is not None:  # target.dtype=auto: what was measured, and what it chose
+        env["dtype_probe"] = probe
     return env
 
 

@@ -35,9 +35,12 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+AUTO = "auto"  # target.dtype=auto: the dtype this machine runs the target fastest in (models/kernels.py)
+
+
 def dtype_names() -> list[str]:
-    """The load dtypes ``parse_dtype`` (and ``target.dtype``) accept."""
-    return sorted(_DTYPES)
+    """The load dtypes ``target.dtype`` accepts: ``parse_dtype``'s, and ``auto``."""
+    return sorted([*_DTYPES, AUTO])
 
 
 def resolve_name(name_or_path: str, gguf_file: str | None = None) -> str:
@@ -92,7 +95,8 @@ def load_causal_lm(
     from models import gguf
 
     path = check_target_path(name_or_path, gguf_file)
-    torch_dtype = parse_dtype(dtype)
+    auto = dtype == AUTO
+    torch_dtype = parse_dtype(torch.float32 if auto else dtype)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
@@ -107,6 +111,10 @@ def load_causal_lm(
                               "with .model.layers and .model.norm (Llama/Mistral/Qwen/DeepSeek layout); "
                               "give target.name_or_path a causal LM") from None
     model.to(device).eval().requires_grad_(False)
+    if auto:
+        from models.kernels import resolve_auto_dtype
+
+        model = resolve_auto_dtype(model)
     source = gguf.source_info(path)
     if source is not None:  # the target IS the dequantized GGUF: recorded in checkpoints and results
         model.draftsmith_gguf = {"file": Path(source["gguf"]).name, "sha256": source["sha256"],

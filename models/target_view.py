@@ -33,7 +33,7 @@ class TargetView(FrozenTarget):
     def from_pretrained(cls, name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False,
                         device: str = "cpu") -> TargetView:
         path = check_target_path(name_or_path)
-        dt = parse_dtype(dtype)
+        dt = parse_dtype("float32" if dtype == "auto" else dtype)  # shapes and rows only: no step to time
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):

@@ -1,0 +1,107 @@
+"""Kernels by measurement: which dtype this machine runs the target fastest in, measured, not assumed.
+
+Whether bf16 beats fp32 on a CPU depends on the instructions it has, and torch picks its GEMM kernels from them:
+- with AVX-512 BF16 (Zen 4/5 with AVX-512 enabled, Sapphire Rapids and later, AMX), oneDNN's bf16 GEMM is flat in
+  the few rows of decoding and half the bytes of fp32, so bf16 wins (SmolLM2's 576x49152 lm_head at 1/2/4/6 rows:
+  fp32 7.4/15.6/13.0/15.1 ms, bf16 3.9/4.6/3.9/4.1 ms on such a Zen 5);
+- with AVX2 only (a VM that hides AVX-512, as some of these machines do), bf16 has no native dot product and runs
+  2-7x *slower* than fp32 (the same lm_head at 1/4/16 rows: fp32 12/28/42 ms, bf16 7.5/26/107 ms).
+
+So ``target.dtype=auto`` loads the target in fp32, times a one-row forward at widths 1..K+1 on a KV cache in each
+candidate dtype (``probe``), and keeps the dtype whose one-token step (plain decoding, the baseline every speedup
+divides by) is fastest. The probe is recorded on the model (``draftsmith_kernels``) and in benchmark results.
+Losslessness is then checked against the target in the dtype chosen (eval/precision.py: noise-aware below fp32).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+CANDIDATES = ("float32", "bfloat16")
+_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def cpu_features() -> dict:
+    """The CPU's SIMD flags that decide torch's kernels, and torch's own view of them."""
+    flags: set[str] = set()
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+    except OSError:  # not Linux: torch's capability string still says what it uses
+        pass
+    return {"cpu": model, "flags": [f for f in _FLAGS if f in flags],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+@torch.no_grad()
+def time_forward(model: PreTrainedModel, widths: Sequence[int], prefix_len: int = 128, reps: int = 3,
+                 seed: int = 0) -> dict[int, float]:
+    """Seconds of one row's forward of w tokens on a KV cache of ``prefix_len`` entries, for each w (the fastest of
+    ``reps`` after one untimed: on a shared machine noise only ever adds time)."""
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(seed)
+    vocab, device = model.config.vocab_size, model.device
+    cache = DynamicCache()
+    model(torch.randint(vocab, (1, prefix_len), generator=g).to(device), cache=cache, use_cache=True,
+          logits_to_keep=1)
+    out = {}
+    for w in sorted(set(widths)):
+        x = torch.randint(vocab, (1, w), generator=g).to(device)
+        best = float("inf")
+        for r in range(reps + 1):
+            t = time.perf_counter()
+            model(x, cache=cache, use_cache=True)
+            dt = time.perf_counter() - t
+            cache.crop(-w)
+            if r:
+                best = min(best, dt)
+        out[w] = best
+    return out
+
+
+def probe(model: PreTrainedModel, widths: Sequence[int] = (1, 2, 3, 4, 5, 6), prefix_len: int = 128,
+          reps: int = 3, dtypes: Sequence[str] = CANDIDATES) -> dict:
+    """t(w) per candidate dtype (a cast copy of ``model`` for each dtype it is not in), t(w)/t(1), and the dtype
+    whose one-token step is fastest."""
+    per: dict[str, dict] = {}
+    for name in dtypes:
+        dt = _DTYPE[name]
+        m = model if model.dtype == dt else _cast_copy(model, dt)
+        times = time_forward(m, widths, prefix_len, reps)
+        per[name] = {"t_s": {w: round(t, 6) for w, t in times.items()},
+                     "t_over_t1": {w: round(t / times[min(times)], 3) for w, t in times.items()}}
+        if m is not model:
+            del m
+    fastest = min(per, key=lambda n: per[n]["t_s"][min(per[n]["t_s"])])
+    return {"machine": cpu_features(), "prefix_len": prefix_len, "reps": reps, "threads": torch.get_num_threads(),
+            "dtypes": per, "chosen": fastest}
+
+
+def _cast_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    import copy
+
+    return copy.deepcopy(model).to(dtype)
+
+
+def resolve_auto_dtype(model: PreTrainedModel) -> PreTrainedModel:
+    """``target.dtype=auto``: ``model`` (loaded in fp32) in the dtype the probe measured fastest, the probe on it."""
+    result = probe(model)
+    chosen = result["chosen"]
+    if model.dtype != _DTYPE[chosen]:
+        model = model.to(_DTYPE[chosen])
+    model.draftsmith_kernels = result
+    t1 = {n: f"{d['t_s'][1] * 1e3:.1f} ms" for n, d in result["dtypes"].items()}
+    print(f"target.dtype=auto: {chosen} (one-token step {t1}; CPU flags {result['machine']['flags']})", flush=True)
+    return model
+

@@ -1,0 +1,29 @@
+"""models/kernels.py: the dtype probe behind target.dtype=auto."""
+
+from __future__ import annotations
+
+import torch
+
+from models.kernels import cpu_features, probe
+from models.target import FrozenTarget, dtype_names
+
+
+def test_probe_times_each_dtype_and_chooses_the_fastest_one_token_step(tiny_llama):
+    result = probe(tiny_llama, widths=(1, 2, 3), prefix_len=8, reps=1)
+    assert set(result["dtypes"]) == {"float32", "bfloat16"}
+    for d in result["dtypes"].values():
+        assert set(d["t_s"]) == {1, 2, 3} and all(t > 0 for t in d["t_s"].values()) and d["t_over_t1"][1] == 1.0
+    t1 = {n: d["t_s"][1] for n, d in result["dtypes"].items()}
+    assert result["chosen"] == min(t1, key=t1.get)
+    assert tiny_llama.dtype == torch.float32  # probed on a copy
+    assert result["machine"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isinstance(cpu_features()["flags"], list)
+
+
+def test_auto_dtype_loads_the_target_in_the_probed_dtype(target_dir):
+    assert "auto" in dtype_names()
+    target = FrozenTarget.from_pretrained(str(target_dir), dtype="auto")
+    chosen = target.model.draftsmith_kernels["chosen"]
+    assert str(target.model.dtype) == f"torch.{chosen}"
+    # the fingerprint does not depend on the load dtype: a drafter trained on the fp32 load still matches
+    assert target.fingerprint() == FrozenTarget.from_pretrained(str(target_dir)).fingerprint()
