@@ -323,7 +323,7 @@ def build_feature_cache(t: Training) -> None:
             m = t.cache.build()
             t.log(f"feature cache: {m['bytes'] / 1e6:.1f} MB, {m['bytes_per_token']:.0f} bytes/token")
         d.barrier()
-        if getattr(t.drafter, "reads_draft_vocab_teacher", False):
+        if getattr(t.drafter, "reads_draft_vocab_teacher", False) and cfg.train.get("draft_vocab_teacher", True):
             if t.cache.has_top():
                 t.teacher_ids = t.drafter.draft_ids
             else:
