@@ -112,7 +112,7 @@ REAL_EVAL = $(BIN)/python -m eval target=smollm2 $(SMOLLM2_CKPTS) draft_model=nu
 # (conf/data/sharegpt_smollm2_onpolicy.yaml), one process per temperature at one thread each (two 1-thread processes
 # beat one 2-thread process on 2 cores), resumable; then what the cache holds is packed into
 # data/shipped/smollm2_sharegpt/ (gzip + manifest), which a fresh machine unpacks instead of regenerating.
-SMOLLM2_DATA ?= +recipe=eagle3_smollm2 data=sharegpt_smollm2_onpolicy
+SMOLLM2_DATA ?= +recipe=eagle3_smollm2_onpolicy
 smollm2-data: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 0 --threads 1 $(SMOLLM2_DATA) & \
 	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 1 --threads 1 $(SMOLLM2_DATA); s=$$?; \

