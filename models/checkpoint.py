@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -68,6 +68,13 @@ def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of floating-point tensors holding NaN or inf (integer and bool tensors cannot)."""
     return [k for k, v in tensors.items()
             if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all())]
+
+
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or inf, or None: one reduction per tensor, stopping
+    at the first bad one (a whole target is checked at every load)."""
+    return next((k for k, v in named
+                 if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all())), None)
 
 
 def check_finite(tensors: Mapping[str, torch.Tensor], where: str | Path) -> None:

@@ -106,6 +106,8 @@ def convert(gguf: Path, out: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from models.checkpoint import first_nonfinite
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f"{out.name}.tmp{os.getpid()}"
     t0 = time.time()
@@ -116,11 +118,15 @@ def convert(gguf: Path, out: Path) -> Path:
     except Exception as e:  # the gguf reader raises many types for a corrupt file; one line names it
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise GGUFError(f"{gguf}: could not be read as a GGUF model ({type(e).__name__}: {first})") from None
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied: the embedding is the head
+    bad = first_nonfinite(state.items())
+    if bad is not None:  # never cached: every later load would otherwise trust it
+        raise GGUFError(f"{gguf}: tensor {bad!r} holds NaN/inf after dequantizing to fp32; the file is damaged: "
+                        "re-download it (nothing was cached)")
     try:
         tmp.mkdir(parents=True)
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if getattr(model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # tied: the embedding is the head
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         model.config.save_pretrained(tmp)
         cfg = json.loads((tmp / "config.json").read_text())

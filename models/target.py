@@ -18,7 +18,8 @@ L+1 of them.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from models.checkpoint import first_nonfinite
 
 EMBEDDED_NAME = "tiny-code"
 # the embedded default target ships in the repo (models/tiny_code/; built by train/build_tiny_code.py)
@@ -111,6 +114,7 @@ def load_causal_lm(
                               "with .model.layers and .model.norm (Llama/Mistral/Qwen/DeepSeek layout); "
                               "give target.name_or_path a causal LM") from None
     model.to(device).eval().requires_grad_(False)
+    check_finite_weights(model.named_parameters(), name_or_path, path)  # buffers may hold -inf masks
     if auto:
         from models.kernels import resolve_auto_dtype
 
@@ -127,6 +131,40 @@ def load_causal_lm(
 
 class TargetLoadError(ValueError):
     """The target cannot be loaded, for a reason the user can fix; one line naming the key and the fix."""
+
+
+def check_finite_weights(named: Iterable[tuple[str, torch.Tensor]], name_or_path: str, path: str) -> None:
+    """Refuse a target whose weights hold NaN/inf (a damaged download, a broken conversion): every acceptance
+    number measured against it would be meaningless, and nothing downstream would say why."""
+    bad = first_nonfinite(named)
+    if bad is None:
+        return
+    from models import gguf
+
+    source = gguf.source_info(path) if Path(path).expanduser().is_dir() else None
+    if source is not None:
+        raise TargetLoadError(f"target {name_or_path!r}: tensor {bad!r} in {weights_file(path, bad)} (converted "
+                              f"from {source['gguf']}) holds NaN/inf; delete {path} to convert the GGUF again, "
+                              "or re-download the GGUF")
+    raise TargetLoadError(f"target {name_or_path!r}: tensor {bad!r} in {weights_file(path, bad)} holds NaN/inf; "
+                          "the weights are damaged: re-download or re-save them (target.name_or_path)")
+
+
+def weights_file(path: str, key: str) -> str:
+    """The file of a local model directory that holds tensor ``key`` (its shard, from the safetensors index), for
+    messages; the directory or hub id itself where no file is known."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        return f"the hub model {path}"
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shard = json.loads(index.read_text()).get("weight_map", {}).get(key)
+        except (OSError, ValueError, AttributeError):
+            shard = None
+        return str(d / shard) if shard else str(d)
+    single = d / "model.safetensors"
+    return str(single) if single.is_file() else str(d)
 
 
 def _hub_offline() -> bool:

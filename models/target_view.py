@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from models.target import FrozenTarget, check_target_path, parse_dtype
+from models.target import FrozenTarget, check_finite_weights, check_target_path, parse_dtype
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -45,6 +45,7 @@ class TargetView(FrozenTarget):
         tied = head.weight is embed.weight  # transformers ties them when the config says so
         keys = [f"{names[id(embed)]}.weight"] + ([] if tied else [f"{names[id(head)]}.weight"])
         got = read_tensors(path, keys)
+        check_finite_weights(got.items(), name_or_path, path)
         w = nn.Parameter(got[keys[0]].to(device=device, dtype=dt), requires_grad=False)
         embed.weight = w
         head.weight = w if tied else nn.Parameter(got[keys[1]].to(device=device, dtype=dt), requires_grad=False)
