@@ -85,7 +85,7 @@ def model_type_of(target: TargetInfo | None, st: dict) -> str | None:
 
 
 def warn_sglang_family(sg: list[int], top: list[int], model_type: str | None, where: str) -> None:
-    """SGLang 0.5.23 reads eagle_config ids per target family (DESIGN.md §3 corrections): warn when it would
+    """SGLang 0.5.23 reads eagle_config ids per target family (see models/methods/eagle3/check.py): warn when it would
     capture other layers than vLLM and the drafter (the file is right for vLLM, so this is not a refusal)."""
     got = sglang_reads(sg, model_type)
     if model_type in SGLANG_PLUS1_IF_FIRST_IS_1 and got != top:

@@ -8,8 +8,8 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from data.features import FeatureCache
-from models.drafter import DraftVocabTeacher
 from data.sources import DataConfig, build_rows
+from models.drafter import DraftVocabTeacher
 from models.target import FrozenTarget
 from train.loop import build_drafter, collate, run, target_features
 

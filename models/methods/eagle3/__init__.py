@@ -1,6 +1,7 @@
 """EAGLE-3: the method (drafter, training-time-test loss, chain and tree proposers, exports).
 
-Architecture (arXiv 2503.01840; DESIGN.md §2), for a target with hidden size H and vocab V:
+Architecture (arXiv 2503.01840; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`), for a target with hidden size H
+and vocab V:
 
     g  = fc(cat(h_{l0}, h_{l1}, h_{l2}))                 fc: 3H → H, no bias
     x  = cat(input_layernorm(emb(t)), hidden_norm(g))    2H, embedding first

@@ -90,7 +90,8 @@ class PEagleDrafter(nn.Module):
         ids = list(cfg.layer_ids) if cfg.layer_ids is not None else default_layer_ids(L)
         if len(ids) != 3 or len(set(ids)) != 3:
             raise ValueError(f"P-EAGLE fuses 3 distinct target states (EAGLE-3's), got layer_ids={ids}")
-        # ascending: the order engines fuse captured states in (DESIGN.md §3), so fc's blocks need no permutation
+        # ascending: the order engines fuse captured states in (vLLM sorts its capture layers, SGLang captures in
+        # layer order), so fc's blocks need no permutation
         self.layer_ids = sorted(validate_layer_ids(ids, L))
         if L in self.layer_ids:
             raise ValueError(f"layer_ids={ids}: id {L} is the target's post-norm output here but the pre-norm state "
