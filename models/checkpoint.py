@@ -59,9 +59,23 @@ class out_of_space_as_error:
         return self
 
     def __exit__(self, typ, e, tb):
-        if e is not None and not isinstance(e, NoSpaceError) and is_out_of_space(e):
+        if e is None or isinstance(e, NoSpaceError):
+            return False
+        named = _named_no_space(e)
+        if named is not None:  # a writer below named its own path (and Hydra's instantiate wrapped it)
+            raise named from None
+        if is_out_of_space(e):
             raise NoSpaceError(self.path, self.fix) from None
         return False
+
+
+def _named_no_space(e: BaseException) -> NoSpaceError | None:
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, NoSpaceError):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:

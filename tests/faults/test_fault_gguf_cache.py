@@ -1,0 +1,163 @@
+"""The GGUF conversion cache (models/gguf.py) is never trusted blindly: an entry is checked against the file sizes
+and the weights' sha256 recorded when it was converted, and a damaged one is converted again, saying so; what a
+killed conversion left is removed; a read-only or full cache is one `error:` line naming it and DRAFTSMITH_CACHE."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="pip install -e '.[real]' (gguf) for the GGUF tests")
+pytest.importorskip("accelerate", reason="pip install -e '.[real]' (accelerate) for the GGUF tests")
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from models import gguf as mgguf  # noqa: E402
+from models.target import EMBEDDED_DIR, FrozenTarget  # noqa: E402
+from tests.faults.fault_helpers import PAGE, cfg_for, fill_disk, remount_readonly, small_tmpfs  # noqa: E402
+from tests.test_gguf import make_model, write_llama_gguf  # noqa: E402
+
+IDS = torch.tensor([[5, 17, 42, 99, 7]])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    model = make_model(len(tok), tied=False, seed=3)
+    path = write_llama_gguf(model, tok, tmp_path_factory.mktemp("gguf_src") / "tiny.gguf")
+    with torch.no_grad():
+        ref = model(input_ids=IDS).logits
+    return path, ref
+
+
+def _use(root, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(root))
+    return root / "gguf"
+
+
+def _entry(cache, path):
+    return cache / mgguf.file_sha256(path)[:16]
+
+
+def _load_matches(path, ref):
+    with torch.no_grad():
+        torch.testing.assert_close(FrozenTarget.from_pretrained(str(path)).model(input_ids=IDS).logits, ref,
+                                   rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "same-size", "deleted-tokenizer"])
+def test_damaged_entry_is_converted_again_saying_so(built, tmp_path, monkeypatch, capsys, damage):
+    path, ref = built
+    cache = _use(tmp_path / "c", monkeypatch)
+    FrozenTarget.from_pretrained(str(path))
+    d = _entry(cache, path)
+    src = json.loads((d / mgguf.SOURCE_FILE).read_text())
+    assert src["files"]["model.safetensors"] == (d / "model.safetensors").stat().st_size
+    assert len(src["weights_sha256"]) == 64
+    w = d / "model.safetensors"
+    if damage == "truncated":
+        os.truncate(w, w.stat().st_size // 2)
+    elif damage == "same-size":
+        data = bytearray(w.read_bytes())
+        data[-100:] = b"\xff" * 100  # NaN patterns in the last tensor, size unchanged
+        w.write_bytes(bytes(data))
+    else:
+        (d / "tokenizer.json").unlink()
+    mgguf._SHA_MEMO.clear()  # a new process: nothing memoised
+    capsys.readouterr()
+    _load_matches(path, ref)
+    out = [x for x in capsys.readouterr().out.splitlines() if " is damaged (" in x]
+    assert len(out) == 1 and str(d) in out[0] and f"converting {path} again" in out[0], out
+    assert {"truncated": "model.safetensors is ", "same-size": "sha256 differs",
+            "deleted-tokenizer": "tokenizer.json is missing"}[damage] in out[0]
+    assert sorted(p.name for p in cache.iterdir()) == [d.name]  # nothing aside left behind
+
+
+def test_entry_without_a_record_is_checked_and_recorded(built, tmp_path, monkeypatch, capsys):
+    """An entry converted before sizes were recorded: used if its weights are whole (and recorded from then on),
+    converted again if they are cut."""
+    path, ref = built
+    cache = _use(tmp_path / "c", monkeypatch)
+    FrozenTarget.from_pretrained(str(path))
+    d = _entry(cache, path)
+    src = json.loads((d / mgguf.SOURCE_FILE).read_text())
+    legacy = {k: v for k, v in src.items() if k not in ("files", "weights_sha256")}
+    (d / mgguf.SOURCE_FILE).write_text(json.dumps(legacy))
+    monkeypatch.setattr(mgguf, "convert", lambda *a: pytest.fail("a whole entry was converted again"))
+    _load_matches(path, ref)
+    assert json.loads((d / mgguf.SOURCE_FILE).read_text())["files"] == src["files"]
+    monkeypatch.undo()
+    _use(tmp_path / "c", monkeypatch)
+    (d / mgguf.SOURCE_FILE).write_text(json.dumps(legacy))
+    w = d / "model.safetensors"
+    os.truncate(w, w.stat().st_size - 4096)
+    capsys.readouterr()
+    _load_matches(path, ref)
+    assert "its header says" in capsys.readouterr().out
+
+
+def test_temp_dirs_of_dead_conversions_are_removed(built, tmp_path, monkeypatch, capsys):
+    path, ref = built
+    cache = _use(tmp_path / "c", monkeypatch)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    key = mgguf.file_sha256(path)[:16]
+    stale, live = cache / f"{key}.tmp{dead.pid}", cache / f"0123456789abcdef.tmp{os.getppid()}"
+    for d in (stale, live):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"\0" * 1000)
+    capsys.readouterr()
+    _load_matches(path, ref)
+    assert not stale.exists() and live.exists()  # a conversion still running keeps its own
+    assert f"removed {stale}" in capsys.readouterr().out
+
+
+def _cli_error(cfg, capsys) -> str:
+    from train.__main__ import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main.__wrapped__(cfg)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_read_only_cache_is_one_line_before_any_work(built, tmp_path, monkeypatch, capsys):
+    path, ref = built
+    with small_tmpfs(tmp_path / "ro", "8m") as mnt:
+        remount_readonly(mnt)
+        _use(mnt, monkeypatch)
+        monkeypatch.setattr(mgguf, "_read_gguf", lambda *a: pytest.fail("dequantized before checking the cache"))
+        line = _cli_error(cfg_for(path, tmp_path / "run"), capsys)
+        assert f"GGUF cache {mnt / 'gguf'} is not writable (read-only file system)" in line
+        assert "DRAFTSMITH_CACHE" in line
+
+
+def test_read_only_cache_holding_the_entry_is_used(built, tmp_path, monkeypatch):
+    path, ref = built
+    with small_tmpfs(tmp_path / "ro", "16m") as mnt:
+        _use(mnt, monkeypatch)
+        FrozenTarget.from_pretrained(str(path))
+        remount_readonly(mnt)
+        mgguf._SHA_MEMO.clear()
+        _load_matches(path, ref)
+
+
+def test_full_cache_is_one_line_and_leaves_nothing(built, tmp_path, monkeypatch, capsys):
+    path, _ = built
+    with small_tmpfs(tmp_path / "full", "8m") as mnt:
+        cache = _use(mnt, monkeypatch)
+        cache.mkdir()
+        filler = fill_disk(mnt, leave=64 * PAGE)  # room for the temp dir, not for the weights
+        line = _cli_error(cfg_for(path, tmp_path / "run"), capsys)
+        assert line.startswith(f"error: no space left on device at {cache} (converting tiny.gguf")
+        assert "DRAFTSMITH_CACHE" in line
+        assert list(cache.iterdir()) == [] and filler.exists()
