@@ -230,7 +230,9 @@ def test_readme_layout_table_agrees_with_the_folders():
     import re
 
     text = (ROOT / "README.md").read_text()
-    table = text[text.index("## Layout"):text.index("## Training")]
+    start = text.index("## Layout")
+    end = text.find("\n## ", start + 1)
+    table = text[start:] if end < 0 else text[start:end]
     rows = {line.split("|")[1].strip(): line.split("|")[2] for line in table.splitlines() if line.startswith("| `")}
     for pkg in sorted((ROOT / "models" / "methods").iterdir()):
         if (pkg / "__init__.py").exists():
