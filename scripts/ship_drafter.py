@@ -54,22 +54,12 @@ def ship(run: Path, dest: Path, recipe: str | None, target: str | None) -> dict:
         raise FileNotFoundError(f"{final}/model.safetensors: not a finished run (train it first)")
     if dest.exists():
         raise FileExistsError(f"{dest} exists; remove it yourself to ship a new drafter there")
-    tmp = Path(tempfile.mkdtemp(prefix=".ship_", dir=dest.parent if dest.parent.exists() else None))
+    # staged next to dest: os.replace cannot cross file systems (the system temp dir often is another one)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".ship_", dir=dest.parent))
     try:
-        (tmp / "final").mkdir()
-        for f in final.iterdir():
-            if f.is_file() and f.name != "model.safetensors":
-                shutil.copy2(f, tmp / "final" / f.name)
-        save_file(to_fp16(load_file(str(final / "model.safetensors"))), str(tmp / "final" / "model.safetensors"))
-        for name in RECORD:
-            if (run / name).exists():
-                shutil.copy2(run / name, tmp / name)
+        _stage(run, tmp, target)
         meta = json.loads((final / "config.json").read_text())
-        if target is not None:  # loads as a drafter of its target, the fp16 weights finite
-            from models.registry import load_drafter
-            from models.target import FrozenTarget
-
-            load_drafter(tmp / "final", FrozenTarget.from_pretrained(target))
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         manifest = {"method": meta.get("method"), "recipe": recipe, "source": str(run),
                     "source_sha256": sha256(final / "model.safetensors"),
@@ -77,12 +67,28 @@ def ship(run: Path, dest: Path, recipe: str | None, target: str | None) -> dict:
                     "bytes": (tmp / "final" / "model.safetensors").stat().st_size, "commit": commit,
                     "steps": _last_step(run / "metrics.jsonl"), "loaded_against": target}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dest)
         return manifest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # only what this call wrote
-        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only what this call wrote; gone already once it is dest
+
+
+def _stage(run: Path, tmp: Path, target: str | None) -> None:
+    """The fp16 copy of ``run``'s final/ and its training record, in ``tmp``; loaded against ``target``."""
+    final = run / "final"
+    (tmp / "final").mkdir()
+    for f in final.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy2(f, tmp / "final" / f.name)
+    save_file(to_fp16(load_file(str(final / "model.safetensors"))), str(tmp / "final" / "model.safetensors"))
+    for name in RECORD:
+        if (run / name).exists():
+            shutil.copy2(run / name, tmp / name)
+    if target is not None:  # loads as a drafter of its target, the fp16 weights finite
+        from models.registry import load_drafter
+        from models.target import FrozenTarget
+
+        load_drafter(tmp / "final", FrozenTarget.from_pretrained(target))
 
 
 def _last_step(path: Path) -> int | None:

@@ -1,0 +1,63 @@
+"""scripts/ship_drafter.py stages its copy next to the destination, so the final rename never crosses file systems
+(a destination on another mount than the system temp dir), and leaves no staging directory on any exit."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.faults.fault_helpers import ROOT, cfg_for, small_tmpfs
+from train.loop import run
+
+_spec = importlib.util.spec_from_file_location("ship_drafter", ROOT / "scripts" / "ship_drafter.py")
+ship_drafter = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ship_drafter)
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ship_run")
+    run(cfg_for(target_dir, out, "train.steps=2"))
+    return out
+
+
+def _staged(d):
+    return sorted(str(p) for p in d.rglob(".ship_*"))
+
+
+def test_destination_on_another_file_system_with_absent_parents(trained, target_dir, tmp_path, capsys):
+    """The destination's parents do not exist yet and it lives on its own mount (the system temp dir does not):
+    staging in the temp dir made os.replace fail with "Invalid cross-device link"."""
+    with small_tmpfs(tmp_path / "mnt", "16m") as mnt:
+        dest = mnt / "repo" / "drafters" / "eagle3"
+        assert ship_drafter.main([str(trained), str(dest), "--target", str(target_dir)]) == 0, \
+            capsys.readouterr().err
+        assert (dest / "final" / "model.safetensors").is_file() and (dest / "manifest.json").is_file()
+        assert _staged(mnt) == []
+    assert _staged(tmp_path) == [] and not list(Path(tempfile.gettempdir()).glob(".ship_*"))
+
+
+def test_a_refused_copy_leaves_no_staging_directory(trained, tmp_path, capsys, monkeypatch):
+    from models.target import FrozenTarget
+
+    def refuse(*a, **k):
+        raise ValueError("checkpoint was trained for another target")
+
+    monkeypatch.setattr(FrozenTarget, "from_pretrained", refuse)
+    dest = tmp_path / "repo" / "eagle3"
+    assert ship_drafter.main([str(trained), str(dest), "--target", "elsewhere"]) == 2
+    assert "another target" in capsys.readouterr().err
+    assert not dest.exists() and _staged(tmp_path) == []
+    monkeypatch.setattr(ship_drafter, "_stage", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        ship_drafter.main([str(trained), str(dest)])
+    assert not dest.exists() and _staged(tmp_path) == []
+
+
+def test_staging_directories_are_ignored_by_git():
+    r = subprocess.run(["git", "check-ignore", "-q", "models/smollm2_drafters/.ship_abc123"], cwd=ROOT)
+    assert r.returncode == 0
