@@ -176,6 +176,7 @@ class Training:
     tracker: Any = None
     metrics_file: Any = None  # rank 0's metrics.jsonl, open while the steps run
     val_file: Any = None  # rank 0's val.jsonl (held-out records with their training time)
+    val_steps: set[int] = dataclasses.field(default_factory=set)  # steps val.jsonl holds: each is logged once
     skipped_batches: int = 0  # micro-batches with nothing to score (counted in metrics.jsonl, said at the end)
     elapsed_before: float = 0.0  # training seconds of the runs this one resumes (their last ``elapsed_s``)
     t0: float = 0.0  # when this process's steps began
@@ -343,6 +344,8 @@ def train_steps(t: Training, start: int) -> dict | None:
     if d.is_main:
         for name in ("metrics.jsonl", "val.jsonl"):  # a killed run's records past `start` are redone
             ckpt.truncate_metrics(t.out_dir / name, start)
+    # a rerun of a finished run (start == steps) evaluates final/ again; its record is there already
+    t.val_steps = logged_steps(t.out_dir / "val.jsonl") if d.is_main else set()
     t.elapsed_before = last_elapsed(t.out_dir / "metrics.jsonl") if d.is_main else 0.0
     t.metrics_file = open(t.out_dir / "metrics.jsonl", "a") if d.is_main else None
     t.val_file = open(t.out_dir / "val.jsonl", "a") if d.is_main else None
@@ -395,9 +398,24 @@ def last_elapsed(path: Path) -> float:
     return last
 
 
+def logged_steps(path: Path) -> set[int]:
+    """The steps a records file (val.jsonl) holds; torn lines are not records."""
+    steps = set()
+    for line in path.read_bytes().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            steps.add(rec["step"])
+    return steps
+
+
 def log_val(t: Training, step: int, ev: dict) -> None:
-    """A held-out record in val.jsonl (the learning curve: agreement and simulated τ vs training time)."""
-    if t.val_file:
+    """A held-out record in val.jsonl (the learning curve: agreement and simulated τ vs training time), once per
+    step."""
+    if t.val_file and step not in t.val_steps:
+        t.val_steps.add(step)
         rec = {"step": step, "elapsed_s": round(t.elapsed(), 3), **{f"val/{k}": v for k, v in ev.items()}}
         t.val_file.write(json.dumps({k: ckpt.finite_or_none(v) for k, v in rec.items()}, allow_nan=False) + "\n")
         t.val_file.flush()
