@@ -26,7 +26,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from data.chat_spans import ChatMaskError, char_spans, fold_system, has_generation_markers, template_kwargs
-from data.packaged import PACKAGE_SOURCES, iter_json_array, package_source  # noqa: F401 (re-exported)
+from data.packaged import PACKAGE_SOURCES, end_note, iter_json_array, package_source  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +125,9 @@ def load_rows(source: str | Path, split: str = "train", keep_bad: bool = False, 
         path = package_source(str(source))
         read: dict = {}
         rows = list(itertools.islice(iter_json_array(path, read), limit))
-        if read.get("truncated_tail"):  # the shipped file is cut inside its last record: say so, keep the rest
-            print(f"data: {source}: {len(rows)} complete records read; the file's last record is cut off "
-                  f"({read['truncated_chars']} characters) and was skipped", flush=True)
+        note = end_note(len(rows), read)
+        if note:  # a cut file (the shipped one is, inside its last record): say so, keep the rest
+            print(f"data: {source}: {note}", flush=True)
         return rows
     path = Path(source).expanduser()
     suffix = path.suffix.lower()

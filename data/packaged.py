@@ -90,3 +90,15 @@ def iter_json_array(path: Path, stats: dict, chunk_chars: int = 1 << 20):
             pos = end
             if pos > chunk_chars:  # drop what has been decoded
                 buf, base, pos = buf[pos:], base + pos, 0
+
+
+def end_note(n_read: int, stats: dict) -> str | None:
+    """How a file ``iter_json_array`` read to its end ended, when not with its closing bracket: one line with the
+    records read, whether the cut fell inside a record or between two (either way, what came after is missing)."""
+    if stats.get("truncated_tail"):
+        return (f"{n_read} complete records read; the file is cut off inside its last record "
+                f"({stats['truncated_chars']} characters), which was skipped")
+    if stats.get("unterminated"):
+        return (f"{n_read} complete records read; the file is cut off between two records (it ends without its "
+                "closing ']'): whatever followed the cut is missing")
+    return None
