@@ -238,11 +238,15 @@ def regenerate_conversations(
     chat_template: str | None = None,
     enable_thinking: bool | None = None,
     stats: dict | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> list[list[dict]]:
     """Every assistant turn replaced by the target's own reply to the (already regenerated) context before it.
 
     System and user turns are kept verbatim. Conversations are batched; a batch advances one assistant
     turn per ``generate`` call. Output is in input order; ``out_path`` holds one line per conversation.
+    ``max_prompt_tokens``: a turn whose prompt is longer (a ShareGPT second question can be thousands of tokens)
+    is kept verbatim with the turns after it: its reply would start past a training row of that length, and its
+    prompt would pad and slow its whole batch.
     """
     convs = [[{"role": m["role"], "content": m["content"]} for m in c] for c in conversations]
     stops = stop_token_ids(tok, model, chat_template=chat_template, enable_thinking=enable_thinking)
@@ -256,12 +260,17 @@ def regenerate_conversations(
                        and any(p["role"] == "user" for p in convs[i][:j])] for i in idx}
         step = 0
         while any(pending.values()):
-            active = [i for i in idx if pending[i]]
-            prompts = []
-            for i in active:
-                j = pending[i][0]
-                text = render_chat(tok, work[i][:j], True, chat_template, enable_thinking)
-                prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+            active, prompts = [], []
+            for i in [i for i in idx if pending[i]]:
+                text = render_chat(tok, work[i][: pending[i][0]], True, chat_template, enable_thinking)
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                    pending[i] = []  # this reply and later ones start past the training window: kept verbatim
+                    continue
+                active.append(i)
+                prompts.append(ids)
+            if not active:
+                break
             outs = _generate_batch(model, prompts, stops, pad_id, max_new_tokens, temperature,
                                    _batch_seed(seed, idx[0]) + step)
             for i, new in zip(active, outs):

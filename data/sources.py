@@ -252,7 +252,7 @@ def regenerate_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats:
         got = regenerate_conversations(model, tok, inputs, path, batch_size=cfg.regen_batch_size,
                                        max_new_tokens=cfg.regen_new_tokens, temperature=temp, seed=cfg.seed,
                                        chat_template=cfg.chat_template, enable_thinking=cfg.enable_thinking,
-                                       stats=counts)
+                                       stats=counts, max_prompt_tokens=cfg.max_len)
         secs = time.time() - t0
         for i, conv in zip(group, got):
             out[i] = conv

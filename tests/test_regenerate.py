@@ -246,3 +246,15 @@ def test_on_policy_chat_data_extra_turns_regen_only_and_shipped(tmp_path, tiny_l
     assert build_rows(fresh, tiny_tokenizer, tiny_llama) == (train, val)
     with pytest.raises(ValueError, match="regen_only=true needs data.regenerate"):
         build_rows(DataConfig(**{**vars(cfg), "regenerate": 0}), tiny_tokenizer, tiny_llama)
+
+
+def test_a_turn_whose_prompt_outgrows_the_window_is_kept_verbatim(tmp_path, tiny_llama, tiny_tokenizer):
+    """max_prompt_tokens: the first reply is the target's; the second, after a long question, keeps its dataset text
+    (it would start past the training window), and so does everything after it."""
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old one"},
+            {"role": "user", "content": "why " * 200}, {"role": "assistant", "content": "old two"}]
+    out = regenerate_conversations(tiny_llama, tiny_tokenizer, [conv], tmp_path / "r.jsonl", max_new_tokens=3,
+                                   max_prompt_tokens=64)[0]
+    assert out[1]["content"] != "old one" and out[3]["content"] == "old two" and out[2] == conv[2]
+    full = regenerate_conversations(tiny_llama, tiny_tokenizer, [conv], tmp_path / "s.jsonl", max_new_tokens=3)[0]
+    assert full[1] == out[1] and full[3]["content"] != "old two"
