@@ -73,7 +73,16 @@ class FeatureCache:
         self.root.mkdir(parents=True, exist_ok=True)
         mpath = self.root / MANIFEST
         if mpath.exists():
-            old = json.loads(mpath.read_text())
+            raw = mpath.read_bytes()
+            try:  # emptied or torn (a kill while it was written): the shards cannot be checked against this run
+                old = json.loads(raw)
+                if not isinstance(old, dict) or "layer_ids" not in old:
+                    raise ValueError("no layer_ids")
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError too
+                what = "empty" if not raw.strip() else f"damaged ({str(e).splitlines()[0][:80]})"
+                raise ValueError(f"feature cache {self.root} cannot be checked against this run: its manifest {mpath} "
+                                 f"is {what}; delete it to rebuild (rm -r {self.root}), or set "
+                                 "train.feature_cache to a new directory") from None
             if _key(old) != _key(self.meta):
                 raise ValueError(f"feature cache {self.root} was built for other data/target/dtype; "
                                  "delete it or set train.feature_cache to a new directory")

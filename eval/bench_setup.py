@@ -209,8 +209,9 @@ def _read_prompt_file(tokenizer, path: Path, prompt_tokens: int) -> tuple[dict[s
 
     by_cat: dict[str, list[Prompt]] = {}
     too_long = 0
-    with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
+    with open(path, "rb") as fh:  # decoded line by line: a bad byte is named with its line
+        for i, raw in enumerate(fh):
+            line = _utf8_line(raw, path, i + 1)
             if not line.strip():
                 continue
             try:
@@ -233,6 +234,14 @@ def _read_prompt_file(tokenizer, path: Path, prompt_tokens: int) -> tuple[dict[s
             label = str(row.get("question_id", row.get("task_id", row.get("id", row.get("source", i)))))
             by_cat.setdefault(cat, []).append(Prompt(list(ids), cat, label))
     return by_cat, too_long
+
+
+def _utf8_line(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} line {lineno}: not UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the "
+                         "line); save the file as UTF-8") from None
 
 
 def _completion_text(row: Any, where: str) -> str | None:

@@ -62,7 +62,8 @@ def _check(args: argparse.Namespace) -> str:
     if (Path(args.check) / llamacpp.MARKER).is_file():  # a GGUF export: its draft.gguf, then the layout it came from
         m = llamacpp.check_gguf(args.check)
         inner = _check(argparse.Namespace(**{**vars(args), "check": str(Path(args.check) / "hf")}))
-        return f"{args.check}: valid GGUF export ({m['spec_type']}, draft.gguf sha256 matches); {inner}"
+        spec = m.get("spec_type", "no spec_type recorded")
+        return f"{args.check}: valid GGUF export ({spec}, draft.gguf sha256 matches); {inner}"
     if not Path(args.check).exists():
         raise ExportError(f"--check {args.check}: no such file or directory")
     if not Path(args.check).is_dir():

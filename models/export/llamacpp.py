@@ -158,11 +158,26 @@ def export_gguf(drafter: nn.Module, out: str | Path, target, *, target_name: str
 def check_gguf(path: str | Path) -> dict:
     """A GGUF export's manifest, after checking draft.gguf is the file that was converted (sha256)."""
     path = Path(path)
-    m = json.loads((path / MARKER).read_text())
+    m = read_marker(path / MARKER)
     if not (path / DRAFT).is_file():
         raise ExportError(f"{path}: {DRAFT} is missing")
     if sha256(path / DRAFT) != m.get("draft_sha256"):
         raise ExportError(f"{path}/{DRAFT} is not the file this export converted (sha256 differs from {MARKER})")
+    return m
+
+
+def read_marker(marker: Path) -> dict:
+    """An export's gguf.json; damaged (a kill while copying it, an edit) is one line naming it."""
+    fix = "export again with --force to rewrite it"
+    try:
+        m = json.loads(marker.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ExportError(f"{marker} is not UTF-8 text; {fix}") from None
+    except json.JSONDecodeError as e:
+        what = "empty" if not e.doc.strip() else f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        raise ExportError(f"{marker} is {what}; {fix}") from None
+    if not isinstance(m, dict) or "draft_sha256" not in m:
+        raise ExportError(f"{marker} holds no draft_sha256 (an object with the converted file's sha256); {fix}")
     return m
 
 
