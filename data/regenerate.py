@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -203,14 +205,25 @@ def _run_resumable(
     n_todo = sum(len(idx) for idx in todo)
     if stats is not None:
         stats.update(generated=n_todo, from_cache=len(items) - n_todo)
+    ledger = ledger_path(out_path)
     with tqdm(total=len(items), initial=len(items) - n_todo, desc=desc, unit="item") as bar:
         for idx in todo:
+            t0 = time.time()
             records = process_batch(idx)
             _append(out_path, records)
+            # the throughput ledger: what each batch generated and how long it took, across resumed runs
+            _append(ledger, [{"first": idx[0], "items": len(idx), "seconds": round(time.time() - t0, 2),
+                              "new_tokens": sum(r.get("new_tokens", 0) for r in records),
+                              "threads": torch.get_num_threads()}])
             for rec in records:
                 done[rec["index"]] = rec
             bar.update(len(idx))
     return done
+
+
+def ledger_path(out_path: Path) -> Path:
+    """The per-batch throughput records beside a regeneration file (``regen_*.ledger.jsonl``)."""
+    return Path(out_path).with_suffix(".ledger.jsonl")
 
 
 def _same_conversation(conv: list[dict], rec: dict) -> bool:
@@ -258,6 +271,7 @@ def regenerate_conversations(
         # an assistant turn before any user turn (ShareGPT has some) has no prompt to answer: kept verbatim
         pending = {i: [j for j, m in enumerate(convs[i]) if m["role"] == "assistant"
                        and any(p["role"] == "user" for p in convs[i][:j])] for i in idx}
+        n_new = dict.fromkeys(idx, 0)  # tokens generated per conversation (the ledger's count)
         step = 0
         while any(pending.values()):
             active, prompts = [], []
@@ -274,6 +288,7 @@ def regenerate_conversations(
             outs = _generate_batch(model, prompts, stops, pad_id, max_new_tokens, temperature,
                                    _batch_seed(seed, idx[0]) + step)
             for i, new in zip(active, outs):
+                n_new[i] += len(new)
                 j = pending[i].pop(0)
                 if new and new[-1] in stops:
                     new = new[:-1]  # the template writes the turn-closing token itself
@@ -284,7 +299,7 @@ def regenerate_conversations(
                 else:  # gpt-oss: the analysis channel goes to "thinking", the final one to "content"
                     work[i][j].update(split)
             step += 1
-        return [{"index": i, "messages": work[i]} for i in idx]
+        return [{"index": i, "messages": work[i], "new_tokens": n_new[i]} for i in idx]
 
     done = _run_resumable(convs, out_path, batch_size, _same_conversation, process_batch,
                           "regenerate conversations", stats)
@@ -319,8 +334,8 @@ def regenerate_continuations(
     def process_batch(idx: list[int]) -> list[dict]:
         outs = _generate_batch(model, [items[i] for i in idx], stops, pad_id, max_new_tokens, temperature,
                                _batch_seed(seed, idx[0]))
-        return [{"index": i, "input_ids": items[i] + new, "loss_mask": [0] * len(items[i]) + [1] * len(new)}
-                for i, new in zip(idx, outs)]
+        return [{"index": i, "input_ids": items[i] + new, "loss_mask": [0] * len(items[i]) + [1] * len(new),
+                 "new_tokens": len(new)} for i, new in zip(idx, outs)]
 
     done = _run_resumable(items, out_path, batch_size, same_input, process_batch, "regenerate continuations",
                           stats)

@@ -233,8 +233,12 @@ def test_on_policy_chat_data_extra_turns_regen_only_and_shipped(tmp_path, tiny_l
     train, val = build_rows(cfg, tiny_tokenizer, tiny_llama)
     assert len(train) + len(val) == 4 and len(val) == 1  # only the 4 regenerated conversations
 
-    cached = list((tmp_path / "cache").glob("regen_chat_*.jsonl"))
+    cached = [p for p in (tmp_path / "cache").glob("regen_chat_*.jsonl") if not p.name.endswith(".ledger.jsonl")]
     assert len(cached) == 1
+    ledger = [json.loads(x) for x in cached[0].with_suffix(".ledger.jsonl").read_text().splitlines()]
+    assert [b["items"] for b in ledger] == [2, 2] and all(b["seconds"] > 0 for b in ledger)
+    assert sum(b["new_tokens"] for b in ledger) == sum(json.loads(x)["new_tokens"]
+                                                       for x in cached[0].read_text().splitlines()) > 0
     shipped = tmp_path / "shipped"
     assert len(pack_cache_file(cached[0], shipped / (cached[0].name + ".gz"))) == 4
 
@@ -258,3 +262,26 @@ def test_a_turn_whose_prompt_outgrows_the_window_is_kept_verbatim(tmp_path, tiny
     assert out[1]["content"] != "old one" and out[3]["content"] == "old two" and out[2] == conv[2]
     full = regenerate_conversations(tiny_llama, tiny_tokenizer, [conv], tmp_path / "s.jsonl", max_new_tokens=3)[0]
     assert full[1] == out[1] and full[3]["content"] != "old two"
+
+
+def test_regenerate_then_ship_writes_packed_files_and_a_manifest(tmp_path, target_dir):
+    """train.regenerate: one temperature group at a time, then --ship packs the cache with its ledger and a manifest
+    (target identity, sampling, source indices, timed tokens/s)."""
+    from train.regenerate import regenerate, ship
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}?"},
+                                                         {"from": "gpt", "value": f"a{i}"}]}) + "\n"
+                           for i in range(6)))
+    over = [f"target.name_or_path={target_dir}", "data=sharegpt", f"data.source={src}", "data.regenerate=4",
+            "data.regen_temperature=[0.0,1.0]", "data.regen_new_tokens=3", "data.regen_batch_size=2",
+            f"data.cache_dir={tmp_path / 'cache'}", f"data.shipped_dir={tmp_path / 'shipped'}", "data.max_len=64"]
+    got = regenerate(over, [0.0], threads=0)
+    assert [g["temperature"] for g in got["groups"]] == [0.0]  # only the group asked for
+    manifest = ship(over)
+    files = {f["temperature"]: f for f in manifest["files"]}
+    assert files[0.0]["done"] == 2 and files[1.0]["done"] == 0  # T=1 not generated yet: shipped empty
+    assert files[0.0]["timed_batches"] == 1 and files[0.0]["new_tokens_per_s"] > 0
+    assert manifest["target"]["embed_fingerprint"] and manifest["data_config"]["regenerate"] == 4
+    assert (tmp_path / "shipped" / "manifest.json").exists()
+    assert (tmp_path / "shipped" / files[0.0]["file"]).exists()

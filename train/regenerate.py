@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from data.regenerate import ledger_path
 from data.sources import (
     chat_conversations,
     pack_cache_file,
@@ -82,10 +83,18 @@ def ship(overrides: list[str]) -> dict:
         recs = pack_cache_file(path, packed)
         key = path.with_suffix(".key.json")
         (dest / key.name).write_text(key.read_text())
+        ledger = ledger_path(path)
+        spent = [json.loads(x) for x in ledger.read_text().splitlines()] if ledger.exists() else []
+        if spent:
+            (dest / ledger.name).write_text(ledger.read_text())
         replies = [m["content"] for r in recs for m in r["messages"] if m["role"] == "assistant"]
         n_tok = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in replies)
+        secs, made = sum(b["seconds"] for b in spent), sum(b["new_tokens"] for b in spent)
         files.append({"file": packed.name, "temperature": temp, "conversations": len(group), "done": len(recs),
                       "replies": len(replies), "reply_tokens": n_tok, "bytes": packed.stat().st_size,
+                      # the ledger: batches timed since it existed (earlier batches carry no timing)
+                      "timed_batches": len(spent), "timed_seconds": round(secs, 1), "timed_new_tokens": made,
+                      "new_tokens_per_s": round(made / secs, 1) if secs else None,
                       "source_indices": group})
         print(f"shipped {packed}: {len(recs)} of {len(group)} conversations at T={temp:g}, {n_tok} reply tokens, "
               f"{packed.stat().st_size / 1e6:.1f} MB", flush=True)
