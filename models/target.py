@@ -58,13 +58,6 @@ def resolve_name(name_or_path: str, gguf_file: str | None = None) -> str:
     return str(gguf.converted_dir(source)) if source is not None else name_or_path
 
 
-def is_alias(name_or_path: str) -> bool:
-    """A name only draftsmith resolves (the embedded target, a GGUF alias or file): engines need the directory."""
-    from models import gguf
-
-    return name_or_path == EMBEDDED_NAME or name_or_path in gguf.ALIASES or str(name_or_path).endswith(".gguf")
-
-
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

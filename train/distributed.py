@@ -34,12 +34,6 @@ class Dist:
         if self.world_size > 1:
             dist.barrier()
 
-    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-            t /= self.world_size
-        return t
-
 
 def init_distributed(device: str) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
