@@ -28,6 +28,9 @@ from models.vocab import build_draft_vocab, choose_mask_token, count_tokens
 def build(cfg: DFlashConfig, target: FrozenTarget, train_rows: list[dict]) -> DFlashDrafter:
     """A new drafter: the mask token and (if reduced) the draft vocabulary chosen from the training data — or,
     with ``warm_start``, taken from that DFlash checkpoint together with its weights."""
+    note = whole_block_note(cfg, train_rows)
+    if note and _is_main_process():  # training prints it once, not once per rank
+        print(note, flush=True)
     if cfg.warm_start:
         return _warm_start(cfg, target)
     V = target.vocab_size
@@ -37,6 +40,33 @@ def build(cfg: DFlashConfig, target: FrozenTarget, train_rows: list[dict]) -> DF
     if cfg.draft_vocab_size and cfg.draft_vocab_size < V:
         d2t, t2d = build_draft_vocab(count_tokens(train_rows, V), cfg.draft_vocab_size)
     return DFlashDrafter(cfg, target.model.config, target.embed.weight, _lm_head(target), d2t, t2d)
+
+
+def whole_block_note(cfg: DFlashConfig, rows: list[dict]) -> str | None:
+    """A one-line warning when no training row holds a whole block: the drafts past the longest run of trainable
+    tokens after an anchor are never scored (their loss_k stay 0), so the drafter learns only its first slots while
+    the run looks healthy. None when some row holds one (the scan stops there: usually the first row)."""
+    drafts = int(cfg.block_size) - (0 if cfg.sample_from_anchor else 1)  # labels a+1..a+drafts
+    best = 0
+    for row in rows:
+        run = 0
+        for i, m in enumerate(row.get("loss_mask") or ()):
+            run = run + 1 if m and i >= 1 else 0  # token 0 is no anchor's label
+            best = max(best, run)
+        if best >= drafts:
+            return None
+    if not rows:
+        return None
+    return (f"warning: draft.config.block_size={cfg.block_size}: no training row holds a whole block ({drafts} "
+            f"drafts need {drafts} trainable tokens in a row after the anchor; the longest run is {best}), so drafts "
+            f"{best}..{drafts - 1} are never trained (loss_{best}..loss_{drafts - 1} stay 0); lower "
+            "draft.config.block_size or raise data.max_len")
+
+
+def _is_main_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _warm_start(cfg: DFlashConfig, target: FrozenTarget) -> DFlashDrafter:
