@@ -40,7 +40,7 @@ def run_summary(checkpoint: str | Path) -> dict[str, Any] | None:
     data = json.loads((run / "data_stats.json").read_text()) if (run / "data_stats.json").exists() else {}
     elapsed = [float(r["elapsed_s"]) for r in metrics + val if isinstance(r.get("elapsed_s"), (int, float))]
     steps = max((int(r["step"]) for r in metrics if isinstance(r.get("step"), int)), default=None)
-    curve = [{"step": r["step"], "minutes": round(float(r["elapsed_s"]) / 60, 2),
+    curve = [{"step": r["step"], "minutes": round(float(r["elapsed_s"]) / 60, 2), "tokens_seen": r.get("tokens_seen"),
               "sim_tau": r.get("val/sim_tau"), "acc_0": r.get("val/acc_0")}
              for r in val if isinstance(r.get("elapsed_s"), (int, float))]
     return {"run_dir": str(run), "steps": steps,
@@ -87,23 +87,28 @@ def _n(x: Any, nd: int = 1) -> str:
 
 
 def plot(training: Mapping[str, dict], path: Path, plt) -> Path | None:
-    """learning_curve.png: held-out simulated τ and slot-1 agreement vs training minutes, one line per drafter."""
+    """learning_curve.png: held-out simulated τ and slot-1 agreement vs training minutes, one line per drafter, and
+    (a second row, for runs that log it) vs target tokens seen."""
     curves = {n: t["curve"] for n, t in training.items() if len(t["curve"]) >= 1}
     if not curves:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for i, (name, c) in enumerate(curves.items()):
-        xs = [p["minutes"] for p in c]
-        axes[0].plot(xs, [p["sim_tau"] if p["sim_tau"] is not None else float("nan") for p in c], marker="o",
-                     color=f"C{i}", label=name)
-        axes[1].plot(xs, [p["acc_0"] if p["acc_0"] is not None else float("nan") for p in c], marker="o",
-                     color=f"C{i}", label=name)
-    axes[0].set_title("held-out simulated τ (greedy chain)")
-    axes[1].set_title("held-out slot-1 agreement with the target")
-    for ax in axes:
-        ax.set_xlabel("training minutes (CPU)")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+    by_tokens = any(p.get("tokens_seen") is not None for c in curves.values() for p in c)
+    rows = 2 if by_tokens else 1
+    fig, axes = plt.subplots(rows, 2, figsize=(10, 3.8 * rows), squeeze=False)
+    for r, (key, label) in enumerate([("minutes", "training minutes (CPU)"),
+                                      ("tokens_seen", "target tokens trained on")][:rows]):
+        for i, (name, c) in enumerate(curves.items()):
+            pts = [p for p in c if p.get(key) is not None]
+            xs = [p[key] for p in pts]
+            for j, metric in enumerate(("sim_tau", "acc_0")):
+                axes[r][j].plot(xs, [p[metric] if p[metric] is not None else float("nan") for p in pts],
+                                marker="o", color=f"C{i}", label=name)
+        axes[r][0].set_title("held-out simulated τ (greedy chain)")
+        axes[r][1].set_title("held-out slot-1 agreement with the target")
+        for ax in axes[r]:
+            ax.set_xlabel(label)
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

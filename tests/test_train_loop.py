@@ -51,6 +51,12 @@ def test_eagle3_resume_after_kill_equals_uninterrupted(target_dir, tmp_path):
     assert a.keys() == b.keys() and "embed_tokens.weight" not in a  # frozen target copy not saved
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    # the learning curve's x axis: target tokens trained on, carried across the resume, the same at every step
+    import json
+
+    seen = [[json.loads(x)["tokens_seen"] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("a", "b")]
+    assert seen[0] == seen[1] and seen[0] == sorted(seen[0]) and seen[0][0] > 0
 
 
 @pytest.mark.parametrize("method", ["medusa", "mtp"])

@@ -179,6 +179,8 @@ class Training:
     val_steps: set[int] = dataclasses.field(default_factory=set)  # steps val.jsonl holds: each is logged once
     skipped_batches: int = 0  # micro-batches with nothing to score (counted in metrics.jsonl, said at the end)
     elapsed_before: float = 0.0  # training seconds of the runs this one resumes (their last ``elapsed_s``)
+    tokens_before: int = 0  # target tokens those runs trained on (their last ``tokens_seen``)
+    tokens_run: int = 0  # target tokens this process has trained on, all ranks
     t0: float = 0.0  # when this process's steps began
 
     def elapsed(self) -> float:
@@ -347,6 +349,7 @@ def train_steps(t: Training, start: int) -> dict | None:
     # a rerun of a finished run (start == steps) evaluates final/ again; its record is there already
     t.val_steps = logged_steps(t.out_dir / "val.jsonl") if d.is_main else set()
     t.elapsed_before = last_elapsed(t.out_dir / "metrics.jsonl") if d.is_main else 0.0
+    t.tokens_before = int(last_elapsed(t.out_dir / "metrics.jsonl", "tokens_seen")) if d.is_main else 0
     t.metrics_file = open(t.out_dir / "metrics.jsonl", "a") if d.is_main else None
     t.val_file = open(t.out_dir / "val.jsonl", "a") if d.is_main else None
     stop = cfg.train.stop_after
@@ -358,9 +361,11 @@ def train_steps(t: Training, start: int) -> dict | None:
     for step in bar:
         agg, n = optimizer_step(t, step)
         toks += n
+        t.tokens_run += n * d.world_size
         done = step + 1
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            rec = {"step": done, "elapsed_s": round(t.elapsed(), 3), "lr": t.sched.get_last_lr()[0],
+            rec = {"step": done, "elapsed_s": round(t.elapsed(), 3), "tokens_seen": t.tokens_before + t.tokens_run,
+                   "lr": t.sched.get_last_lr()[0],
                    "tok_per_s": toks * d.world_size / (time.time() - t0),
                    **{f"train/{k}": v for k, v in agg.items() if not k.startswith("n_")}}
             tracker.log(rec, done)
@@ -385,14 +390,15 @@ def train_steps(t: Training, start: int) -> dict | None:
     return None
 
 
-def last_elapsed(path: Path) -> float:
-    """Training seconds logged so far (the last record's ``elapsed_s``; 0 for a fresh run or older metrics)."""
+def last_elapsed(path: Path, key: str = "elapsed_s") -> float:
+    """Training seconds (or another cumulative ``key``, e.g. ``tokens_seen``) logged so far: the last record's value;
+    0 for a fresh run or older metrics."""
     if not path.exists():
         return 0.0
     last = 0.0
     for line in path.read_text().splitlines():
         try:
-            last = float(json.loads(line).get("elapsed_s", last))
+            last = float(json.loads(line).get(key, last))
         except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
             continue
     return last
@@ -416,7 +422,8 @@ def log_val(t: Training, step: int, ev: dict) -> None:
     step."""
     if t.val_file and step not in t.val_steps:
         t.val_steps.add(step)
-        rec = {"step": step, "elapsed_s": round(t.elapsed(), 3), **{f"val/{k}": v for k, v in ev.items()}}
+        rec = {"step": step, "elapsed_s": round(t.elapsed(), 3), "tokens_seen": t.tokens_before + t.tokens_run,
+               **{f"val/{k}": v for k, v in ev.items()}}
         t.val_file.write(json.dumps({k: ckpt.finite_or_none(v) for k, v in rec.items()}, allow_nan=False) + "\n")
         t.val_file.flush()
 
