@@ -222,8 +222,10 @@ def _run_resumable(
 
 
 def ledger_path(out_path: Path) -> Path:
-    """The per-batch throughput records beside a regeneration file (``regen_*.ledger.jsonl``)."""
-    return Path(out_path).with_suffix(".ledger.jsonl")
+    """The per-batch throughput records beside a regeneration file (``ledger_<its name>``: a glob for the cache
+    files, ``regen_*.jsonl``, does not take it for one)."""
+    out_path = Path(out_path)
+    return out_path.with_name("ledger_" + out_path.name)
 
 
 def _same_conversation(conv: list[dict], rec: dict) -> bool:

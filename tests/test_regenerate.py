@@ -233,9 +233,9 @@ def test_on_policy_chat_data_extra_turns_regen_only_and_shipped(tmp_path, tiny_l
     train, val = build_rows(cfg, tiny_tokenizer, tiny_llama)
     assert len(train) + len(val) == 4 and len(val) == 1  # only the 4 regenerated conversations
 
-    cached = [p for p in (tmp_path / "cache").glob("regen_chat_*.jsonl") if not p.name.endswith(".ledger.jsonl")]
+    cached = list((tmp_path / "cache").glob("regen_chat_*.jsonl"))
     assert len(cached) == 1
-    ledger = [json.loads(x) for x in cached[0].with_suffix(".ledger.jsonl").read_text().splitlines()]
+    ledger = [json.loads(x) for x in (cached[0].parent / ("ledger_" + cached[0].name)).read_text().splitlines()]
     assert [b["items"] for b in ledger] == [2, 2] and all(b["seconds"] > 0 for b in ledger)
     assert sum(b["new_tokens"] for b in ledger) == sum(json.loads(x)["new_tokens"]
                                                        for x in cached[0].read_text().splitlines()) > 0
