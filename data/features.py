@@ -93,8 +93,7 @@ class FeatureCache:
                                  "of every method that shares one)")
             self.stored = list(old["layer_ids"])  # reused as built: its shards hold these
             self.meta["layer_ids"] = self.stored
-        with out_of_space_as_error(mpath, _FIX):
-            mpath.write_text(json.dumps(self.meta, indent=1))
+        self._write_manifest(mpath)
         todo = [i for i in range(self.n_shards()) if not self.shard_path(i).exists()]
         t0 = time.time()
         for i in tqdm(todo, desc="feature cache", disable=not show_progress):
@@ -109,11 +108,19 @@ class FeatureCache:
             self.meta.update(build_seconds=round(secs, 1), build_tokens=built,
                              build_tokens_per_s=round(built / max(secs, 1e-9), 1),
                              build_threads=torch.get_num_threads())
-        tmp = mpath.with_name(MANIFEST + ".tmp")
-        with out_of_space_as_error(mpath, _FIX):
-            tmp.write_text(json.dumps(self.meta, indent=1))
-        os.replace(tmp, mpath)
+        self._write_manifest(mpath)
         return self.meta
+
+    def _write_manifest(self, mpath: Path) -> None:
+        """Atomically (temp file + rename): a kill or a full disk never leaves an empty or torn manifest."""
+        tmp = mpath.with_name(MANIFEST + ".tmp")
+        try:
+            with out_of_space_as_error(mpath, _FIX):
+                tmp.write_text(json.dumps(self.meta, indent=1))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, mpath)
 
     @torch.no_grad()
     def _build_shard(self, i: int) -> None:
