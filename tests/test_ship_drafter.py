@@ -51,3 +51,24 @@ def test_shipped_drafter_is_fp16_loads_and_keeps_its_record(target_dir, tmp_path
 def test_fp16_refuses_weights_out_of_range():
     with pytest.raises(ValueError, match="fp16's range"):
         ship_drafter.to_fp16({"w": torch.tensor([1e6])})
+
+
+def test_best_drafter_ships_and_replaces_an_earlier_shipped_copy(target_dir, tmp_path, capsys):
+    """--best ships the run's best/ (train.keep_best), with its own step; --replace swaps an earlier shipped copy
+    and nothing else."""
+    run(cfg_for(target_dir, tmp_path / "run", "train.steps=2", "train.keep_best=true", "train.eval_every=1"))
+    dest = tmp_path / "repo" / "eagle3"
+    assert ship_drafter.main([str(tmp_path / "run"), str(dest), "--best"]) == 0
+    best = json.loads((tmp_path / "run" / "best" / "eval.json").read_text())
+    m = json.loads((dest / "manifest.json").read_text())
+    assert m["from"] == "best" and m["steps"] == best["step"]
+    assert ship_drafter.main([str(tmp_path / "run"), str(dest)]) == 2  # exists, no --replace
+    assert ship_drafter.main([str(tmp_path / "run"), str(dest), "--replace"]) == 0
+    assert json.loads((dest / "manifest.json").read_text())["from"] == "final"
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["eagle3"]
+    other = tmp_path / "repo" / "notes"
+    other.mkdir()
+    assert ship_drafter.main([str(tmp_path / "run"), str(other), "--replace"]) == 2  # not a shipped copy
+    capsys.readouterr()
+    assert ship_drafter.main([str(tmp_path / "nothing"), str(tmp_path / "repo" / "x"), "--best"]) == 2
+    assert "train.keep_best=true" in capsys.readouterr().err

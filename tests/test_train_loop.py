@@ -192,3 +192,22 @@ def test_length_bucketed_epochs_cover_every_row_once_with_less_padding():
     assert bucketed == epoch(8) and bucketed != plain
     padded = lambda batches: sum(bs * max(lengths[i] for i in b) for b in batches)
     assert padded(bucketed) < 0.8 * padded(plain)
+
+
+def test_keep_best_holds_the_best_held_out_drafter_across_resumes(target_dir, tmp_path):
+    """train.keep_best: best/ is a loadable drafter whose eval.json is the highest simulated τ of val.jsonl."""
+    import json
+
+    from models.registry import load_drafter
+
+    over = ["train.keep_best=true", "train.eval_every=1", "train.steps=4"]
+    run(cfg_for(target_dir, tmp_path, *over, "train.stop_after=2"))
+    run(cfg_for(target_dir, tmp_path, *over))  # resumed: compares with the best of the first piece
+    vals = [json.loads(x) for x in (tmp_path / "val.jsonl").read_text().splitlines()]
+    best = json.loads((tmp_path / "best" / "eval.json").read_text())
+    top = max(vals, key=lambda r: r["val/sim_tau"])
+    assert best["sim_tau"] == top["val/sim_tau"] and best["step"] == min(
+        r["step"] for r in vals if r["val/sim_tau"] == top["val/sim_tau"])
+    target = FrozenTarget.from_pretrained(str(target_dir))
+    drafter, meta = load_drafter(tmp_path / "best", target)
+    assert meta["step"] == best["step"]

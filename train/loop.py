@@ -378,6 +378,7 @@ def train_steps(t: Training, start: int) -> dict | None:
             ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id)
             tracker.log({f"val/{k}": v for k, v in ev.items()}, done)
             log_val(t, done, ev)
+            keep_if_best(t, done, ev)
         if done % cfg.train.ckpt_every == 0 or done == cfg.train.steps:
             trainer_state = {} if t.engine is not None else {"optimizer": t.optimizer.state_dict(),
                                                             "scheduler": t.sched.state_dict()}
@@ -426,6 +427,23 @@ def log_val(t: Training, step: int, ev: dict) -> None:
                **{f"val/{k}": v for k, v in ev.items()}}
         t.val_file.write(json.dumps({k: ckpt.finite_or_none(v) for k, v in rec.items()}, allow_nan=False) + "\n")
         t.val_file.flush()
+
+
+def keep_if_best(t: Training, step: int, ev: dict) -> None:
+    """train.keep_best: ``OUTPUT_DIR/best/`` (a drafter directory like ``final/``, plus ``eval.json`` with its step)
+    holds the drafter of the held-out evaluation with the highest simulated τ so far, across resumed runs, so a
+    long run done in pieces can ship its best drafter at any point."""
+    if not t.cfg.train.get("keep_best", False):
+        return
+    best = t.out_dir / "best"
+    record = best / "eval.json"
+    prev = json.loads(record.read_text()).get("sim_tau", float("-inf")) if record.exists() else float("-inf")
+    if not ev["sim_tau"] > prev:
+        return
+    ckpt.save_final(best, t.drafter, {**t.meta, "step": step})
+    with ckpt.out_of_space_as_error(record, "free space"):
+        record.write_text(json.dumps({**ev, "step": step, "tokens_seen": t.tokens_before + t.tokens_run}, indent=1))
+    t.log(f"held-out simulated tau {ev['sim_tau']:.3f} at step {step}: the best so far, kept in {best}")
 
 
 def optimizer_step(t: Training, step: int) -> tuple[dict[str, float], int]:
@@ -479,6 +497,7 @@ def finish(t: Training) -> dict:
             summary["val"] = ev
             t.tracker.log({f"val/{k}": v for k, v in ev.items()}, cfg.train.steps)
             log_val(t, cfg.train.steps, ev)
+            keep_if_best(t, cfg.train.steps, ev)
             with ckpt.out_of_space_as_error(out_dir / "final" / "eval.json", "free space"):
                 (out_dir / "final" / "eval.json").write_text(json.dumps(ev, indent=1))
             accs = [f"{ev[f'acc_{i}']:.3f}" for i in range(64) if f"acc_{i}" in ev]
