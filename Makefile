@@ -93,7 +93,7 @@ bench: install
 # scripts/ship_drafter.py), measured on MT-Bench first turns and HumanEval (eval/prompts/, licenses there).
 #   make smollm2-drafters   trains and ships whichever of the six is not shipped (~3 h on 2 cores, all resumable;
 #                           the 30-layer target runs once: one shared feature cache, runs/smollm2_features)
-#   make bench-block        issue 21's run: every drafter on 12 MT-Bench first turns, T=0 and T=1, one process
+#   make bench-block        the block drafters against EAGLE-3: every drafter on 12 MT-Bench first turns, T=0 and T=1, one process
 #   make bench-real         MT-Bench (80, T=0 and 1) and HumanEval (164, T=0) at once, 32 new tokens: ~75 min;
 #                           REAL_ARGS="n_prompts=16" to look
 SMOLLM2_RECIPES  ?= eagle3 dflash dspark peagle medusa mtp

