@@ -446,3 +446,20 @@ def test_drafting_precision_switch_is_lossless_and_close(weights):
     assert 0 < rel < 0.05, rel
     with pytest.raises(ValueError, match="weights="):
         Eagle3ChainProposer(dr, weights="fp8")
+
+
+def test_hidden_noise_perturbs_training_only():
+    """draft.config.hidden_noise: the fused state differs between two training-mode calls, never in eval mode."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2)
+    d = net.Eagle3Drafter(Eagle3Config(draft_vocab_size=64, hidden_noise=0.05), cfg, torch.randn(64, 32))
+    h = {k: torch.randn(1, 5, 32) for k in d.layer_ids}
+    d.train()
+    assert not torch.equal(d.fuse(h), d.fuse(h))
+    d.eval()
+    assert torch.equal(d.fuse(h), d.fuse(h))
+    quiet = net.Eagle3Drafter(Eagle3Config(draft_vocab_size=64), cfg, torch.randn(64, 32)).train()
+    assert torch.equal(quiet.fuse(h), quiet.fuse(h))
+    with pytest.raises(ValueError, match="hidden_noise"):
+        Eagle3Config(hidden_noise=-1.0)

@@ -11,7 +11,8 @@ from data.features import FeatureCache
 from data.sources import DataConfig, build_rows
 from models.drafter import DraftVocabTeacher
 from models.target import FrozenTarget
-from train.loop import build_drafter, collate, run, target_features
+from train.batches import collate
+from train.loop import build_drafter, run, target_features
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -177,8 +178,8 @@ def test_length_bucketed_epochs_cover_every_row_once_with_less_padding():
     step's rows have similar lengths, so its padded width shrinks."""
     import numpy as np
 
+    from train.batches import batch_indices
     from train.distributed import Dist
-    from train.loop import batch_indices
 
     d = Dist(rank=0, world_size=1, local_rank=0)
     lengths = tuple(int(x) for x in np.random.default_rng(0).integers(20, 512, 96))

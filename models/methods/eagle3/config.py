@@ -29,6 +29,16 @@ class Eagle3Config:
     norm_before_fc: bool = False  # one RMSNorm over cat(h_0, h_1, h_2) [3H] before fc (tensor input_norm.weight)
     fc_norm: bool = False  # one RMSNorm per fused state before the cat (tensors fc_norm.{i}.weight [H])
     norm_output: bool = False  # the next step reads norm(a) instead of a; logits lm_head(norm(a)) either way
+    # Training only: Gaussian noise of this std added to the 3 target states before fc (speculators trains with
+    # 0.05), so the drafter meets states a little off the cached ones, as it will when its own drafts feed back.
+    hidden_noise: float = 0.0
+
+    def __post_init__(self) -> None:
+        import math
+
+        if isinstance(self.hidden_noise, bool) or not isinstance(self.hidden_noise, (int, float)) \
+                or not math.isfinite(self.hidden_noise) or self.hidden_noise < 0:
+            raise ValueError(f"draft.config.hidden_noise={self.hidden_noise!r}: give a standard deviation >= 0")
 
 
 def default_layer_ids(num_layers: int) -> list[int]:

@@ -212,6 +212,8 @@ class Eagle3Drafter(nn.Module):
         H = self.target_hidden_size
         if hidden.shape[-1] == 3 * H:
             hidden = hidden.to(dtype)
+            if self.training and self.cfg.hidden_noise > 0:  # training-time augmentation (config.hidden_noise)
+                hidden = hidden + torch.randn_like(hidden) * self.cfg.hidden_noise
             if self.cfg.norm_before_fc:
                 hidden = self.input_norm(hidden)
             elif self.cfg.fc_norm:
