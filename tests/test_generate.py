@@ -6,19 +6,7 @@ import pytest
 import torch
 
 from models.generate import GrowingCache, generate_batch
-
-
-def reference_greedy(model, ids: list[int], stops: set[int], max_new: int) -> list[int]:
-    """One sequence, no padding, no cache: argmax of the full forward at each step."""
-    seq, new = list(ids), []
-    with torch.no_grad():
-        for _ in range(max_new):
-            nxt = int(model(torch.tensor([seq])).logits[0, -1].argmax())
-            seq.append(nxt)
-            new.append(nxt)
-            if nxt in stops:
-                break
-    return new
+from tests.test_regenerate import manual_greedy  # one sequence, no padding, no cache: the reference
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -31,9 +19,9 @@ def test_greedy_equals_one_sequence_loop_with_stops_compaction_and_growth(tiny_l
     prompts = _prompts(9, tiny_llama.config.vocab_size)
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised
     # stop tokens that some rows emit early: pick them from the rows' own greedy paths
-    refs_free = [reference_greedy(tiny_llama, p, set(), 12) for p in prompts]
+    refs_free = [manual_greedy(tiny_llama, p, set(), 12) for p in prompts]
     stops = {refs_free[0][2], refs_free[3][5]}
-    refs = [reference_greedy(tiny_llama, p, stops, 12) for p in prompts]
+    refs = [manual_greedy(tiny_llama, p, stops, 12) for p in prompts]
     assert sum(len(r) < 12 for r in refs) >= 2  # rows finish at different steps → compaction runs
     got = generate_batch(tiny_llama, prompts, sorted(stops), pad_id=2, max_new_tokens=12, compact_at=0.1)
     assert got == refs
