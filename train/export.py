@@ -60,10 +60,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace) -> str:
     if (Path(args.check) / llamacpp.MARKER).is_file():  # a GGUF export: its draft.gguf, then the layout it came from
-        m = llamacpp.check_gguf(args.check)
-        inner = _check(argparse.Namespace(**{**vars(args), "check": str(Path(args.check) / "hf")}))
-        spec = m.get("spec_type", "no spec_type recorded")
-        return f"{args.check}: valid GGUF export ({spec}, draft.gguf sha256 matches); {inner}"
+        llamacpp.check_gguf(args.check)
+        fmt, inner = _check_dir(argparse.Namespace(**{**vars(args), "check": str(Path(args.check) / "hf")}))
+        m = llamacpp.check_manifest(args.check, fmt)  # gguf.json's claims recomputed from that layout
+        return (f"{args.check}: valid GGUF export ({m['spec_type']}, K={m['num_speculative_tokens']}, draft.gguf "
+                f"sha256 matches); {inner}")
+    return _check_dir(args)[1]
+
+
+def _check_dir(args: argparse.Namespace) -> tuple[str, str]:
     if not Path(args.check).exists():
         raise ExportError(f"--check {args.check}: no such file or directory")
     if not Path(args.check).is_dir():
@@ -81,7 +86,7 @@ def _check(args: argparse.Namespace) -> str:
     for w in seen:
         print(f"warning: {w.message}", file=sys.stderr)
     against = f" against {args.target}" if args.target else " (self-consistency only; pass --target to compare)"
-    return f"{args.check}: valid {fmt} export{against}"
+    return fmt, f"{args.check}: valid {fmt} export{against}"
 
 
 def _check_out_not_source(out: Path, ckpt: Path) -> None:

@@ -30,10 +30,11 @@ from pathlib import Path
 from torch import nn
 
 from models import registry
-from models.export_common import ExportError
+from models.export_common import SIDECAR, ExportError, load_json
 from models.target import resolve_name
 
 from .api import export
+from .formats import export_format
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp we build and convert with
@@ -161,8 +162,35 @@ def check_gguf(path: str | Path) -> dict:
     m = read_marker(path / MARKER)
     if not (path / DRAFT).is_file():
         raise ExportError(f"{path}: {DRAFT} is missing")
-    if sha256(path / DRAFT) != m.get("draft_sha256"):
-        raise ExportError(f"{path}/{DRAFT} is not the file this export converted (sha256 differs from {MARKER})")
+    have = sha256(path / DRAFT)
+    if have != m.get("draft_sha256"):
+        raise ExportError(f"{path}/{DRAFT} is not the file this export converted (sha256 differs: {have}, "
+                          f"{path / MARKER} says draft_sha256 {m.get('draft_sha256')}); export again with --force")
+    return m
+
+
+def check_manifest(path: str | Path, fmt: str) -> dict:
+    """``check_gguf``, then what gguf.json claims recomputed from ``hf/`` (which holds the ``fmt`` layout): an edited
+    manifest would otherwise hand llama.cpp another --spec-type or a K of 0 while --check called it valid."""
+    path = Path(path)
+    m, marker = check_gguf(path), path / MARKER
+    row = export_format(fmt)
+    if not row.llamacpp:
+        raise ExportError(f"{path}/hf holds the {fmt} layout, which llama.cpp has no --spec-type for; export again "
+                          "with --format gguf --force")
+    for key, want in (("source_format", row.name), ("spec_type", row.llamacpp)):
+        if m.get(key) != want:
+            raise ExportError(f"{marker} says {key} {m.get(key)!r}, but hf/ holds the {fmt} layout, whose {key} is "
+                              f"{want!r}; export again with --force")
+    k = m.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ExportError(f"{marker} says num_speculative_tokens {k!r}, but llama.cpp's --spec-draft-n-max needs an "
+                          "integer >= 1; export again with --force (--results sets K)")
+    side = load_json(path / "hf" / SIDECAR) if (path / "hf" / SIDECAR).is_file() else {}
+    for key in ("num_speculative_tokens", "serve_name", "serving"):  # copied from hf/draftsmith.json at export
+        if key in side and m.get(key) != side[key]:
+            raise ExportError(f"{marker} says {key} {json.dumps(m.get(key))}, but hf/{SIDECAR} says "
+                              f"{json.dumps(side[key])}; export again with --force")
     return m
 
 
