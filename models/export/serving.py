@@ -17,6 +17,7 @@ the target and the serving mode it is told about:
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -66,10 +67,19 @@ def serving_manifest(target: Any, meta: Mapping | None) -> dict:
             "target_embed_fingerprint": target.fingerprint(), "target_head_fingerprint": _head_fingerprint(target)}
 
 
-def manifest_of(cfg: Mapping, side: Mapping | None) -> dict:
-    from models.export_identity import stamp_of
+def manifest_of(cfg: Mapping, side: Mapping | None, where: str | None = None) -> dict:
+    """The serving manifest of an export; with ``where``, both copies (draftsmith.json and config.json's stamp) are
+    compared field by field first: reading one of them would let an edit of it hide what the other says."""
+    from models.export_identity import STAMP_KEY, stamp_of
 
-    m = (side or {}).get(SERVING_KEY) or stamp_of(cfg).get(SERVING_KEY)
+    m, stamp = (side or {}).get(SERVING_KEY), stamp_of(cfg).get(SERVING_KEY)
+    if where is not None and isinstance(m, Mapping) and isinstance(stamp, Mapping):
+        for key in sorted(set(m) | set(stamp)):
+            if m.get(key) != stamp.get(key):
+                fail(where, f"the two serving manifests disagree: draftsmith.json {SERVING_KEY}.{key} is "
+                            f"{json.dumps(m.get(key))}, config.json {STAMP_KEY}.{SERVING_KEY}.{key} is "
+                            f"{json.dumps(stamp.get(key))}; export again (both are written from one record)")
+    m = m or stamp
     return dict(m) if isinstance(m, Mapping) else {}
 
 
@@ -78,7 +88,7 @@ def check_serving(cfg: Mapping, side: Mapping | None, target: Any, where: str, *
     """Refuse a mismatched target revision / head or thinking mode; warn on another chat template. Returns the
     warnings (also issued). ``target``: a FrozenTarget/TargetView or None (then only the declared mode is compared);
     ``chat_template``: the template the server will use (default: the target tokenizer's)."""
-    m = manifest_of(cfg, side)
+    m = manifest_of(cfg, side, where)
     if not m:
         return []
     notes: list[str] = []

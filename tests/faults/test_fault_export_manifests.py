@@ -65,3 +65,35 @@ def test_sha256_disagreement_names_both_digests(gguf_export, capsys):
     line = _one_error(capsys)
     have, want = G.sha256(gguf_export / G.DRAFT), json.loads((gguf_export / G.MARKER).read_text())["draft_sha256"]
     assert have in line and want in line, line
+
+
+@pytest.fixture
+def native_export(ckpt, tmp_path, capsys):
+    out = tmp_path / "e"
+    assert main([str(ckpt), "--format", "eagle3", "--out", str(out)]) == 0
+    capsys.readouterr()
+    return out
+
+
+def _serving(export, name):
+    d = json.loads((export / name).read_text())
+    return d, (d["draftsmith_target"] if name == "config.json" else d)["serving"]
+
+
+@pytest.mark.parametrize("edited, key, value", [
+    ("draftsmith.json", "enable_thinking", True),
+    ("config.json", "enable_thinking", True),
+    ("draftsmith.json", "target_head_fingerprint", "0123456789abcdef"),
+    ("config.json", "chat_template_sha256", "fedcba9876543210"),
+])
+def test_check_refuses_two_serving_manifests_that_disagree(native_export, capsys, edited, key, value):
+    """config.json travels where draftsmith.json may not, so the two copies must say the same for --check to pass
+    on either one; reading the sidecar first let an edited sidecar hide the config's thinking off."""
+    _, other = _serving(native_export, "config.json" if edited == "draftsmith.json" else "draftsmith.json")
+    d, serving = _serving(native_export, edited)
+    serving[key] = value
+    (native_export / edited).write_text(json.dumps(d))
+    assert main(["--check", str(native_export), "--thinking", "on"]) == 2
+    line = _one_error(capsys)
+    assert f"serving.{key}" in line and json.dumps(value) in line and json.dumps(other[key]) in line, line
+    assert "draftsmith.json" in line and "config.json" in line
