@@ -122,6 +122,9 @@ def manifest(train: list[SourceFile], held: list[SourceFile]) -> dict:
     }
 
 
+MIN_WINDOW = 8  # tokens: a window (or a file's tail) of fewer teaches nothing and is dropped
+
+
 def file_windows(tokenizer, files: list[SourceFile], max_len: int, max_rows: int | None = None) -> list[dict]:
     """Training rows from whole files: ``<bos> text <eos>`` (each where the tokenizer has one) cut into windows
     of ``max_len`` tokens.
@@ -137,7 +140,7 @@ def file_windows(tokenizer, files: list[SourceFile], max_len: int, max_rows: int
         ids = [*bos, *tokenizer(f.text, add_special_tokens=False)["input_ids"], *eos]
         for s in range(0, len(ids) - 1, max_len):
             w = ids[s : s + max_len]
-            if len(w) >= 8:  # a tail of a few tokens teaches nothing
+            if len(w) >= MIN_WINDOW:
                 rows.append({"input_ids": w, "loss_mask": [1] * len(w)})
             if max_rows is not None and len(rows) >= max_rows:
                 return rows

@@ -130,6 +130,10 @@ def validate_train_config(cfg: DictConfig) -> None:
         if _get(cfg, key) is not None:
             _int_at_least(cfg, key, 0 if key == "data.val_rows" else 1)
     _int_at_least(cfg, "data.max_rows", 1, optional=True)
+    if _get(cfg, "data.kind") == "code":  # shorter windows are all dropped: "no training rows" named no setting
+        from data.corpus import MIN_WINDOW
+
+        _int_at_least(cfg, "data.max_len", MIN_WINDOW, fix=f"a code training window needs {MIN_WINDOW} tokens")
     if _get(cfg, "data.regenerate") != "all":
         _int_at_least(cfg, "data.regenerate", 0, fix="or 'all' (one continuation per training window)", optional=True)
     temps = _get(cfg, "data.regen_temperature")

@@ -1,0 +1,33 @@
+"""An error names the setting or file that caused it, not a neighbour: `data.max_len` too short for a code window
+(not "no training rows"), the completion keys of a prompts file, a missing `train.export --results` file (not "not
+an export directory")."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults.fault_helpers import cfg_for
+from train.checks import ConfigError
+from train.loop import run
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("max_len", [1, 7])
+def test_max_len_below_a_code_window_names_data_max_len(target_dir, tmp_path, max_len):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as e:
+        run(cfg_for(target_dir, out, f"data.max_len={max_len}"))
+    msg = str(e.value)
+    assert msg.startswith(f"data.max_len={max_len}: ") and ">= 8" in msg and "\n" not in msg, msg
+    assert not out.exists()
+
+
+def test_max_len_of_a_code_window_trains(target_dir, tmp_path):
+    run(cfg_for(target_dir, tmp_path / "run", "data.max_len=8", "train.steps=1"))
+    assert (tmp_path / "run" / "final").is_dir()
