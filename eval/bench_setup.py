@@ -292,8 +292,8 @@ def _prompt_messages(row: Any, where: str) -> list[dict]:
     if msgs is None and row.get("conversations") is not None:  # ShareGPT, as training reads it (data/chat.py)
         msgs = _sharegpt_messages(row["conversations"], where)
     if not isinstance(msgs, list) or not msgs:
-        raise ValueError(f"{where}: needs 'turns' (list of strings), 'messages' (list of role/content) or "
-                         "'conversations' (ShareGPT: list of from/value)")
+        raise ValueError(f"{where}: needs 'prompt' or 'text' (a completion string), 'turns' (list of strings), "
+                         "'messages' (list of role/content) or 'conversations' (ShareGPT: list of from/value)")
     out = []
     for j, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):

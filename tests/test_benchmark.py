@@ -365,7 +365,7 @@ def test_conversation_prompts_by_category(env, tmp_path):
     assert "## Per category" in markdown(r)
 
     path.write_text(json.dumps({"category": "x", "question": "hi"}) + "\n")
-    with pytest.raises(ValueError, match=r"line 1: needs 'turns'"):
+    with pytest.raises(ValueError, match=r"line 1: needs 'prompt' or 'text'"):
         load_prompts(env.tok, 3, 64, path)
     path.write_text(json.dumps({"category": "x", "prompt": 5}) + "\n")
     with pytest.raises(ValueError, match=r"line 1: 'prompt' must be a non-empty string"):

@@ -4,6 +4,9 @@ an export directory")."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 
 from tests.faults.fault_helpers import cfg_for
@@ -31,3 +34,20 @@ def test_max_len_below_a_code_window_names_data_max_len(target_dir, tmp_path, ma
 def test_max_len_of_a_code_window_trains(target_dir, tmp_path):
     run(cfg_for(target_dir, tmp_path / "run", "data.max_len=8", "train.steps=1"))
     assert (tmp_path / "run" / "final").is_dir()
+
+
+def test_prompts_file_row_of_no_known_kind_lists_every_key(target_dir, tmp_path, capsys, monkeypatch):
+    from eval.__main__ import main
+
+    p = tmp_path / "prompts.jsonl"
+    p.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"question": "what is 2+2?"}) + "\n")
+    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={target_dir}", f"prompts={p}",
+                                      f"out_dir={tmp_path}/e", "n_prompts=2", "max_new_tokens=2", "batch_sizes=[]",
+                                      "peers=false"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    line = _one_error(capsys)
+    assert f"{p} line 2" in line, line
+    assert all(f"'{k}'" in line for k in ("prompt", "text", "turns", "messages", "conversations")), line
