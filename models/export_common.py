@@ -132,6 +132,9 @@ def load_json(path: Path) -> dict:
 
 def recommended_k_from_results(path: str | Path) -> int:
     """``recommended_num_speculative_tokens`` from an eval results JSON (eval/ writes it)."""
+    if not Path(path).is_file():  # load_json's "not an export directory" would blame the wrong file
+        raise ExportError(f"--results {path}: no such file; pass the results.json that `python -m eval` wrote in its "
+                          "out_dir, or export without --results (the method's default K)")
     data = load_json(Path(path))
     k = data.get("recommended_num_speculative_tokens")
     if k == 0 and not isinstance(k, bool):

@@ -112,6 +112,7 @@ def _export(args: argparse.Namespace) -> str:
     if not (ckpt / "config.json").exists():
         raise ExportError(f"{ckpt} is not a drafter checkpoint (no config.json); pass OUTPUT_DIR/final")
     _check_out_not_source(Path(args.out), ckpt)
+    k = recommended_k_from_results(args.results) if args.results else None  # a bad file fails before any loading
     try:
         meta = read_meta(ckpt)
     except ValueError as e:
@@ -122,7 +123,6 @@ def _export(args: argparse.Namespace) -> str:
         drafter, meta = load_drafter(ckpt, target)  # refuses a checkpoint trained for another target
     except ValueError as e:
         raise ExportError(str(e)) from None
-    k = recommended_k_from_results(args.results) if args.results else None
     if args.format == GGUF:
         out = llamacpp.export_gguf(drafter, args.out, target, target_name=name, recommended_k=k, meta=meta,
                                    dtype=dtype, overwrite=args.force, serve_name=args.serve_name)

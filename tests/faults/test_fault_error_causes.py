@@ -51,3 +51,22 @@ def test_prompts_file_row_of_no_known_kind_lists_every_key(target_dir, tmp_path,
     line = _one_error(capsys)
     assert f"{p} line 2" in line, line
     assert all(f"'{k}'" in line for k in ("prompt", "text", "turns", "messages", "conversations")), line
+
+
+@pytest.mark.parametrize("missing", ["file", "dir"])
+def test_missing_results_file_is_named_before_loading_the_target(tmp_path, capsys, monkeypatch, missing):
+    from models import target_view
+    from train.export import main
+
+    ckpt = tmp_path / "final"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    results = tmp_path / ("eval/results.json" if missing == "file" else "no-eval-dir/results.json")
+    if missing == "file":
+        results.parent.mkdir()
+    monkeypatch.setattr(target_view.TargetView, "from_pretrained",
+                        lambda *a, **k: pytest.fail("loaded the target before reading --results"))
+    capsys.readouterr()
+    assert main([str(ckpt), "--format", "eagle3", "--out", str(tmp_path / "x"), "--results", str(results)]) == 2
+    line = _one_error(capsys)
+    assert f"--results {results}: no such file" in line and "not an export directory" not in line, line
