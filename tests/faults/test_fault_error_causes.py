@@ -5,11 +5,13 @@ an export directory")."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import sys
 
 import pytest
 
-from tests.faults.fault_helpers import cfg_for
+from tests.faults.fault_helpers import ROOT, cfg_for
 from train.checks import ConfigError
 from train.loop import run
 
@@ -70,3 +72,23 @@ def test_missing_results_file_is_named_before_loading_the_target(tmp_path, capsy
     assert main([str(ckpt), "--format", "eagle3", "--out", str(tmp_path / "x"), "--results", str(results)]) == 2
     line = _one_error(capsys)
     assert f"--results {results}: no such file" in line and "not an export directory" not in line, line
+
+
+def test_docs_say_how_to_pass_a_non_ascii_output_dir(target_dir, tmp_path):
+    """Hydra's lexer refuses a non-ASCII unquoted value before draftsmith runs; docs/training.md gives the quoting,
+    and a run in such a directory then trains."""
+    from hydra.errors import OverrideParseException
+
+    doc = (ROOT / "docs" / "training.md").read_text()
+    cmd = re.search(r"`(python -m train [^`]*output_dir='[^`]*)`", doc)
+    assert cmd, "docs/training.md shows no quoted output_dir"
+    override = next(a for a in shlex.split(cmd.group(1)) if a.startswith("output_dir="))
+    assert not override.isascii() and override.endswith("'")
+    out = tmp_path / "runs" / "café"
+    with pytest.raises(OverrideParseException, match="LexerNoViableAlt"):
+        cfg_for(target_dir, out)
+    quoted = override.split("=", 1)[0] + "='" + str(out) + "'"
+    cfg = cfg_for(target_dir, tmp_path / "placeholder", quoted, "train.steps=1")
+    assert cfg.output_dir == str(out)
+    run(cfg)
+    assert (out / "final" / "model.safetensors").is_file()
