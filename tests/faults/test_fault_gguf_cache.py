@@ -161,3 +161,16 @@ def test_full_cache_is_one_line_and_leaves_nothing(built, tmp_path, monkeypatch,
         assert line.startswith(f"error: no space left on device at {cache} (converting tiny.gguf")
         assert "DRAFTSMITH_CACHE" in line
         assert list(cache.iterdir()) == [] and filler.exists()
+
+
+def test_read_only_cache_is_one_line_in_eval_too(built, tmp_path):
+    """python -m eval on a GGUF target with a read-only cache: the same one line, exit 2, no Hydra block."""
+    path, _ = built
+    with small_tmpfs(tmp_path / "ro", "8m") as mnt:
+        remount_readonly(mnt)
+        r = subprocess.run([sys.executable, "-m", "eval", f"target.name_or_path={path}", f"out_dir={tmp_path}/ev",
+                            "methods=[ar]", "n_prompts=1", "peers=false", "batch_sizes=[]"],
+                           env={**os.environ, "DRAFTSMITH_CACHE": str(mnt)}, capture_output=True, text=True)
+    lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"GGUF cache {mnt / 'gguf'} is not writable" in lines[0] and "DRAFTSMITH_CACHE" in lines[0]
