@@ -111,7 +111,8 @@ def load_heldout(path: Path = HELDOUT_FILE) -> list[SourceFile]:
 def manifest(train: list[SourceFile], held: list[SourceFile]) -> dict:
     return {
         "python_version": sys.version.split()[0],
-        "stdlib_root": str(stdlib_root()),
+        # where the files were read, without this machine's path: file paths below are relative to it
+        "stdlib_root": "sysconfig.get_paths()['stdlib']",
         "excluded_dirs": sorted(EXCLUDED_DIRS),
         "max_file_bytes": MAX_FILE_BYTES,
         "heldout_rule": f"sha256(relpath) % {HELDOUT_MOD} == 0",

@@ -95,3 +95,27 @@ def fill_disk(path: Path, leave: int = 0) -> Path:
         size = filler.stat().st_size
         os.truncate(filler, max(0, size - -(-leave // PAGE) * PAGE))
     return filler
+
+
+def one_error_line(capsys) -> str:
+    """The single ``error:`` line a CLI printed (no traceback)."""
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def eval_prompts_error(target_dir, prompts: Path, out: Path, capsys, monkeypatch) -> str:
+    """``python -m eval`` on a prompts file that must be refused: exit 2 and its one error line."""
+    import sys
+
+    from eval.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={target_dir}",
+                                      f"prompts={prompts}", f"out_dir={out}", "n_prompts=2", "max_new_tokens=2",
+                                      "batch_sizes=[]", "peers=false"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    return one_error_line(capsys)

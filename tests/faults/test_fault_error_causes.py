@@ -7,20 +7,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
 
 import pytest
 
-from tests.faults.fault_helpers import ROOT, cfg_for
+from tests.faults.fault_helpers import ROOT, cfg_for, eval_prompts_error, one_error_line
 from train.checks import ConfigError
 from train.loop import run
-
-
-def _one_error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.mark.parametrize("max_len", [1, 7])
@@ -39,18 +31,9 @@ def test_max_len_of_a_code_window_trains(target_dir, tmp_path):
 
 
 def test_prompts_file_row_of_no_known_kind_lists_every_key(target_dir, tmp_path, capsys, monkeypatch):
-    from eval.__main__ import main
-
     p = tmp_path / "prompts.jsonl"
     p.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"question": "what is 2+2?"}) + "\n")
-    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={target_dir}", f"prompts={p}",
-                                      f"out_dir={tmp_path}/e", "n_prompts=2", "max_new_tokens=2", "batch_sizes=[]",
-                                      "peers=false"])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main()
-    assert e.value.code == 2
-    line = _one_error(capsys)
+    line = eval_prompts_error(target_dir, p, tmp_path / "e", capsys, monkeypatch)
     assert f"{p} line 2" in line, line
     assert all(f"'{k}'" in line for k in ("prompt", "text", "turns", "messages", "conversations")), line
 
@@ -70,7 +53,7 @@ def test_missing_results_file_is_named_before_loading_the_target(tmp_path, capsy
                         lambda *a, **k: pytest.fail("loaded the target before reading --results"))
     capsys.readouterr()
     assert main([str(ckpt), "--format", "eagle3", "--out", str(tmp_path / "x"), "--results", str(results)]) == 2
-    line = _one_error(capsys)
+    line = one_error_line(capsys)
     assert f"--results {results}: no such file" in line and "not an export directory" not in line, line
 
 

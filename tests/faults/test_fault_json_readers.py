@@ -5,19 +5,11 @@ whose bytes are not UTF-8 (`python -m eval`). One `error:` line, exit 2."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from tests.faults.fault_helpers import cfg_for
+from tests.faults.fault_helpers import cfg_for, eval_prompts_error, one_error_line
 from train.loop import run
-
-
-def _one_error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.mark.parametrize("content", [b"", b'{"layer_ids": [1, 2', b"\xff\xfe{}"], ids=["emptied", "torn", "binary"])
@@ -34,7 +26,7 @@ def test_damaged_feature_cache_manifest(target_dir, tmp_path, capsys, content):
     with pytest.raises(SystemExit) as e:
         main.__wrapped__(cfg)
     assert e.value.code == 2
-    line = _one_error(capsys)
+    line = one_error_line(capsys)
     assert str(manifest) in line and "delete it to rebuild" in line and str(out / "features") in line
     assert ("is empty" in line) == (content == b"")
 
@@ -50,22 +42,13 @@ def test_damaged_gguf_marker_in_an_export(tmp_path, capsys, content):
     (exp / "gguf.json").write_bytes(content)
     capsys.readouterr()
     assert main(["--check", str(exp)]) == 2
-    line = _one_error(capsys)
+    line = one_error_line(capsys)
     assert f"{exp / 'gguf.json'} " in line and "--force" in line
 
 
 def test_prompts_file_with_bad_utf8_names_the_line(target_dir, tmp_path, capsys, monkeypatch):
-    from eval.__main__ import main
-
     p = tmp_path / "prompts.jsonl"
     p.write_bytes(json.dumps({"prompt": "def f(x):"}).encode() + b"\n\n"
                   + b'{"prompt": "caf\xe9 = 1"}\n' + json.dumps({"prompt": "x"}).encode() + b"\n")
-    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={target_dir}", f"prompts={p}",
-                                      f"out_dir={tmp_path}/e", "n_prompts=2", "max_new_tokens=2", "batch_sizes=[]",
-                                      "peers=false"])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main()
-    assert e.value.code == 2
-    line = _one_error(capsys)
+    line = eval_prompts_error(target_dir, p, tmp_path / "e", capsys, monkeypatch)
     assert f"{p} line 3: not UTF-8 (byte 0xe9" in line and "save the file as UTF-8" in line
