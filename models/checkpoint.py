@@ -100,8 +100,9 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: str | Path) -> None
 
 
 def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Trainable parameters and all buffers; frozen parameters (copied from the target) are skipped."""
-    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    """Trainable parameters and all buffers; frozen parameters (copied from the target) are skipped, except those a
+    module lists in ``saved_frozen`` (frozen, but chosen per drafter: e.g. EAGLE-3's target-copied lm_head rows)."""
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad} - set(getattr(module, "saved_frozen", ()))
     return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items() if k not in frozen}
 
 

@@ -212,3 +212,20 @@ def test_keep_best_holds_the_best_held_out_drafter_across_resumes(target_dir, tm
     target = FrozenTarget.from_pretrained(str(target_dir))
     drafter, meta = load_drafter(tmp_path / "best", target)
     assert meta["step"] == best["step"]
+
+
+@pytest.mark.parametrize("mode", ["target", "target_frozen"])
+def test_lm_head_from_the_target_trains_saves_and_reloads(target_dir, tmp_path, mode):
+    """draft.config.lm_head: the head starts as the target's draft-vocabulary rows; target_frozen keeps them through
+    training and is still saved and reloaded (it is the drafter's, not the target's, once the vocabulary is cut)."""
+    from models.registry import load_drafter
+
+    run(cfg_for(target_dir, tmp_path, f"draft.config.lm_head={mode}"))
+    target = FrozenTarget.from_pretrained(str(target_dir))
+    drafter, _ = load_drafter(tmp_path / "final", target)
+    rows = target.model.get_output_embeddings().weight.float()[drafter.draft_ids]
+    saved = final_weights(tmp_path)["lm_head.weight"]
+    assert torch.equal(drafter.lm_head.weight, saved)
+    assert torch.equal(saved, rows) == (mode == "target_frozen")  # trained away from the copy, or kept
+    if mode == "target":
+        assert (saved - rows).abs().max() < 0.01  # it started there: 4 AdamW steps move it by ~4 x lr

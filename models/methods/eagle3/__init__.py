@@ -60,7 +60,12 @@ def build(cfg: Eagle3Config, target: FrozenTarget, train_rows: list[dict]) -> Ea
         raise ValueError(f"draft.config.draft_vocab_size={cfg.draft_vocab_size} is larger than the target's "
                          f"vocabulary ({target.vocab_size}); set it <= {target.vocab_size}")
     d2t, t2d = build_draft_vocab(count_tokens(train_rows, target.vocab_size), cfg.draft_vocab_size)
-    return Eagle3Drafter(cfg, target.model.config, target.embed.weight.detach().clone(), d2t, t2d)
+    d = Eagle3Drafter(cfg, target.model.config, target.embed.weight.detach().clone(), d2t, t2d)
+    if cfg.lm_head != "new":  # a new drafter only: on rebuild, the checkpoint's saved rows replace these
+        head = target.model.get_output_embeddings().weight
+        with torch.no_grad():
+            d.lm_head.weight.copy_(head.detach().float()[d.draft_ids.to(head.device)])
+    return d
 
 
 def rebuild(cfg: Eagle3Config, target: FrozenTarget) -> Eagle3Drafter:

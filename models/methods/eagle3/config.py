@@ -32,6 +32,10 @@ class Eagle3Config:
     # Training only: Gaussian noise of this std added to the 3 target states before fc (speculators trains with
     # 0.05), so the drafter meets states a little off the cached ones, as it will when its own drafts feed back.
     hidden_noise: float = 0.0
+    # "new": EAGLE-3's trainable lm_head from a random init; "target": it starts as the target's lm_head rows of the
+    # draft vocabulary (still trained); "target_frozen": those rows, never trained (speculators' default), so the
+    # drafter learns to reach states the target's own head reads.
+    lm_head: str = "new"
 
     def __post_init__(self) -> None:
         import math
@@ -39,6 +43,8 @@ class Eagle3Config:
         if isinstance(self.hidden_noise, bool) or not isinstance(self.hidden_noise, (int, float)) \
                 or not math.isfinite(self.hidden_noise) or self.hidden_noise < 0:
             raise ValueError(f"draft.config.hidden_noise={self.hidden_noise!r}: give a standard deviation >= 0")
+        if self.lm_head not in ("new", "target", "target_frozen"):
+            raise ValueError(f"draft.config.lm_head={self.lm_head!r}: use 'new', 'target' or 'target_frozen'")
 
 
 def default_layer_ids(num_layers: int) -> list[int]:

@@ -170,6 +170,9 @@ class Eagle3Drafter(nn.Module):
                                            cfg.norm_before_residual)
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, cfg.draft_vocab_size, bias=False)
+        if cfg.lm_head == "target_frozen":  # the target's rows (build copies them), kept: saved, never trained
+            self.lm_head.weight.requires_grad_(False)
+            self.saved_frozen = ("lm_head.weight",)
         self.register_buffer("d2t", d2t.clone())
         self.register_buffer("t2d", t2d.clone())
         # Plain attribute, not a buffer: named_parameters/named_buffers stay exactly the export names.
