@@ -27,3 +27,18 @@ def test_auto_dtype_loads_the_target_in_the_probed_dtype(target_dir):
     assert str(target.model.dtype) == f"torch.{chosen}"
     # the fingerprint does not depend on the load dtype: a drafter trained on the fp32 load still matches
     assert target.fingerprint() == FrozenTarget.from_pretrained(str(target_dir)).fingerprint()
+
+
+def test_probe_cli_writes_the_probe_and_the_gemm_table(target_dir, tmp_path, capsys):
+    import json
+
+    from eval.probe import main
+
+    out = tmp_path / "probe.json"
+    main(["--target", str(target_dir), "--max-width", "2", "--reps", "1", "--gemm", "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert got["chosen"] in ("float32", "bfloat16") and set(got["dtypes"]["float32"]["t_s"]) == {"1", "2"}
+    rows = {k.split(" ")[0] + " " + k.split(" ")[-1] for k in got["gemm_ms"]}
+    assert rows == {"mlp_gate float32", "mlp_gate bfloat16", "lm_head float32", "lm_head bfloat16"}
+    assert all(v > 0 for t in got["gemm_ms"].values() for v in t.values())
+    assert json.loads(capsys.readouterr().out) == got
