@@ -13,8 +13,6 @@ import torch
 from data.chat import load_conversations, tokenize_conversation
 from data.sources import DataConfig, build_rows
 from tests.conftest import make_tiny_llama
-from tests.faults.fault_helpers import cfg_for
-from train.loop import run
 
 GOOD = {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "hello, how are you"}]}
 
@@ -98,13 +96,6 @@ def test_default_regeneration_cache_lives_in_the_run(target_dir, tmp_path):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", [f"output_dir={tmp_path}/run"])
     assert cfg.data.cache_dir == f"{tmp_path}/run/data_cache"
-
-
-@pytest.fixture(scope="module")
-def trained(target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("exp_run")
-    run(cfg_for(target_dir, out, "train.steps=2"))
-    return out
 
 
 def _export(args):

@@ -10,19 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.fault_helpers import ROOT, cfg_for, small_tmpfs
-from train.loop import run
+from tests.faults.fault_helpers import ROOT, small_tmpfs
 
 _spec = importlib.util.spec_from_file_location("ship_drafter", ROOT / "scripts" / "ship_drafter.py")
 ship_drafter = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ship_drafter)
-
-
-@pytest.fixture(scope="module")
-def trained(target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ship_run")
-    run(cfg_for(target_dir, out, "train.steps=2"))
-    return out
 
 
 def _staged(d):
