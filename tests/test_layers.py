@@ -245,3 +245,12 @@ def test_readme_layout_table_agrees_with_the_folders():
         for path in re.findall(r"`([^`]+)`", key):
             if "<" not in path and "*" not in path:
                 assert (ROOT / path).exists(), f"README Layout names {path}, which does not exist"
+
+
+def test_tests_import_conftest_by_its_package_path():
+    """``from conftest import`` resolves to whichever conftest.py pytest put on sys.path first (tests/faults/ has
+    one too), so under xdist it breaks by import order; tests name ``tests.conftest`` instead."""
+    bare = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "tests").rglob("*.py")
+            for n, line in enumerate(p.read_text().splitlines(), 1)
+            if line.startswith(("from conftest import", "import conftest"))]
+    assert not bare, "import tests.conftest, not conftest: " + ", ".join(bare)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_llama
 from transformers import LlamaConfig
 
 from models.methods.medusa.config import MedusaConfig
@@ -13,6 +12,7 @@ from models.methods.medusa.net import MedusaHeads, head_topk_accuracy, head_topk
 from models.methods.medusa.tree import build_medusa_tree, load_static_tree, rank_accuracy, tree_buffers, tree_tokens
 from models.target import FrozenTarget
 from models.tree import tree_capacity
+from tests.conftest import make_tiny_llama
 
 
 def _cfg(vocab: int, hidden: int, layers: int = 2) -> LlamaConfig:

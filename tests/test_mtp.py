@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_llama
 from transformers import LlamaConfig
 
 from models.methods.mtp.config import MTPConfig
@@ -13,6 +12,7 @@ from models.methods.mtp.native import init_from_native, to_native_state_dict
 from models.methods.mtp.net import MTPDrafter
 from models.methods.mtp.proposers import propose_chain
 from models.target import FrozenTarget
+from tests.conftest import make_tiny_llama
 
 V, H = 48, 32
 

@@ -17,9 +17,6 @@ import pytest
 
 from tests.engines.served import served_results
 
-# The helpers live in served.py, not in a conftest.py: tests import the top-level conftest by module name
-# (`from conftest import ...`), which a second conftest.py would shadow.
-
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 DRAFTERS = ["eagle3_native", "eagle3_speculators", "medusa_vllm", "dflash_speculators", "peagle_speculators"]

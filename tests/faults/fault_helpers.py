@@ -1,6 +1,5 @@
 """Fault-injection helpers: a config factory (shapes as in tests/test_train_loop.py) and weight/metrics checks.
-The tiny target on disk is the ``target_dir`` fixture of tests/conftest.py. (Not a conftest.py: a second module
-named ``conftest`` would shadow tests/conftest.py for the tests that ``from conftest import ...``.)"""
+The tiny target on disk is the ``target_dir`` fixture of tests/conftest.py."""
 
 from __future__ import annotations
 
