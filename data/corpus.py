@@ -19,7 +19,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.target import EMBEDDED_DIR
+from models.core.target import EMBEDDED_DIR
 
 # Non-code bulk (codec tables, generated pydoc topics), the test suites (17 MB of fixtures
 # and odd syntax) and anything installed into site-packages (not the standard library).

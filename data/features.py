@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from models.checkpoint import out_of_space_as_error
-from models.drafter import DraftVocabTeacher
-from models.target import FrozenTarget, parse_dtype
+from models.core.checkpoint import out_of_space_as_error
+from models.core.drafter import DraftVocabTeacher
+from models.core.target import FrozenTarget, parse_dtype
 
 MANIFEST = "manifest.json"
 _FIX = "free space, or point train.feature_cache at a larger disk"

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data import corpus
-from models.target import EMBEDDED_DIR
+from models.core.target import EMBEDDED_DIR
 
 
 @torch.inference_mode()
@@ -65,7 +65,7 @@ def heldout_loss(
 
 
 def main() -> None:
-    from models.target import load_causal_lm
+    from models.core.target import load_causal_lm
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(EMBEDDED_DIR))

@@ -8,7 +8,7 @@ finished item is appended to a JSON-lines file as ``{"index": i, ...}`` (flushed
 reads that file, checks the stored items still match the inputs, and generates only the missing ones.
 
 Greedy (``temperature=0``) output does not depend on where a run was interrupted. Sampling (pure
-temperature, no top-k/top-p, ``models.generate``) is seeded per batch from ``seed`` and the batch's first
+temperature, no top-k/top-p, ``models.core.generate``) is seeded per batch from ``seed`` and the batch's first
 index; batches are fixed (``range(b, b + batch_size)``) and a batch the cache holds only part of is generated
 again whole, so a resumed run draws exactly the samples of an uninterrupted one (same ``batch_size``).
 """
@@ -28,8 +28,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.chat import render_chat
 from data.chat_spans import closing_token, special_strings
-from models.checkpoint import out_of_space_as_error
-from models.generate import generate_batch
+from models.core.checkpoint import out_of_space_as_error
+from models.core.generate import generate_batch
 
 _PROBE = "Zq7 probe reply"  # a reply text no template contains, to find what closes a turn
 
@@ -166,7 +166,7 @@ def _generate_batch(
     temperature: float,
     seed: int,
 ) -> list[list[int]]:
-    """New tokens per prompt, cut after the first stop token (the stop token is kept): models/generate.py's loop
+    """New tokens per prompt, cut after the first stop token (the stop token is kept): models/core/generate.py's loop
     (a preallocated KV cache, finished rows dropped), 2-3x ``model.generate`` at regeneration's batch sizes."""
     return generate_batch(model, prompts, stops, pad_id, max_new_tokens, temperature, seed)
 

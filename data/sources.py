@@ -22,8 +22,8 @@ from pathlib import Path
 
 from data import corpus
 
-# The sampler behind regenerated text (models/generate.py): part of the cache key, since its random draws differ from
-# transformers' generate()
+# The sampler behind regenerated text (models/core/generate.py): part of the cache key, since its random draws
+# differ from transformers' generate()
 GENERATOR = "draftsmith.generate/1"
 
 
@@ -66,7 +66,7 @@ def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature
     change to any of them is a different file (regenerated), never a reuse of another target's outputs."""
     import torch
 
-    from models.target import FrozenTarget
+    from models.core.target import FrozenTarget
 
     ident = {k: v for k, v in FrozenTarget(model, tok).identity().items() if k != "name_or_path"}
     vocab = sorted(tok.get_vocab().items())
@@ -85,7 +85,7 @@ def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature
         unpack_shipped(Path(cfg.shipped_dir) / (path.name + ".gz"), path)
     meta = path.with_suffix(".key.json")  # for people: what the hash covers
     if not meta.exists():
-        from models.checkpoint import out_of_space_as_error
+        from models.core.checkpoint import out_of_space_as_error
 
         with out_of_space_as_error(meta, "free space, or set data.cache_dir on a larger disk"):
             meta.write_text(json.dumps(key, indent=1))

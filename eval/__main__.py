@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from eval.benchmark import BenchSettings, all_lossless, build_methods, load_prompts, run_benchmark, write_json
 from eval.defaults import register
 from eval.report import console_summary, write_report
-from models.checkpoint import NoSpaceError, out_of_space_as_error
+from models.core.checkpoint import NoSpaceError, out_of_space_as_error
 
 log = logging.getLogger("eval")
 # absolute: a relative "../conf" is resolved as a Python package when this module is imported rather than run

@@ -19,8 +19,8 @@ from eval.cost_model import crossover_batch_size
 from eval.decode_batch import decode_ar_batch, speculative_decode_batch
 from eval.decode_result import DecodeResult
 from eval.precision import Judge, failures
-from models.proposal import Sampling
-from models.target import FrozenTarget
+from models.core.proposal import Sampling
+from models.core.target import FrozenTarget
 
 
 def seeded_generator(device: torch.device, seed: int) -> torch.Generator:

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from eval.decode import DecodeResult
-from models import registry, verify
-from models.proposal import batch_proposer
-from models.spec import MethodSpec, ProposerSpec
-from models.target import FrozenTarget
+from models import registry
+from models.core import verify
+from models.core.proposal import batch_proposer
+from models.core.spec import MethodSpec, ProposerSpec
+from models.core.target import FrozenTarget
 
 # the harness's logger, kept from before the split (logging config and filters on "eval.benchmark" still apply)
 log = logging.getLogger("eval.benchmark")
@@ -133,7 +134,7 @@ class BenchSettings:
             raise ValueError(f"temperatures={list(self.temperatures)!r}: must be numbers >= 0 (0 = greedy)") from None
         if not temps:
             raise ValueError("temperatures is empty; give at least one (0 = greedy)")
-        for t in temps:  # models/verify.py's own checks: the same one-line errors the engine would give
+        for t in temps:  # models/core/verify.py's own checks: the same one-line errors the engine would give
             if not math.isfinite(t):
                 raise ValueError(f"temperatures: {t} is not finite; use values >= 0 (0 = greedy)")
             verify.sampling_probs(torch.zeros(2), t, self.top_p, self.top_k)

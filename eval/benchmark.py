@@ -112,8 +112,8 @@ from eval.decode import DecodeResult, decode_ar, speculative_decode
 from eval.peers import hf_generate, peer_runs, peer_summaries
 from eval.precision import Judge, failures
 from eval.training import collect as collect_training
-from models.proposal import Sampling
-from models.target import FrozenTarget
+from models.core.proposal import Sampling
+from models.core.target import FrozenTarget
 
 __all__ = [
     "Prompt",
@@ -152,8 +152,8 @@ def _env(threads: int, device: torch.device, target: FrozenTarget) -> dict:
            "device": str(device), "dtype": str(target.model.dtype).replace("torch.", "")}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-    else:  # the SIMD flags decide which dtype is fast here (models/kernels.py)
-        from models.kernels import cpu_features
+    else:  # the SIMD flags decide which dtype is fast here (models/core/kernels.py)
+        from models.core.kernels import cpu_features
 
         env["cpu"] = cpu_features()
     probe = getattr(target.model, "draftsmith_kernels", None)

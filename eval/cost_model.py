@@ -1,7 +1,7 @@
 """The cost model: the target's forward-cost microbenchmark and the speculation policy built on it.
 
 ``measure_costs`` times v(K) (a (K+1)-token verify forward) and w_B(K) (a B-row one) in units of one single-token
-forward; ``predicted_speedup`` / ``choose_k`` turn per-position acceptance (models/acceptance.py ``chain_tau``)
+forward; ``predicted_speedup`` / ``choose_k`` turn per-position acceptance (models/core/acceptance.py ``chain_tau``)
 and the draft cost into K*(B); ``crossover_batch_size`` finds where speculation stops paying (formulas:
 eval/benchmark.py's docstring). ``measure_draft_costs`` times one batched drafting round (propose + accept for
 all B rows, through the method's batched proposer) per B and K, so the policy uses the measured cost of drafting
@@ -21,9 +21,9 @@ from torch import Tensor
 from eval.decode_result import device_time
 from eval.ladder import batch_mask, new_cache, prefill
 from eval.window import apply_window, batch_key_positions
-from models.acceptance import best_by_cost, chain_tau
-from models.proposal import Sampling
-from models.target import FrozenTarget
+from models.core.acceptance import best_by_cost, chain_tau
+from models.core.proposal import Sampling
+from models.core.target import FrozenTarget
 
 
 @torch.no_grad()

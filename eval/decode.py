@@ -10,7 +10,7 @@ The single-sequence API over the batched ladder (eval/ladder.py, gpt-fast style)
         verify_inputs / verify_forward: ONE target forward over [last accepted token (root) + drafted nodes]
             with positions prefix_len + depth and, for trees, a 4D mask over [prefix + tree] (nodes see
             the prefix, the root, their ancestors and themselves)
-        accept_proposal: models/verify.py (greedy at temperature 0, speculative sampling otherwise; trees with
+        accept_proposal: models/core/verify.py (greedy at temperature 0, speculative sampling otherwise; trees with
             deterministic drafts use the point-mass rule, sampled drafts the residual rule)
         commit_kv: keep only the accepted path's KV entries (chain: crop; tree: gather into place, crop)
         proposer.accept(new tokens, the target's hidden states for them)
@@ -39,8 +39,8 @@ from transformers import DynamicCache
 from eval import ladder
 from eval.decode_result import DecodeResult, check_prompt, check_proposal, device_time
 from eval.ladder import accept_proposal, new_cache, sample_token
-from models.proposal import MAX_TREE_NODES, PerRowProposers, Proposal, Proposer, Sampling
-from models.target import FrozenTarget, TargetOutput
+from models.core.proposal import MAX_TREE_NODES, PerRowProposers, Proposal, Proposer, Sampling
+from models.core.target import FrozenTarget, TargetOutput
 
 __all__ = [
     "Sampling",
@@ -88,7 +88,7 @@ def verify_forward(
     target: FrozenTarget, cache: DynamicCache, root: Tensor, proposal: Proposal, layer_ids: list[int] = ()
 ) -> TargetOutput:
     """ONE target forward over [root + drafted nodes] on top of ``cache`` (which then also holds their KV).
-    logits [1, N+1, V]: row 0 follows the root, row j+1 follows node j (models/verify.py's layout)."""
+    logits [1, N+1, V]: row 0 follows the root, row j+1 follows node j (models/core/verify.py's layout)."""
     lens = torch.tensor([cache.get_seq_length()], device=root.device)
     return ladder.verify_forward(target, cache, root.view(1), [proposal], lens, layer_ids)
 
@@ -152,7 +152,7 @@ def speculative_decode(
 ) -> DecodeResult:
     """Lossless speculative decoding of one sequence (the ladder, eval/ladder.py ``decode``, at B=1): greedy
     output equals ``decode_ar``'s token for token; sampled output follows the target's processed distribution
-    exactly (models/verify.py). ``sampling``: how tokens are chosen (None: greedy).
+    exactly (models/core/verify.py). ``sampling``: how tokens are chosen (None: greedy).
 
     Each round drafts at most ``max_new_tokens - generated - 1`` tokens deep (a round emits accepted + 1),
     so the run never overshoots and the last rounds may draft fewer tokens.

@@ -1,7 +1,7 @@
 """Batched decoding: ``speculative_decode_batch`` / ``decode_ar_batch`` run B sequences (prompts of any lengths)
 through the ladder (eval/ladder.py ``decode``) with one batched verification forward per round.
 
-The proposers: a ``BatchProposer`` (models/proposal.py) drafts for all rows at once — a method's batched form is
+The proposers: a ``BatchProposer`` (models/core/proposal.py) drafts for all rows at once — a method's batched form is
 ``batch_proposer(rows, spec.batched)``, one drafter call per round for all rows (DFlash, EAGLE-3 chains, n-gram);
 a list of B=1 proposers, one per row, drafts row after row (``PerRowProposers``). Chains and trees batch alike
 (each row's tree has its own mask rows; trees are accepted by the B=1 rules per row).
@@ -15,8 +15,8 @@ from torch import Tensor
 
 from eval import ladder
 from eval.decode_result import DecodeResult
+from models.core.proposal import MAX_TREE_NODES, BatchProposer, PerRowProposers, Proposer, Sampling
 from models.methods.ar import NoDrafts
-from models.proposal import MAX_TREE_NODES, BatchProposer, PerRowProposers, Proposer, Sampling
 
 __all__ = ["NoDrafts", "speculative_decode_batch", "decode_ar_batch"]
 

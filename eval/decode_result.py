@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from models.proposal import Proposal
-from models.tree import tree_layout
+from models.core.proposal import Proposal
+from models.core.tree import tree_layout
 
 
 @dataclass

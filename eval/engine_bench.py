@@ -49,9 +49,9 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
             k: int = 3, target_name: str = "tiny-code", prompts_from: str | None = None,
             prompt_tokens: int = 64) -> dict:
     from eval.bench_setup import load_prompts
+    from models.core.target import FrozenTarget, resolve_name
     from models.export import export
     from models.registry import baseline, load_drafter
-    from models.target import FrozenTarget, resolve_name
 
     target = FrozenTarget.from_pretrained(target_name)
     prompts = [p.ids for p in load_prompts(target.tokenizer, n_prompts, prompt_tokens, prompts_from)]
@@ -106,9 +106,9 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
                      prompt_tokens: int = 64) -> dict:
     from eval import llamacpp as L
     from eval.bench_setup import load_prompts
+    from models.core.target import FrozenTarget
     from models.export import llamacpp as G
     from models.registry import load_drafter
-    from models.target import FrozenTarget
 
     if not L.available():
         raise SystemExit(f"error: llama.cpp tools {L.TOOLS} not built in {G.llamacpp_dir()}; run "
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.combine:
         print(combine(Path(a.combine)))
         return 0
-    from models.checkpoint import read_meta
+    from models.core.checkpoint import read_meta
 
     ckpts = dict(c.split("=", 1) for c in a.checkpoint)
     try:

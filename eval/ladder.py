@@ -7,7 +7,7 @@
             to the widest row; positions lens[a] + depth; a 4D mask when any row needs one (a tree, or a row
             whose cache holds padding past its valid prefix): row a sees its own valid prefix [0, lens[a]),
             its root, and its nodes' ancestors (chains: causal)
-        accept: models/verify.py — chains of several rows: the batched chain rules in one call (padding: see
+        accept: models/core/verify.py — chains of several rows: the batched chain rules in one call (padding: see
             ``accept``); sampled trees sharing one topology: the batched tree rule in one call; otherwise (one
             row, trees of different shapes, greedy trees) the B=1 rules per row (``accept_proposal``)
         commit_kv: per row, move [root, accepted nodes] to lens[a].. and crop to the longest row
@@ -30,10 +30,10 @@ from transformers import DynamicCache
 
 from eval.decode_result import DecodeResult, check_prompt, check_proposal, device_time
 from eval.window import apply_window, full_cache
-from models import verify
-from models.proposal import MAX_TREE_NODES, BatchProposer, Proposal, Sampling, right_pad
-from models.target import FrozenTarget, TargetOutput
-from models.tree import tree_layout
+from models.core import verify
+from models.core.proposal import MAX_TREE_NODES, BatchProposer, Proposal, Sampling, right_pad
+from models.core.target import FrozenTarget, TargetOutput
+from models.core.tree import tree_layout
 
 __all__ = ["new_cache", "prefill", "sample_token", "batch_mask", "verify_inputs", "verify_forward",
            "accept_proposal", "accept", "commit_kv", "accepted_hidden", "decode"]
@@ -142,7 +142,7 @@ def verify_forward(target: FrozenTarget, cache: DynamicCache, roots: Tensor, pro
 
 # --------------------------------------------------------------------------------------------- acceptance
 def accept_proposal(proposal: Proposal, logits: Tensor, sampling: Sampling) -> tuple[list[int], int]:
-    """The B=1 rules (models/verify.py): logits [N+1, V] → (accepted node indices root→leaf, next token)."""
+    """The B=1 rules (models/core/verify.py): logits [N+1, V] → (accepted node indices root→leaf, next token)."""
     toks = proposal.tokens.to(logits.device)
     if sampling.greedy:
         if proposal.is_chain:
@@ -205,7 +205,7 @@ def shared_sampled_tree(props: Sequence[Proposal], sampling: Sampling) -> bool:
 
 
 def accept_tree_batch(props: Sequence[Proposal], logits: Tensor, sampling: Sampling) -> list[tuple[list[int], int]]:
-    """Trees of one topology, every row in one call of models/verify.py's batched tree rule."""
+    """Trees of one topology, every row in one call of models/core/verify.py's batched tree rule."""
     device = logits.device
     toks = torch.stack([p.tokens.to(device) for p in props])
     p = sampling.probs(logits)  # [A, N+1, V]

@@ -16,7 +16,7 @@ from eval.bench_setup import BenchSettings, Method
 from eval.bench_stats import stats_of, tps_of
 from eval.decode import device_time
 from models import registry
-from models.target import FrozenTarget
+from models.core.target import FrozenTarget
 
 
 def hf_generate(target: FrozenTarget, ids: Tensor, s: BenchSettings, eos: int | None,

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from eval.decode import new_cache, prefill
-from models.target import FrozenTarget
+from models.core.target import FrozenTarget
 
 EXACT_DTYPES = (torch.float32, torch.float64)
 SLACK = 2.0  # threshold = SLACK × noise (module docstring)

@@ -1,6 +1,6 @@
-"""`python -m eval.probe --target smollm2`: which dtype this machine runs the target fastest in (models/kernels.py),
-as JSON: t(w) for widths 1..K+1 per dtype, t(w)/t(1), the CPU's SIMD flags and the choice ``target.dtype=auto``
-would make."""
+"""`python -m eval.probe --target smollm2`: which dtype this machine runs the target fastest in
+(models/core/kernels.py), as JSON: t(w) for widths 1..K+1 per dtype, t(w)/t(1), the CPU's SIMD flags and the
+choice ``target.dtype=auto`` would make."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from models.kernels import probe
-from models.target import load_causal_lm
+from models.core.kernels import probe
+from models.core.target import load_causal_lm
 
 
 def gemm_table(model, reps: int, rows: Sequence[int] = (1, 2, 4, 8, 16, 64)) -> dict:

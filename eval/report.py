@@ -78,7 +78,7 @@ def _header_md(r: dict) -> list[str]:
                  f"{pr['n']} prompts from {pr['source']} (mean {pr['tokens']['mean']:.0f} tokens), "
                  f"{s['max_new_tokens']} new tokens, {s['repetitions']} repetitions after {s['warmup']} "
                  f"warmup, torch {env['torch']} on {env['device']} with {env['threads']} threads, {r['created_utc']}.")
-    if tgt.get("gguf"):  # models/gguf.py: say what the lossless claim is against
+    if tgt.get("gguf"):  # models/core/gguf.py: say what the lossless claim is against
         g = tgt["gguf"]
         lines += ["", f"The target *is* `{g['file']}` dequantized to {g['dequantized_to']} (sha256 "
                       f"`{g['sha256'][:16]}…`): losslessness is against that model, not the checkpoint the GGUF was "

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from models.target import EMBEDDED_NAME, FrozenTarget, resolve_name
+from models.core.target import EMBEDDED_NAME, FrozenTarget, resolve_name
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"

@@ -1,6 +1,6 @@
 """The draft methods, by name: one explicit table (no decorators, no plugin discovery).
 
-Adding a method = its package ``models/methods/<name>/`` exporting ``SPEC`` (models/spec.py) +
+Adding a method = its package ``models/methods/<name>/`` exporting ``SPEC`` (models/core/spec.py) +
 ``conf/draft/<name>.yaml`` + one line here (tests/test_new_method.py proves it with a test-only one).
 train/ (build, after-training step), eval/ (proposers, options, tree sizing) and train/export read methods
 only through this module.
@@ -16,10 +16,10 @@ from typing import Any
 
 from torch import nn
 
-from models.checkpoint import WEIGHTS, load_trainable_state, read_meta
+from models.core.checkpoint import WEIGHTS, load_trainable_state, read_meta
+from models.core.spec import MethodSpec, ProposerSpec
+from models.core.target import FrozenTarget
 from models.methods import ar, dflash, draft_model, eagle3, medusa, mtp, ngram, peagle
-from models.spec import MethodSpec, ProposerSpec
-from models.target import FrozenTarget
 
 # the order is eval's default method order (conf/eval.yaml ``methods``): the AR baseline, the model-free and
 # separate-model methods, then the trained drafters

@@ -1,4 +1,4 @@
-"""Regeneration throughput: transformers' ``generate`` (DynamicCache) against models/generate.py on the same
+"""Regeneration throughput: transformers' ``generate`` (DynamicCache) against models/core/generate.py on the same
 ShareGPT first prompts of the target, greedy, one process.
 
     python scripts/bench_generate.py --target smollm2 --batch 64 --new 256 --threads 1 [--hf] [--dtype bfloat16]
@@ -16,8 +16,8 @@ import torch
 
 from data.chat import load_conversations, render_chat
 from data.regenerate import stop_token_ids
-from models.generate import generate_batch
-from models.target import load_causal_lm
+from models.core.generate import generate_batch
+from models.core.target import load_causal_lm
 
 
 def hf_generate(model, prompts, stops, pad_id, new):

@@ -21,9 +21,9 @@ import torch
 from data.corpus import heldout_prompts
 from eval.decode import Sampling, accept_proposal, commit_kv, new_cache, prefill, verify_forward
 from models import registry
+from models.core.target import FrozenTarget
 from models.export import ExportError, export, load_export
 from models.registry import load_drafter
-from models.target import FrozenTarget
 
 
 def _proposer(method: str, drafter, target: FrozenTarget, ckpt: Path):

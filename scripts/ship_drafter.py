@@ -99,8 +99,8 @@ def _stage(run: Path, final: Path, tmp: Path, target: str | None) -> None:
         if (run / name).exists():
             shutil.copy2(run / name, tmp / name)
     if target is not None:  # loads as a drafter of its target, the fp16 weights finite
+        from models.core.target import FrozenTarget
         from models.registry import load_drafter
-        from models.target import FrozenTarget
 
         load_drafter(tmp / "final", FrozenTarget.from_pretrained(target))
 

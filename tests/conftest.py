@@ -25,7 +25,7 @@ TINY_TEXTS = [
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from models.tokenizer import train_tokenizer
+    from models.core.tokenizer import train_tokenizer
 
     return train_tokenizer(TINY_TEXTS, vocab_size=300)
 

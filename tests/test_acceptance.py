@@ -1,4 +1,4 @@
-"""models/acceptance.py: the one τ, rank-accuracy and cost-sizing implementation every method uses."""
+"""models/core/acceptance.py: the one τ, rank-accuracy and cost-sizing implementation every method uses."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from models.acceptance import best_by_cost, chain_tau, chain_taus, rank_accuracy
-from models.tree import expected_tree_tau
+from models.core.acceptance import best_by_cost, chain_tau, chain_taus, rank_accuracy
+from models.core.tree import expected_tree_tau
 
 
 def test_chain_tau_is_one_plus_the_sum_of_running_products():

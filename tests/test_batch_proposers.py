@@ -1,4 +1,4 @@
-"""Batched proposing (models/proposal.py BatchProposer): DFlash and n-gram draft every row of a batch in one call.
+"""Batched proposing (models/core/proposal.py BatchProposer): DFlash and n-gram draft every row of a batch in one call.
 
 What is checked:
 - greedy batched decoding with the batched proposers is token-identical to per-row autoregressive decoding
@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from eval import decode, decode_batch
+from models.core.proposal import PerRowProposers, Sampling, batch_proposer
+from models.core.target import FrozenTarget
 from models.methods.dflash.config import DFlashConfig
 from models.methods.dflash.net import DFlashDrafter
 from models.methods.dflash.proposers import DFlashBatchProposer, DFlashProposer
 from models.methods.ngram import NGramBatchProposer, NGramProposer
-from models.proposal import PerRowProposers, Sampling, batch_proposer
-from models.target import FrozenTarget
 from tests.test_decode import batched, chi2_pvalue, exact_joint, sharp_tiny_llama
 from tests.test_dflash import drafter, scramble, target  # noqa: F401  (target: a fixture)
 
@@ -219,7 +219,7 @@ class FixedTreeProposer:
         pass
 
     def propose(self, max_depth: int):
-        from models.proposal import Proposal
+        from models.core.proposal import Proposal
 
         parents = torch.tensor([-1, -1, 0, 1]) if max_depth >= 2 else torch.tensor([-1, -1])
         n, v = parents.shape[0], self.q0.shape[0]
@@ -235,7 +235,7 @@ def test_batched_shared_topology_trees_reproduce_target_distribution(sampled, mo
     """8 rows whose trees share one topology are accepted by ONE call of the batched tree rule (the first round;
     later rows with smaller budgets draft smaller trees, accepted row by row), and the first 4 tokens of each
     row follow the target's exact joint (χ²)."""
-    from models import verify
+    from models.core import verify
 
     calls = []
     batched = verify.speculative_sample_tree_batch

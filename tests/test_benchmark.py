@@ -44,7 +44,7 @@ from eval.benchmark import (
 )
 from eval.report import console_summary, markdown, write_report
 from models import registry
-from models.target import FrozenTarget
+from models.core.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from train.loop import run as train_run
 
@@ -111,8 +111,8 @@ def full(env):
 def test_medusa_tree_is_sized_by_the_cost_model(full, env):
     """num_nodes=auto: the tree is the checkpoint's greedy tree of the size that maximises expected τ / v(n)."""
     from eval.cost_model import interp
+    from models.core.tree import expected_tree_tau
     from models.methods.medusa.tree import build_medusa_tree, load_rank_accuracy
-    from models.tree import expected_tree_tau
 
     o = full["methods"]["medusa"]["options"]
     pred = {int(k): v for k, v in o["choices_sized"]["predicted_bound"].items()}
@@ -307,7 +307,7 @@ def test_crossover_on_hand_made_speedups():
 
 def test_dynamic_k_policy_on_hand_made_tables():
     acc = [0.8, 0.5, 0.2]
-    # E(K) = 1 + Σ_j Π_{i<=j} α_i (models/acceptance.py chain_tau, tested in test_acceptance.py): 1, 1.8, 2.2, 2.28
+    # E(K) = 1 + Σ_j Π_{i<=j} α_i (models/core/acceptance.py chain_tau, tested in test_acceptance.py): 1, 1.8, 2.2, 2.28
     c = 0.1
     w1 = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}  # batch 1: verifying more tokens is almost free
     w2 = {0: 1.1, 1: 1.4, 2: 1.7, 3: 2.0}
@@ -537,8 +537,8 @@ def test_training_cost_and_learning_curve_come_from_the_run_directories(full, en
 def test_eagle2_tree_is_sized_by_the_cost_model(env, size_for):
     """total_tokens auto: prepared at max_nodes (so the cost tables cover it), then the n whose static rank tree
     (held-out greedy hits at T=0, target mass at T=1) maximises τ(n) / (root pass + (D−1) passes of W + v(n))."""
+    from models.core.tree import build_rank_tree, expected_tree_tau
     from models.methods.eagle3 import eagle_rank_accuracy
-    from models.tree import build_rank_tree, expected_tree_tau
 
     opts = {"eagle3_tree": {"depth": 3, "top_k": 3, "total_tokens": "auto", "max_nodes": 10, "size_for": size_for}}
     (_, m), _ = build_methods(env.target, ["eagle3_tree"], env.ckpts, options=opts)
@@ -572,7 +572,7 @@ def test_hf_peer_does_not_stop_at_the_models_own_eos_when_we_do_not(tiny_llama, 
 
     from eval.decode import decode_ar
     from eval.peers import hf_generate
-    from models.target import FrozenTarget
+    from models.core.target import FrozenTarget
 
     target = FrozenTarget(tiny_llama, tiny_tokenizer)
     ids = torch.tensor([[1, 5, 9, 3, 7]])

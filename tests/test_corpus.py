@@ -1,7 +1,7 @@
 import json
 
 from data import corpus
-from models.target import EMBEDDED_DIR
+from models.core.target import EMBEDDED_DIR
 
 
 def test_split_is_by_whole_file_and_deterministic():

@@ -23,6 +23,9 @@ from scipy.stats import chisquare
 from eval import decode, decode_batch
 from eval.decode import Proposal
 from models import registry
+from models.core.proposal import batch_proposer
+from models.core.target import FrozenTarget
+from models.core.vocab import build_draft_vocab
 from models.methods.draft_model import DraftModelProposer
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter
@@ -35,10 +38,7 @@ from models.methods.mtp.config import MTPConfig
 from models.methods.mtp.net import MTPDrafter
 from models.methods.mtp.proposers import MTPProposer, propose_chain
 from models.methods.ngram import NGramProposer
-from models.proposal import batch_proposer
 from models.registry import load_proposer
-from models.target import FrozenTarget
-from models.vocab import build_draft_vocab
 from tests.conftest import make_tiny_llama
 
 V = 32  # small vocabulary: random drafters still get some tokens accepted, so compaction paths run

@@ -11,13 +11,13 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from eval import decode
 from models import registry
+from models.core.proposal import Sampling
+from models.core.target import FrozenTarget
 from models.export import ExportError, export, load_export, validate
 from models.methods.dflash import build
 from models.methods.dflash.config import DFlashConfig, default_layer_ids
 from models.methods.dflash.net import DFlashDrafter
 from models.methods.dflash.proposers import DFlashProposer
-from models.proposal import Sampling
-from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from tests.test_decode import chi2_pvalue, exact_joint, sharp_tiny_llama
 from train.loop import run
@@ -313,7 +313,7 @@ def test_export_round_trips_and_refusals(target_dir, tmp_path, vocab):
 def test_qwen3_target_trains_decodes_losslessly_and_exports(tmp_path):
     """Another family: Qwen3 (QK-norm, GQA, explicit head_dim) — 2 training steps, lossless greedy decode,
     both exports round-trip."""
-    from models.tokenizer import train_tokenizer
+    from models.core.tokenizer import train_tokenizer
     from tests.conftest import TINY_TEXTS
 
     tok = train_tokenizer(TINY_TEXTS, vocab_size=300)

@@ -13,13 +13,13 @@ from torch import nn
 
 from eval import decode, decode_batch
 from models import registry
+from models.core.proposal import Sampling
+from models.core.target import FrozenTarget
 from models.methods.dflash import build
 from models.methods.dflash import heads as block_heads
 from models.methods.dflash.config import DFlashConfig
 from models.methods.dflash.net import DFlashDrafter
 from models.methods.dflash.proposers import DFlashProposer
-from models.proposal import Sampling
-from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from tests.test_batch_proposers import assert_batched_rows_follow_target
 from tests.test_decode import batched, chi2_pvalue, exact_joint, sharp_tiny_llama

@@ -11,11 +11,11 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
+from models.core.target import FrozenTarget
+from models.core.vocab import build_draft_vocab, draft_to_target, identity_mapping
 from models.methods.eagle3 import net
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter, ttt_attention
-from models.target import FrozenTarget
-from models.vocab import build_draft_vocab, draft_to_target, identity_mapping
 from tests.conftest import make_tiny_llama
 
 H = 32

@@ -11,11 +11,11 @@ from transformers import LlamaConfig
 
 from eval import decode
 from models import export as ex
+from models.core.target import FrozenTarget
+from models.core.vocab import build_draft_vocab
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter
 from models.methods.eagle3.proposers import Eagle3ChainProposer
-from models.target import FrozenTarget
-from models.vocab import build_draft_vocab
 
 FLAGS = [{}, {"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True},
          {"fc_norm": True, "norm_output": True, "norm_before_residual": True}]

@@ -19,6 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models import export as ex
+from models.core.target import FrozenTarget
+from models.core.vocab import build_draft_vocab
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter
 from models.methods.medusa.export import MEDUSA_WEIGHTS
@@ -26,8 +28,6 @@ from models.methods.medusa.net import propose
 from models.methods.mtp.export import fuse_experts, unfuse_experts
 from models.methods.mtp.proposers import propose_chain
 from models.registry import load_drafter
-from models.target import FrozenTarget
-from models.vocab import build_draft_vocab
 from tests.conftest import make_tiny_llama
 from train.export import main
 from train.loop import run

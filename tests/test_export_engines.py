@@ -18,10 +18,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models import export as ex
+from models.core.target import FrozenTarget
+from models.core.vocab import build_draft_vocab
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter
-from models.target import FrozenTarget
-from models.vocab import build_draft_vocab
 
 
 @pytest.fixture(scope="module")
@@ -354,8 +354,8 @@ def test_exports_name_the_target_not_this_machines_path_to_it(target, tmp_path):
 
 
 def test_engine_target_name_spellings():
+    from models.core.target import EMBEDDED_DIR
     from models.export_common import engine_target_name
-    from models.target import EMBEDDED_DIR
 
     assert engine_target_name("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
     assert engine_target_name("tiny-code") == engine_target_name(str(EMBEDDED_DIR)) == "models/tiny_code"

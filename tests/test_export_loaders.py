@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 
 from models import export as ex
-from models.target import FrozenTarget
+from models.core.target import FrozenTarget
 from tests.test_export_engines import make_drafter
 
 STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),

@@ -21,6 +21,8 @@ from hydra import compose, initialize_config_dir
 
 from data.corpus import SourceFile, file_windows
 from eval import decode, decode_batch
+from models.core.target import FrozenTarget
+from models.core.vocab import build_draft_vocab
 from models.methods.dflash.config import DFlashConfig
 from models.methods.dflash.net import DFlashDrafter
 from models.methods.dflash.proposers import DFlashProposer
@@ -38,8 +40,6 @@ from models.methods.ngram import NGramProposer
 from models.methods.peagle.config import PEagleConfig
 from models.methods.peagle.net import PEagleDrafter
 from models.methods.peagle.proposers import PEagleProposer
-from models.target import FrozenTarget
-from models.vocab import build_draft_vocab
 from tests.families import CONVERSATION, FAMILIES, SPECS, WINDOW, make_family, save_family
 from tests.test_decode import batched
 from train.loop import run
@@ -440,8 +440,8 @@ def test_gpt_oss_regeneration_splits_harmony_channels_as_the_template_expects(tm
 def test_chat_val_rows_are_honoured_and_tree_sizing_falls_back_without_eval_json(phi3_dir, tmp_path, caplog):
     """8 conversations with data.val_rows=2 hold out 2 (before: 0, so no final/eval.json); and a checkpoint without
     eval.json still gets an EAGLE-2 tree under total_tokens: auto (a fixed size, with a warning), not exit 2."""
+    from models.core.target import FrozenTarget
     from models.registry import load_drafter, make_proposer_factory
-    from models.target import FrozenTarget
 
     src = _chat_file(tmp_path / "c.jsonl", 8)
     out = tmp_path / "run"

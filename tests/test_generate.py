@@ -1,11 +1,11 @@
-"""models/generate.py: the batched generation loop against a one-sequence reference, with compaction and growth."""
+"""models/core/generate.py: the batched generation loop against a one-sequence reference, with compaction and growth."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from models.generate import GrowingCache, generate_batch
+from models.core.generate import GrowingCache, generate_batch
 from tests.test_regenerate import manual_greedy  # one sequence, no padding, no cache: the reference
 
 

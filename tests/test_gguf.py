@@ -1,4 +1,4 @@
-"""GGUF targets (models/gguf.py): a tiny Llama written as a GGUF in code (F32, so the round trip is exact), loaded
+"""GGUF targets (models/core/gguf.py): a tiny Llama written as a GGUF in code (F32, so the round trip is exact), loaded
 through ``FrozenTarget.from_pretrained`` the way ``target.name_or_path=X.gguf`` does, against the HF model it came
 from; the sha256-keyed cache; corrupt and missing files."""
 
@@ -18,8 +18,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 gguf = pytest.importorskip("gguf", reason="pip install -e '.[real]' (gguf) for the GGUF tests")
 pytest.importorskip("accelerate", reason="pip install -e '.[real]' (accelerate) for the GGUF tests")
 
-from models import gguf as mgguf  # noqa: E402
-from models.target import EMBEDDED_DIR, FrozenTarget  # noqa: E402
+from models.core import gguf as mgguf  # noqa: E402
+from models.core.target import EMBEDDED_DIR, FrozenTarget  # noqa: E402
 
 TEXT = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # five\n"
 
@@ -209,7 +209,7 @@ def test_dir_plus_gguf_file_through_the_target_config(tmp_path, source_tok, cach
     assert target.identity()["gguf"]["sha256"] == sha and target.identity()["gguf"]["file"] == "tied.gguf"
     # recorded as the file's path, so export / eval resolve it from a checkpoint without the extra key
     assert target.identity()["name_or_path"] == str(d / "tied.gguf")
-    from models.target import resolve_name
+    from models.core.target import resolve_name
     assert resolve_name(target.identity()["name_or_path"]) == str(cache / sha[:16])
     assert (cache / sha[:16] / mgguf.SOURCE_FILE).is_file()
 

@@ -1,11 +1,11 @@
-"""models/kernels.py: the dtype probe behind target.dtype=auto."""
+"""models/core/kernels.py: the dtype probe behind target.dtype=auto."""
 
 from __future__ import annotations
 
 import torch
 
-from models.kernels import cpu_features, probe
-from models.target import FrozenTarget, dtype_names
+from models.core.kernels import cpu_features, probe
+from models.core.target import FrozenTarget, dtype_names
 
 
 def test_probe_times_each_dtype_and_chooses_the_fastest_one_token_step(tiny_llama):

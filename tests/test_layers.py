@@ -1,14 +1,16 @@
 """The package's import graph is a layered DAG, checked by parsing the source with ``ast``.
 
-Layers come from paths (no hand-kept module list), lowest first; a module may import its own layer or lower ones:
+Layers come from folders (``LAYERS``: no module list), lowest first; a module is in the layer of the deepest folder
+(or file) of the table that holds it, and may import its own layer or lower ones:
 
-    core      every models/ module outside the three below (target, decoding, verification, shared draft blocks)
-    methods   models/methods/<name>/  — one package per method; a method imports core and its own package only
+    core      models/core/            the frozen target, decoding and verification, shared draft blocks, checkpoints
+    methods   models/methods/<name>/  one package per method; a method imports core and its own package only
     registry  models/registry.py
     data      data/
     export    models/export/
     top       train/ and eval/ (not each other)
 
+A loose module in models/ outside these folders is in no layer, and reported.
 Also: no import cycle (module-level and function-level imports both count, so a lazy import cannot hide one),
 and no private name (``_x``) taken from another package module, by ``from m import _x`` or by ``m._x``. A
 helper two modules need is public in one place (within one method package, its modules share freely).
@@ -22,19 +24,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("train", "models", "data", "eval")
 
+# folder (or file) → layer; a module is in the layer of its deepest entry. models/__init__.py is the container's
+# empty marker, in the lowest layer.
+LAYERS = {
+    "models/__init__.py": "core",
+    "models/core": "core",
+    "models/export_common.py": "core",  # the shared export helpers, until they move under models/export/
+    "models/export_identity.py": "core",
+    "models/export_snippets.py": "core",
+    "models/methods": "methods",
+    "models/registry.py": "registry",
+    "data": "data",
+    "models/export": "export",
+    "train": "train",
+    "eval": "eval",
+}
 # rank of each layer; train and eval share the top rank but are separate groups
 RANK = {"core": 0, "methods": 1, "registry": 2, "data": 3, "export": 4, "train": 5, "eval": 5}
 
 
 def layer(mod: str) -> str | None:
-    parts = mod.split(".")
-    if parts[:2] == ["models", "methods"] and len(parts) > 2:
-        return "methods"
-    if mod == "models.registry":
-        return "registry"
-    if parts[:2] == ["models", "export"]:
-        return "export"
-    return {"models": "core", "data": "data", "train": "train", "eval": "eval"}.get(parts[0])
+    """The layer of the deepest ``LAYERS`` entry holding ``mod`` (a folder holds every module under it, a file
+    only itself), or None."""
+    parts = tuple(mod.split("."))
+    best: tuple[int, str] | None = None
+    for where, name in LAYERS.items():
+        key = Path(where).parts
+        if where.endswith(".py"):
+            key = Path(where).with_suffix("").parts
+            key, hit = (key[:-1], parts == key[:-1]) if key[-1] == "__init__" else (key, parts == key)
+        else:
+            hit = parts[: len(key)] == key
+        if hit and (best is None or len(key) > best[0]):
+            best = (len(key), name)
+    return best[1] if best else None
 
 
 def method_package(mod: str) -> str:
@@ -171,31 +194,32 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
     """The checker itself: a planted cycle through a function-level import, an upward arrow, a method importing
     a method, train importing eval, and both spellings of a private import are each reported."""
     files = {
-        "models/target.py": "def f():\n    from models import registry\n",
-        "models/registry.py": "from models import target\n",
+        "models/core/target.py": "def f():\n    from models import registry\n",
+        "models/registry.py": "from models.core import target\n",
         "models/methods/eagle3/__init__.py": "from models.methods import medusa\n",
-        "models/methods/medusa/__init__.py": "from models.target import _fp\nfrom models import vocab\nvocab._x\n",
+        "models/methods/medusa/__init__.py": ("from models.core.target import _fp\nfrom models.core import vocab\n"
+                                              "vocab._x\n"),
         "models/methods/medusa/net.py": "from models.methods.medusa import _own\n",  # its own package: allowed
-        "models/vocab.py": "",
+        "models/core/vocab.py": "",
         "train/loop.py": "import eval.decode\n",
         "eval/decode.py": "",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    for pkg in ("models", "models/methods", "train", "eval", "data"):
+    for pkg in ("models", "models/core", "models/methods", "train", "eval", "data"):
         (tmp_path / pkg).mkdir(exist_ok=True)
         (tmp_path / pkg / "__init__.py").write_text("")
     mods = package_modules(tmp_path)
     edges, private = scan(mods, tmp_path)
     found = "\n".join([str(c) for c in cycles(edges)] + arrow_violations(edges, mods, tmp_path) + private)
-    assert "['models.registry', 'models.target']" in found
-    assert "models.target (core) imports models.registry (registry): upward arrow" in found
+    assert "['models.core.target', 'models.registry']" in found
+    assert "models.core.target (core) imports models.registry (registry): upward arrow" in found
     assert ("models.methods.eagle3 (methods) imports models.methods.medusa (methods):"
             " methods share code only through core") in found
     assert "train.loop (train) imports eval.decode (eval): train and eval must not import each other" in found
-    assert "imports private models.target._fp" in found
-    assert "uses private models.vocab._x" in found
+    assert "imports private models.core.target._fp" in found
+    assert "uses private models.core.vocab._x" in found
     assert "_own" not in found and "models.methods.medusa.net" not in found
 
 
@@ -238,9 +262,9 @@ def test_readme_layout_table_agrees_with_the_folders():
         if (pkg / "__init__.py").exists():
             assert f"`{pkg.name}`" in rows["`models/methods/<name>/`"], f"README Layout lacks the method {pkg.name}"
     for mod in package_modules():
-        if layer(mod) == "core" and mod.count(".") == 1 and mod != "models.methods":
-            name = mod.split(".")[1]
-            assert f"`{name}`" in table or f"models/{name}.py" in table, f"README Layout lacks core module {mod}"
+        if layer(mod) == "core" and mod.startswith("models.core."):
+            name = mod.split(".")[2]
+            assert f"`{name}`" in table or f"models/core/{name}.py" in table, f"README Layout lacks core module {mod}"
     for key in rows:
         for path in re.findall(r"`([^`]+)`", key):
             if "<" not in path and "*" not in path:

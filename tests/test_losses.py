@@ -1,9 +1,9 @@
-"""models/losses.py: one step scored by hand, and the loop weighting every method's held-out metrics by n_k."""
+"""models/core/losses.py: one step scored by hand, and the loop weighting every method's held-out metrics by n_k."""
 
 import torch
 import torch.nn.functional as F
 
-from models.losses import distill_step, step_metrics, weighted_total
+from models.core.losses import distill_step, step_metrics, weighted_total
 
 
 def test_distill_step_by_hand():

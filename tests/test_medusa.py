@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
+from models.core.target import FrozenTarget
+from models.core.tree import tree_capacity
 from models.methods.medusa.config import MedusaConfig
 from models.methods.medusa.net import MedusaHeads, head_topk_accuracy, head_topk_hits, propose
 from models.methods.medusa.tree import build_medusa_tree, load_static_tree, rank_accuracy, tree_buffers, tree_tokens
-from models.target import FrozenTarget
-from models.tree import tree_capacity
 from tests.conftest import make_tiny_llama
 
 
@@ -280,8 +280,8 @@ def test_static_tree_from_training_metrics(target, tmp_path):
 
 
 def test_tree_sizing_trades_expected_tau_against_verify_cost():
+    from models.core.tree import expected_tree_tau
     from models.methods.medusa.tree import size_tree
-    from models.tree import expected_tree_tau
 
     acc = torch.tensor([[0.9, 0.5, 0.1], [0.8, 0.3, 0.05]])
     # (0,) .9  (0,0) .72  (1,) .5 → 1 + .9 + .72 + .5

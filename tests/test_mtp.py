@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
+from models.core.target import FrozenTarget
 from models.methods.mtp.config import MTPConfig
 from models.methods.mtp.native import init_from_native, to_native_state_dict
 from models.methods.mtp.net import MTPDrafter
 from models.methods.mtp.proposers import propose_chain
-from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 
 V, H = 48, 32

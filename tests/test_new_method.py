@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from models import registry
+from models.core.target import FrozenTarget
 from models.methods import toy
-from models.target import FrozenTarget
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("train", "models", "data", "eval", "conf", "scripts", "Makefile", "pyproject.toml")

@@ -10,12 +10,12 @@ from hydra import compose, initialize_config_dir
 
 from eval import decode
 from models import registry
+from models.core.proposal import Sampling
+from models.core.target import FrozenTarget
 from models.methods.peagle import build
 from models.methods.peagle.config import PEagleConfig
 from models.methods.peagle.net import PEagleDrafter
 from models.methods.peagle.proposers import PEagleProposer
-from models.proposal import Sampling
-from models.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 from tests.test_decode import chi2_pvalue, exact_joint
 from tests.test_dflash import scramble

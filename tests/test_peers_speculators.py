@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from models import export as ex
-from models.target import FrozenTarget
+from models.core.target import FrozenTarget
 from tests.test_export_engines import make_drafter
 
 speculators = pytest.importorskip(

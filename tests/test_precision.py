@@ -18,7 +18,7 @@ from eval import decode, ladder
 from eval.benchmark import BenchSettings, Method, Prompt, all_lossless, build_methods, run_benchmark, write_json
 from eval.precision import measure_noise
 from eval.report import console_summary, markdown
-from models.target import FrozenTarget
+from models.core.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 
 MAX_NEW = 10

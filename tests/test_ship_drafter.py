@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from models.core.target import FrozenTarget
 from models.registry import load_drafter
-from models.target import FrozenTarget
 from tests.test_train_loop import cfg_for
 from train.loop import run
 

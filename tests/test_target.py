@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from models.target import (
+from models.core.target import (
     FrozenTarget,
     from_layer_output_ids,
     to_layer_output_ids,

@@ -1,4 +1,4 @@
-"""Export and ``--check`` read only the target's config, tokenizer, embedding and lm_head (models/target_view.py).
+"""Export and ``--check`` read only the target's config, tokenizer, embedding and lm_head (models/core/target_view.py).
 
 The view must equal the full load in everything export reads (identity, fingerprint, the two matrices, the
 config), for one-file and sharded checkpoints and tied embeddings; and the CLI must export and check every
@@ -16,13 +16,13 @@ import transformers
 from safetensors.torch import load_file
 
 from models import export as ex
+from models.core.target import FrozenTarget
+from models.core.target_view import TargetView
 from models.methods.dflash.config import DFlashConfig
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.medusa.config import MedusaConfig
 from models.methods.mtp.config import MTPConfig
 from models.registry import build_drafter
-from models.target import FrozenTarget
-from models.target_view import TargetView
 from tests.conftest import make_tiny_llama
 from tests.families import FAMILIES, save_family
 from train.checkpoint import save_drafter

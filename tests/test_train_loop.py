@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from data.features import FeatureCache
 from data.sources import DataConfig, build_rows
-from models.drafter import DraftVocabTeacher
-from models.target import FrozenTarget
+from models.core.drafter import DraftVocabTeacher
+from models.core.target import FrozenTarget
 from train.batches import collate
 from train.loop import build_drafter, run, target_features
 

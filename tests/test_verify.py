@@ -1,4 +1,4 @@
-"""models.verify: greedy acceptance by hand, losslessness of speculative sampling by χ² tests.
+"""models.core.verify: greedy acceptance by hand, losslessness of speculative sampling by χ² tests.
 
 The statistical tests simulate decoding from a small position-dependent Markov "target" and a
 different Markov "draft" (V = 6, both filtered through sampling_probs with top-p / top-k so that
@@ -17,7 +17,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from models import verify
+from models.core import verify
 
 V = 6
 ALPHA = 1e-3  # a correct rule must give p-value > ALPHA

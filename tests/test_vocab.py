@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.vocab import build_draft_vocab, check_mapping, count_tokens, draft_to_target, identity_mapping
+from models.core.vocab import build_draft_vocab, check_mapping, count_tokens, draft_to_target, identity_mapping
 
 
 def test_count_tokens_only_masked_positions():
@@ -113,7 +113,7 @@ def test_check_mapping_refuses_d2t_and_t2d_from_different_data():
 
 
 def test_coverage_is_the_top_n_share_of_counted_tokens():
-    from models.vocab import coverage
+    from models.core.vocab import coverage
 
     counts = torch.tensor([0, 5, 3, 2, 0])  # 10 tokens: top-1 = 5, top-2 = 8, top-3 = 10
     assert coverage(counts, [1, 2, 3, 9]) == {1: 0.5, 2: 0.8, 3: 1.0, 9: 1.0}

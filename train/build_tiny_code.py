@@ -30,8 +30,8 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from data import corpus
-from models.target import EMBEDDED_DIR
-from models.tokenizer import train_tokenizer
+from models.core.target import EMBEDDED_DIR
+from models.core.tokenizer import train_tokenizer
 
 
 @dataclass

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models import registry
-from models.checkpoint import (
+from models.core.checkpoint import (
     CONFIG,
     WEIGHTS,
     NoSpaceError,

@@ -84,7 +84,7 @@ def check_known_keys(cfg: DictConfig) -> None:
 
 def check_target_settings(cfg: DictConfig) -> None:
     """target.dtype and target.device, before the target (maybe 16 GB) is loaded."""
-    from models.target import dtype_names
+    from models.core.target import dtype_names
 
     dtype = _get(cfg, "target.dtype")
     if dtype is not None and str(dtype) not in dtype_names():

@@ -10,7 +10,8 @@ lists them all: eagle3, eagle3-speculators, medusa, mtp, dflash, ...). The targe
 the checkpoint (``tiny-code`` for the embedded target); the checkpoint is refused if it was trained for another
 target. The export is validated before it is written and again from disk; ``--check`` runs the same validator
 on any directory (exit status 2 and a one-line reason when it is not a valid export).
-Both read only the target's config, tokenizer, embedding and lm_head (models/target_view.py), never its decoder weights.
+Both read only the target's config, tokenizer, embedding and lm_head (models/core/target_view.py), never its decoder
+weights.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from models.checkpoint import NoSpaceError
+from models.core.checkpoint import NoSpaceError
+from models.core.target import EMBEDDED_NAME, parse_dtype, resolve_name
+from models.core.target_view import TargetView
 from models.export import ExportError, cli_formats, export, llamacpp, recommended_k_from_results, validate
-from models.target import EMBEDDED_NAME, parse_dtype, resolve_name
-from models.target_view import TargetView
 
 GGUF = "gguf"
 

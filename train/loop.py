@@ -23,9 +23,9 @@ from tqdm import tqdm
 from data.features import FeatureCache
 from data.sources import build_rows
 from models import registry
-from models.acceptance import chain_tau
+from models.core.acceptance import chain_tau
+from models.core.target import FrozenTarget
 from models.export.serving import training_serving
-from models.target import FrozenTarget
 from train import checkpoint as ckpt
 from train.batches import batch_indices, collate
 from train.checks import check_resume_step, check_step_finite, check_weights_finite, validate_train_config
@@ -222,7 +222,7 @@ def build_drafter_and_meta(t: Training) -> None:
           f"layer ids {list(t.drafter.layer_ids)} of {target.num_layers}")
     t2d = getattr(t.drafter, "t2d", None)
     if t2d is not None and int(t2d.sum()) < target.vocab_size:  # a reduced draft vocabulary: what it can cover
-        from models.vocab import count_tokens, coverage
+        from models.core.vocab import count_tokens, coverage
 
         sizes = sorted({int(t2d.sum()), 1024, 2048, 4096, 8192, 16384, 32768} & set(range(1, target.vocab_size)))
         cov = coverage(count_tokens(t.train_rows, target.vocab_size), sizes)

@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from models.checkpoint import NoSpaceError
+from models.core.checkpoint import NoSpaceError
 from train.checks import ConfigError
 
 LOCK = "train.lock"

@@ -10,7 +10,7 @@ Every directory also gets ``README.md`` (serving snippets) and ``draftsmith.json
 do not: method, our layer ids and their convention, the target's identity incl. its embedding fingerprint).
 
 Aux-layer-id conventions (checked against the engines' loaders, see the comments at the fields):
-- draftsmith: index into HF ``output_hidden_states`` (models/target.py): id k = residual stream entering layer k.
+- draftsmith: index into HF ``output_hidden_states`` (models/core/target.py): id k = residual stream entering layer k.
 - vLLM top-level ``eagle_aux_hidden_state_layer_ids``: the SAME numbers. vLLM's Llama forward appends
   ``hidden_states + residual`` *before* running layer ``idx`` when ``idx`` is listed, and the runner passes the
   config's list through unchanged (vllm/model_executor/models/llama.py ``LlamaModel.forward``,
@@ -24,6 +24,8 @@ README frame), serving (the serving-mode manifest); shared helpers in models/exp
 models/export_identity.py and models/export_snippets.py (core, so the methods' exporters use them too).
 """
 
+from models.core.spec import ExportFormat
+from models.core.target import embed_fingerprint
 from models.export_common import (
     CONFIG,
     LAYER_ID_CONVENTION,
@@ -33,8 +35,6 @@ from models.export_common import (
     ExportError,
     recommended_k_from_results,
 )
-from models.spec import ExportFormat
-from models.target import embed_fingerprint
 
 from .api import export, load_export
 from .formats import cli_formats, export_format, export_formats

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models import registry
-from models.checkpoint import out_of_space_as_error
+from models.core.checkpoint import out_of_space_as_error
+from models.core.target import FrozenTarget
 from models.export_common import (
     CONFIG,
     DTYPE_NAMES,
@@ -27,7 +28,6 @@ from models.export_common import (
     target_info,
 )
 from models.export_identity import STAMP_KEY
-from models.target import FrozenTarget
 
 from .formats import export_format, export_formats
 from .readme import render_readme
@@ -43,7 +43,7 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
 
     ``target_name``: how engines should find the target (default: the target config's name_or_path).
     ``recommended_k``: num_speculative_tokens for the serving snippets (e.g. from an eval results JSON); default:
-    the method's ``default_k`` (models/spec.py).
+    the method's ``default_k`` (models/core/spec.py).
     ``dtype``: cast float weights (default: keep the trained dtype; d2t/t2d are never cast).
     ``serve_name``: the target as the engine-read fields (speculators ``verifier.name_or_path``, Medusa's
     ``base_model_name_or_path``) and the README's serve commands name it (default: ``engine_target_name`` of the

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from models import registry
+from models.core.spec import ExportFormat
 from models.export_common import ExportError, architectures
-from models.spec import ExportFormat
 
 
 def export_formats() -> dict[str, ExportFormat]:

@@ -30,8 +30,8 @@ from pathlib import Path
 from torch import nn
 
 from models import registry
+from models.core.target import resolve_name
 from models.export_common import SIDECAR, ExportError, load_json
-from models.target import resolve_name
 
 from .api import export
 from .formats import export_format

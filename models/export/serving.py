@@ -22,8 +22,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from models.core.target import embed_fingerprint
 from models.export_common import fail
-from models.target import embed_fingerprint
 
 SERVING_KEY = "serving"
 

@@ -70,7 +70,7 @@ def validate(path: str | Path, fmt: str | None = None, target_config: Any = None
 
 def _check_finite(t: Tensors, wfile: Path) -> None:
     """A diverged drafter (NaN/inf weights) is not a valid export, whatever its shapes say."""
-    from models.checkpoint import check_finite
+    from models.core.checkpoint import check_finite
 
     try:
         check_finite({k: t.get(k) for k in t.shapes if t.dtypes[k].is_floating_point}, wfile)

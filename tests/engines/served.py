@@ -112,9 +112,9 @@ def _controls(root: Path, exports: dict, k_of: dict) -> list[dict]:
 
 def _build(root: Path) -> dict:
     from data.corpus import heldout_prompts
+    from models.core.target import FrozenTarget, resolve_name
     from models.export import export, validate
     from models.registry import load_drafter
-    from models.target import FrozenTarget, resolve_name
 
     target = FrozenTarget.from_pretrained("tiny-code")
     prompts = [p["input_ids"] for p in heldout_prompts(target.tokenizer, N_PROMPTS, PROMPT_TOKENS)]

@@ -135,9 +135,9 @@ def draft_tie_gaps(target, drafter, ckpt: Path, prompts: list[list[int]], k: int
 
 def _build(root: Path, runs_dir: Path) -> dict:
     from data.corpus import heldout_prompts
+    from models.core.target import FrozenTarget
     from models.export import validate
     from models.registry import load_drafter
-    from models.target import FrozenTarget
 
     target = FrozenTarget.from_pretrained("tiny-code")
     tok = target.tokenizer

@@ -48,7 +48,7 @@ CONTROLS = ["eagle3_shifted_control", "dspark_speculators_control"]
 def test_llamacpp_decodes_losslessly(served, name):
     """llama.cpp's text continues every prompt exactly as draftsmith's AR tokens (its AR gives exactly them)."""
     from eval.llamacpp import matches_harness
-    from models.target import FrozenTarget
+    from models.core.target import FrozenTarget
 
     tok = FrozenTarget.from_pretrained("tiny-code").tokenizer
     r = _run(served, name)

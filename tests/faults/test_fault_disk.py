@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from models.checkpoint import NoSpaceError
+from models.core.checkpoint import NoSpaceError
 from tests.faults.fault_helpers import (
     PAGE,
     ROOT,
@@ -77,7 +77,7 @@ def test_full_disk_in_torch_save_of_the_trainer_state(target_dir, disk):
 def test_full_disk_in_the_feature_cache(target_dir, disk):
     from data.features import FeatureCache
     from data.sources import DataConfig, build_rows
-    from models.target import FrozenTarget
+    from models.core.target import FrozenTarget
 
     target = FrozenTarget.from_pretrained(str(target_dir))
     rows, _ = build_rows(DataConfig(max_rows=8, max_len=32, val_rows=1), target.tokenizer)

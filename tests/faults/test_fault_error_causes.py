@@ -40,7 +40,7 @@ def test_prompts_file_row_of_no_known_kind_lists_every_key(target_dir, tmp_path,
 
 @pytest.mark.parametrize("missing", ["file", "dir"])
 def test_missing_results_file_is_named_before_loading_the_target(tmp_path, capsys, monkeypatch, missing):
-    from models import target_view
+    from models.core import target_view
     from train.export import main
 
     ckpt = tmp_path / "final"

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from models.core.target import FrozenTarget
 from models.registry import load_drafter
-from models.target import FrozenTarget
 from tests.faults.fault_helpers import cfg_for, metrics_steps, weights
 from train import checkpoint as ckpt
 from train.checks import ConfigError, NonFiniteError

@@ -1,4 +1,4 @@
-"""The GGUF conversion cache (models/gguf.py) is never trusted blindly: an entry is checked against the file sizes
+"""The GGUF conversion cache (models/core/gguf.py) is never trusted blindly: an entry is checked against the file sizes
 and the weights' sha256 recorded when it was converted, and a damaged one is converted again, saying so; what a
 killed conversion left is removed; a read-only or full cache is one `error:` line naming it and DRAFTSMITH_CACHE."""
 
@@ -17,8 +17,8 @@ pytest.importorskip("accelerate", reason="pip install -e '.[real]' (accelerate) 
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from models import gguf as mgguf  # noqa: E402
-from models.target import EMBEDDED_DIR, FrozenTarget  # noqa: E402
+from models.core import gguf as mgguf  # noqa: E402
+from models.core.target import EMBEDDED_DIR, FrozenTarget  # noqa: E402
 from tests.faults.fault_helpers import PAGE, cfg_for, fill_disk, remount_readonly, small_tmpfs  # noqa: E402
 from tests.test_gguf import make_model, write_llama_gguf  # noqa: E402
 

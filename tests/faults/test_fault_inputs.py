@@ -132,7 +132,7 @@ def test_export_missing_target_path_is_one_line(trained, capsys):
 
 def test_truncated_feature_shard_names_the_path(target_dir, tmp_path):
     from data.features import FeatureCache
-    from models.target import FrozenTarget
+    from models.core.target import FrozenTarget
 
     target = FrozenTarget.from_pretrained(str(target_dir))
     rows, _ = build_rows(DataConfig(max_rows=4, max_len=32, val_rows=1), target.tokenizer)
@@ -148,8 +148,8 @@ def test_truncated_feature_shard_names_the_path(target_dir, tmp_path):
 def test_batched_decode_rows_all_finished_at_prefill(tiny_llama, n, eos_first):
     from eval.decode import decode_ar, speculative_decode
     from eval.decode_batch import decode_ar_batch, speculative_decode_batch
+    from models.core.target import FrozenTarget
     from models.methods.ngram import NGramProposer
-    from models.target import FrozenTarget
     from tests.test_decode import batched
 
     target = FrozenTarget(tiny_llama)

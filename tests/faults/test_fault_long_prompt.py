@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eval.bench_setup import PROMPTS_DIR, load_prompts
-from models.target import EMBEDDED_DIR
+from models.core.target import EMBEDDED_DIR
 
 ODD = ["x" * 3000, " " * 2000 + "def f():" + "\n" * 900 + "    pass", "é" * 1500 + " ü" * 1500,
        "a = 1\t\t\t\n" * 400, "word " * 900 + "z" * 5000, "\n\n" + "-" * 4000 + " end"]

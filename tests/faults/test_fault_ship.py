@@ -34,7 +34,7 @@ def test_destination_on_another_file_system_with_absent_parents(trained, target_
 
 
 def test_a_refused_copy_leaves_no_staging_directory(trained, tmp_path, capsys, monkeypatch):
-    from models.target import FrozenTarget
+    from models.core.target import FrozenTarget
 
     def refuse(*a, **k):
         raise ValueError("checkpoint was trained for another target")

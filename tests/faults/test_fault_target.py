@@ -35,7 +35,7 @@ def _one_error(cfg, capsys, *needles) -> str:
 
 @pytest.fixture(scope="module")
 def tok():
-    from models.tokenizer import train_tokenizer
+    from models.core.tokenizer import train_tokenizer
 
     return train_tokenizer(TINY_TEXTS, vocab_size=300)
 

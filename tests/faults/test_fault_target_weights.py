@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from models.target import FrozenTarget, TargetLoadError
+from models.core.target import FrozenTarget, TargetLoadError
 from tests.conftest import make_tiny_llama
 from tests.faults.fault_helpers import cfg_for
 from train.loop import run
@@ -86,7 +86,7 @@ def test_gguf_with_nan_is_refused_and_nothing_is_cached(tmp_path, monkeypatch, c
     pytest.importorskip("gguf", reason="pip install -e '.[real]' (gguf) for the GGUF tests")
     from transformers import AutoTokenizer
 
-    from models.target import EMBEDDED_DIR
+    from models.core.target import EMBEDDED_DIR
     from tests.test_gguf import make_model, write_llama_gguf
     from train.__main__ import main
 

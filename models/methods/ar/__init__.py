@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from models.proposal import Proposal, Sampling
-from models.spec import MethodSpec, ProposerSpec
+from models.core.proposal import Proposal, Sampling
+from models.core.spec import MethodSpec, ProposerSpec
 
 
 class NoDraftProposer:

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from models.acceptance import best_by_cost, chain_taus
+from models.core.acceptance import best_by_cost, chain_taus
+from models.core.spec import MethodSpec, ProposerSpec
+from models.core.target import FrozenTarget
+from models.core.vocab import build_draft_vocab, choose_mask_token, count_tokens
 from models.methods.dflash import export
 from models.methods.dflash.config import DFlashConfig, check_config
 from models.methods.dflash.net import DFlashDrafter
 from models.methods.dflash.proposers import DFlashProposer
-from models.spec import MethodSpec, ProposerSpec
-from models.target import FrozenTarget
-from models.vocab import build_draft_vocab, choose_mask_token, count_tokens
 
 
 def build(cfg: DFlashConfig, target: FrozenTarget, train_rows: list[dict]) -> DFlashDrafter:
@@ -78,7 +78,7 @@ def _warm_start(cfg: DFlashConfig, target: FrozenTarget) -> DFlashDrafter:
 
     from safetensors.torch import load_file
 
-    from models.checkpoint import CONFIG, WEIGHTS, check_finite
+    from models.core.checkpoint import CONFIG, WEIGHTS, check_finite
 
     src = Path(cfg.warm_start)
     if not (src / WEIGHTS).exists():

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from models.core.vocab import check_mapping
 from models.export_common import (
     TargetInfo,
     Tensors,
@@ -17,7 +18,6 @@ from models.export_common import (
     require,
     target_num_layers,
 )
-from models.vocab import check_mapping
 
 
 def _int_list(v: Any) -> bool:

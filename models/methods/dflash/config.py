@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from models.config_checks import int_at_least
+from models.core.config_checks import int_at_least
 
 
 @dataclass

@@ -38,6 +38,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from models.core.spec import ExportFormat
+from models.core.target import FrozenTarget
 from models.export_common import (
     DTYPE_NAMES,
     Bundle,
@@ -50,8 +52,6 @@ from models.export_snippets import Serve, vllm_section
 from models.methods.dflash.check import check_dflash
 from models.methods.dflash.config import DFlashConfig
 from models.methods.dflash.net import DFlashDrafter
-from models.spec import ExportFormat
-from models.target import FrozenTarget
 
 
 # ============================================================================================ build

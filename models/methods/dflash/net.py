@@ -13,7 +13,7 @@ vllm-project/speculators, SpecForge and ModelOpt):
   Inside the block attention is bidirectional; the block sees context positions c < a only (strictly before
   its anchor: the anchor's own target state is not visible).
 - Output: final ``norm``, then the target's frozen lm_head (optionally a draft vocabulary: its rows selected
-  by ``t2d``, d2t/t2d as in models/vocab.py). Slot k (1..B−1) predicts token a+k; slot 0 is not scored.
+  by ``t2d``, d2t/t2d as in models/core/vocab.py). Slot k (1..B−1) predicts token a+k; slot 0 is not scored.
 
 Training (teacher forced, one forward per batch): up to ``num_anchors`` random anchors per row, redrawn every
 step, inside the loss-masked region; all blocks of a row in one attention call with one [N·B, T+N·B] mask.
@@ -44,13 +44,13 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
-from models.acceptance import chain_tau
+from models.core.acceptance import chain_tau
+from models.core.norm import RMSNorm
+from models.core.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from models.core.target import validate_layer_ids
+from models.core.vocab import check_mapping, draft_to_target
 from models.methods.dflash.config import DFlashConfig, check_config, default_layer_ids
 from models.methods.dflash.heads import build_block_head
-from models.norm import RMSNorm
-from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from models.target import validate_layer_ids
-from models.vocab import check_mapping, draft_to_target
 
 
 class DFlashAttention(nn.Module):

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from models.core.proposal import PerRowProposers, Proposal, Sampling, chain_proposal, check_k, pick_token
+from models.core.ragged import RaggedKV
 from models.methods.dflash.heads import draft_block
-from models.proposal import PerRowProposers, Proposal, Sampling, chain_proposal, check_k, pick_token
-from models.ragged import RaggedKV
 
 
 class DFlashProposer:
@@ -116,9 +116,9 @@ def _check_costs(drafter: Any, verify_costs: list[float] | str | None) -> list[f
 
 
 class DFlashBatchProposer:
-    """``BatchProposer`` (models/proposal.py) for a DFlash drafter: ONE block forward per round for all rows.
+    """``BatchProposer`` (models/core/proposal.py) for a DFlash drafter: ONE block forward per round for all rows.
 
-    Rows differ in context length n_a, so the draft cache is ragged (models/ragged.py): ``propose`` runs every
+    Rows differ in context length n_a, so the draft cache is ragged (models/core/ragged.py): ``propose`` runs every
     row's block at its own positions n_a..n_a+B−1 in one ``blocks`` call with a mask hiding each row's cache
     padding (none when all rows have the same length); ``accept`` projects all rows' new context features in
     one ``context`` / ``context_kv`` call. Drafts equal the B=1 ``DFlashProposer``'s up to float rounding."""

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
-from models.spec import MethodSpec, ProposerSpec
-from models.target import FrozenTarget
+from models.core.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
+from models.core.spec import MethodSpec, ProposerSpec
+from models.core.target import FrozenTarget
 
 
 class DraftModelProposer:
@@ -88,7 +88,7 @@ class DraftModelProposer:
 
 def load_draft_model(path: str, target: FrozenTarget) -> PreTrainedModel:
     """The draft model in the target's dtype and device; refuses one with another tokenizer now, not mid-run."""
-    from models.target import load_causal_lm
+    from models.core.target import load_causal_lm
 
     model, tok = load_causal_lm(path, dtype=target.model.dtype, device=str(target.model.device))
     DraftModelProposer(model, target=target, tokenizer=tok)  # the vocabulary/tokenizer checks

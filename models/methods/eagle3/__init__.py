@@ -7,7 +7,7 @@ and vocab V:
     x  = cat(input_layernorm(emb(t)), hidden_norm(g))    2H, embedding first
     a' = g + o_proj(attn(q_proj(x), k_proj(x), v_proj(x)))     (residual = hidden_norm(g) if norm_before_residual)
     a  = a' + mlp(post_attention_layernorm(a'))          SwiGLU
-    q  = softmax(lm_head(norm(a)))                       over the Vd draft ids (models/vocab.py)
+    q  = softmax(lm_head(norm(a)))                       over the Vd draft ids (models/core/vocab.py)
 
 ``a`` (before ``norm``) is what the next draft step receives in place of ``g``. EAGLE-3.1 options (speculators'
 names): ``norm_before_fc`` / ``fc_norm`` normalise the three states (jointly / each) before ``fc``; ``norm_output``
@@ -40,17 +40,17 @@ import logging
 import torch
 from torch import Tensor
 
-from models.acceptance import best_by_cost, rank_accuracy
-from models.config_checks import depth_check
+from models.core.acceptance import best_by_cost, rank_accuracy
+from models.core.config_checks import depth_check
+from models.core.proposal import MAX_TREE_NODES
+from models.core.spec import MethodSpec, ProposerSpec
+from models.core.target import FrozenTarget
+from models.core.vocab import build_draft_vocab, count_tokens
 from models.methods.eagle3 import export
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.kernels import DraftKV, cached_step
 from models.methods.eagle3.net import RANKS, Eagle3Drafter
 from models.methods.eagle3.proposers import Eagle3ChainProposer, Eagle3TreeProposer
-from models.proposal import MAX_TREE_NODES
-from models.spec import MethodSpec, ProposerSpec
-from models.target import FrozenTarget
-from models.vocab import build_draft_vocab, count_tokens
 
 
 # --------------------------------------------------------------------------------------------- the method
@@ -139,7 +139,7 @@ def _size_tree(d: Eagle3Drafter, ckpt_dir: str | None, o: dict, verify_cost, t1_
     import json
     from pathlib import Path
 
-    from models.tree import build_rank_tree, expected_tree_tau, tree_capacity
+    from models.core.tree import build_rank_tree, expected_tree_tau, tree_capacity
 
     if not o.get("auto_size"):
         return None

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from models.core.vocab import check_mapping
 from models.export_common import (
     TargetInfo,
     Tensors,
@@ -23,7 +24,6 @@ from models.export_identity import (
     stamp_of,
     warn_sglang_family,
 )
-from models.vocab import check_mapping
 
 EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1 flags (speculators 0.9.0), defaults False
 

@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 
 @dataclass
 class Eagle3Config:
-    # Hidden-state ids in the models/target.py convention (index into HF output_hidden_states);
+    # Hidden-state ids in the models/core/target.py convention (index into HF output_hidden_states);
     # None → (2, L//2, L-3), EAGLE-3's (1, L//2-1, L-4) "output of layer" ids.
     layer_ids: list[int] | None = None
     draft_vocab_size: int = 32000

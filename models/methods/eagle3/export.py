@@ -10,6 +10,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from models.core.spec import ExportFormat
+from models.core.target import FrozenTarget
 from models.export_common import (
     DTYPE_NAMES,
     Bundle,
@@ -30,8 +32,6 @@ from models.export_snippets import SGLANG_CHECKED, Serve, sglang_chain_section, 
 from models.methods.eagle3.check import EAGLE31_FLAGS, check_eagle3
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter
-from models.spec import ExportFormat
-from models.target import FrozenTarget
 
 
 # ============================================================================================ build

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.core.rope import apply_rope, rope_cos_sin
 from models.methods.eagle3.net import Eagle3Drafter, _expand_kv
-from models.rope import apply_rope, rope_cos_sin
 
 
 # ---------------------------------------------------------------------------------------------------------------

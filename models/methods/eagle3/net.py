@@ -15,13 +15,13 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from models.acceptance import chain_tau
-from models.drafter import DraftVocabTeacher
+from models.core.acceptance import chain_tau
+from models.core.drafter import DraftVocabTeacher
+from models.core.norm import RMSNorm
+from models.core.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from models.core.target import validate_layer_ids
+from models.core.vocab import check_mapping, draft_to_target
 from models.methods.eagle3.config import Eagle3Config, decoder_shape, fused_layer_ids
-from models.norm import RMSNorm
-from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from models.target import validate_layer_ids
-from models.vocab import check_mapping, draft_to_target
 
 
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -134,7 +134,7 @@ class Eagle3Drafter(nn.Module):
 
     def __init__(self, cfg: Eagle3Config, target_config: PretrainedConfig, embed_weight: torch.Tensor,
                  d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
-        """``d2t``/``t2d``: the draft vocabulary (models/vocab.py); None → the first draft_vocab_size target ids,
+        """``d2t``/``t2d``: the draft vocabulary (models/core/vocab.py); None → the first draft_vocab_size target ids,
         the shape a checkpoint's own buffers then overwrite (``rebuild``)."""
         super().__init__()
         tc = target_config
@@ -202,7 +202,7 @@ class Eagle3Drafter(nn.Module):
     def fuse(self, hidden: dict[int, torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """g = fc(cat of the 3 target states in layer_ids order): [B, T, H].
 
-        Accepts the {layer id → [B, T, H]} dict of models/target.py, an already concatenated
+        Accepts the {layer id → [B, T, H]} dict of models/core/target.py, an already concatenated
         [B, T, 3H] tensor, or an already fused [B, T, H] tensor (returned as is).
         """
         dtype = self.fc.weight.dtype

@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.methods.eagle3.kernels import DraftKV, cached_step, entry_out, entry_qkv, inference_copy
-from models.methods.eagle3.net import Eagle3Drafter
-from models.proposal import (
+from models.core.proposal import (
     MAX_TREE_NODES,
     PerRowProposers,
     Proposal,
@@ -18,8 +16,10 @@ from models.proposal import (
     pick_token,
     right_pad,
 )
-from models.ragged import RaggedKV
-from models.tree import tree_layout
+from models.core.ragged import RaggedKV
+from models.core.tree import tree_layout
+from models.methods.eagle3.kernels import DraftKV, cached_step, entry_out, entry_qkv, inference_copy
+from models.methods.eagle3.net import Eagle3Drafter
 
 
 class _Eagle3Base:
@@ -94,10 +94,10 @@ class Eagle3ChainProposer(_Eagle3Base):
 
 
 class Eagle3ChainBatchProposer:
-    """``BatchProposer`` (models/proposal.py) for EAGLE-3 chains: each drafting step is ONE midlayer pass for
+    """``BatchProposer`` (models/core/proposal.py) for EAGLE-3 chains: each drafting step is ONE midlayer pass for
     every active row (k+1 passes a round for the whole batch, instead of k+1 per row).
 
-    Rows sit at different lengths n_a, so the real entries live in a ragged cache (models/ragged.py): a round
+    Rows sit at different lengths n_a, so the real entries live in a ragged cache (models/core/ragged.py): a round
     first adds every row's pending real entries in one pass (row a's new entry j at RoPE position n_a + j sees
     its own entries 0..n_a + j), then drafts kmax = max budget steps; draft s of row a reads (emb(d_s), a of
     the previous entry) at position n_a − 1 + s and sees row a's real entries and its earlier drafts, which

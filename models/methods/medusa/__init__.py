@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import logging
 
+from models.core.spec import MethodSpec, ProposerSpec
+from models.core.target import FrozenTarget
+from models.core.tree import tree_capacity
 from models.methods.medusa import export
 from models.methods.medusa.config import MedusaConfig, check_config
 from models.methods.medusa.net import MedusaHeads
@@ -27,9 +30,6 @@ from models.methods.medusa.tree import (
     load_static_tree,
     size_tree,
 )
-from models.spec import MethodSpec, ProposerSpec
-from models.target import FrozenTarget
-from models.tree import tree_capacity
 
 log = logging.getLogger(__name__)
 

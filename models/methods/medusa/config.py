@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from models.config_checks import depth_check
-from models.tree import tree_capacity
+from models.core.config_checks import depth_check
+from models.core.tree import tree_capacity
 
 # the up-front draft.config check (SPEC.check_config; also run by MedusaConfig itself): the depth, the weights
 check_config = depth_check("num_heads", "step_weight")

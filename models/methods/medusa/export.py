@@ -9,6 +9,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from models.core.spec import ExportFormat
+from models.core.target import FrozenTarget
 from models.export_common import (
     DTYPE_NAMES,
     Bundle,
@@ -24,8 +26,6 @@ from models.export_identity import STAMP_KEY, target_stamp
 from models.export_snippets import Serve, vllm_serve
 from models.methods.medusa.config import MedusaConfig
 from models.methods.medusa.net import MedusaHeads
-from models.spec import ExportFormat
-from models.target import FrozenTarget
 
 # FasterDecoding's trainer saves this name; TensorRT-LLM's loader looks for it after medusa_lm_head.pt
 # (NVIDIA/TensorRT-LLM tensorrt_llm/models/medusa/weight.py ``load_medusa_hf``).

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig
 
-from models.drafter import softcap
-from models.losses import distill_step, step_metrics, weighted_total
+from models.core.drafter import softcap
+from models.core.losses import distill_step, step_metrics, weighted_total
+from models.core.target import FrozenTarget
 from models.methods.medusa.config import MedusaConfig
 from models.methods.medusa.tree import TREE_FILE, build_medusa_tree, rank_accuracy
-from models.target import FrozenTarget
 
 
 class ResBlock(nn.Module):

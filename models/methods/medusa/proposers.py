@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from models.core.proposal import MAX_TREE_NODES, Proposal, Sampling
 from models.methods.medusa.net import propose
 from models.methods.medusa.tree import default_medusa_choices, tree_buffers, tree_tokens
-from models.proposal import MAX_TREE_NODES, Proposal, Sampling
 
 
 class MedusaProposer:

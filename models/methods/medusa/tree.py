@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from models import acceptance
-from models.tree import build_rank_tree as build_medusa_tree
-from models.tree import expected_tree_tau, tree_capacity, tree_layout
+from models.core import acceptance
+from models.core.tree import build_rank_tree as build_medusa_tree
+from models.core.tree import expected_tree_tau, tree_capacity, tree_layout
 
 TREE_FILE = "medusa_choices.json"  # next to the final weights (MedusaHeads.save_static_tree)
 

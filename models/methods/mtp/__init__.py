@@ -12,11 +12,11 @@ The package, one seam per module:
 
 from __future__ import annotations
 
+from models.core.spec import MethodSpec, ProposerSpec
 from models.methods.mtp import export
 from models.methods.mtp.config import MTPConfig, check_config
 from models.methods.mtp.net import MTPDrafter
 from models.methods.mtp.proposers import MTPProposer
-from models.spec import MethodSpec, ProposerSpec
 
 
 def _default_k(drafter: MTPDrafter, _ckpt_dir: str | None, o: dict) -> dict:

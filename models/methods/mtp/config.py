@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from transformers import PreTrainedConfig
 
-from models.config_checks import depth_check
+from models.core.config_checks import depth_check
 
 # the up-front draft.config check (SPEC.check_config; also run by MTPConfig itself): the depth, the weights
 check_config = depth_check("num_modules", "step_weight")

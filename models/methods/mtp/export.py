@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from models.core.spec import ExportFormat
+from models.core.target import FrozenTarget, embed_fingerprint, resolve_name
 from models.export_common import (
     CONFIG,
     DTYPE_NAMES,
@@ -30,8 +32,6 @@ from models.export_snippets import Serve, sglang_chain_section, vllm_section
 from models.methods.mtp.config import MTPConfig, decoder_config
 from models.methods.mtp.native import init_from_native, to_native_state_dict
 from models.methods.mtp.net import MTPDrafter, MTPModule
-from models.spec import ExportFormat
-from models.target import FrozenTarget, embed_fingerprint, resolve_name
 
 # The only model family whose HF-5 fused expert tensors we split back into the per-expert checkpoint layout:
 # transformers' conversion_mapping.py maps deepseek_v3 to the qwen2_moe rule (experts.*.gate_proj/up_proj →

@@ -26,10 +26,10 @@ from torch import nn
 from transformers import PreTrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from models.drafter import softcap
-from models.losses import distill_step, step_metrics, weighted_total
+from models.core.drafter import softcap
+from models.core.losses import distill_step, step_metrics, weighted_total
+from models.core.target import FrozenTarget
 from models.methods.mtp.config import MTPConfig, decoder_config
-from models.target import FrozenTarget
 
 
 class MTPModule(nn.Module):

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from models.core.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.methods.mtp.net import MTPDrafter, run_module_cached
-from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 
 
 @torch.no_grad()

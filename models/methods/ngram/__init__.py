@@ -1,6 +1,6 @@
 """Prompt lookup (n-gram) drafting: no model, the context is the draft source (a model-free method).
 
-Chains of deterministic drafts (point-mass verification); see models/proposal.py for the protocol.
+Chains of deterministic drafts (point-mass verification); see models/core/proposal.py for the protocol.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.proposal import Proposal, Sampling, check_k, right_pad
-from models.spec import MethodSpec, ProposerSpec
+from models.core.proposal import Proposal, Sampling, check_k, right_pad
+from models.core.spec import MethodSpec, ProposerSpec
 
 
 class NGramProposer:

@@ -34,13 +34,13 @@ The package: ``config.py`` (PEagleConfig), ``net.py`` (the network and its COD l
 
 from __future__ import annotations
 
+from models.core.spec import MethodSpec, ProposerSpec
+from models.core.target import FrozenTarget
+from models.core.vocab import build_draft_vocab, choose_mask_token, count_tokens
 from models.methods.peagle import export
 from models.methods.peagle.config import PEagleConfig, check_config
 from models.methods.peagle.net import PEagleDrafter
 from models.methods.peagle.proposers import PEagleProposer
-from models.spec import MethodSpec, ProposerSpec
-from models.target import FrozenTarget
-from models.vocab import build_draft_vocab, choose_mask_token, count_tokens
 
 
 # --------------------------------------------------------------------------------------------- the method

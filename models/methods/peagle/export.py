@@ -27,6 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.core.spec import ExportFormat
+from models.core.target import FrozenTarget
+from models.core.vocab import check_mapping
 from models.export_common import (
     DTYPE_NAMES,
     Bundle,
@@ -44,9 +47,6 @@ from models.export_identity import STAMP_KEY, target_stamp, vocab_hash
 from models.export_snippets import Serve, vllm_section
 from models.methods.peagle.config import PEagleConfig
 from models.methods.peagle.net import PEagleDrafter
-from models.spec import ExportFormat
-from models.target import FrozenTarget
-from models.vocab import check_mapping
 
 
 def _layer_config(d: nn.Module, target: FrozenTarget) -> dict:

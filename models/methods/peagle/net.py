@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from models.acceptance import chain_tau
+from models.core.acceptance import chain_tau
+from models.core.norm import RMSNorm
+from models.core.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from models.core.target import validate_layer_ids
+from models.core.vocab import check_mapping, draft_to_target
 from models.methods.peagle.config import PEagleConfig, check_config, default_layer_ids
-from models.norm import RMSNorm
-from models.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from models.target import validate_layer_ids
-from models.vocab import check_mapping, draft_to_target
 
 
 class PEagleLayer(nn.Module):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from models.core.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.methods.peagle.net import PEagleDrafter
-from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 
 
 class PEagleProposer:

@@ -12,9 +12,9 @@ Training (distillation): at position i it reads (t_{i+1}, h_i) and matches the t
 p_{i+1} (the target's logits at position i+1, which predict t_{i+2}), scored where loss_mask[i+2] is set.
 Drafting: a chain; draft 1 reads (newest token, h of the token before it), draft s+1 reads (draft s, the same h).
 
-The pieces, as models/spec.py asks: ``ToyConfig`` (conf/draft/toy.yaml instantiates it), ``BigramHead`` (the
-models/drafter.py protocol), ``BigramChainProposer`` (the models/proposal.py protocol), ``SPEC``; and for export
-one ``ExportFormat`` row (``EXPORT_FORMAT``: build, check, load back, detect, its README section).
+The pieces, as models/core/spec.py asks: ``ToyConfig`` (conf/draft/toy.yaml instantiates it), ``BigramHead``
+(the models/core/drafter.py protocol), ``BigramChainProposer`` (the models/core/proposal.py protocol), ``SPEC``; and
+for export one ``ExportFormat`` row (``EXPORT_FORMAT``: build, check, load back, detect, its README section).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
+from models.core.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
+from models.core.spec import ExportFormat, MethodSpec, ProposerSpec
+from models.core.target import FrozenTarget, validate_layer_ids
 from models.export_common import WEIGHTS, Bundle, TargetInfo, Tensors, engine_target_name, fail, make_sidecar, require
-from models.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
-from models.spec import ExportFormat, MethodSpec, ProposerSpec
-from models.target import FrozenTarget, validate_layer_ids
 
 ARCH = "DraftsmithBigramHead"
 
@@ -70,7 +70,7 @@ class BigramHead(nn.Module):
 
 
 class BigramChainProposer:
-    """Chain of k drafts (models/proposal.py protocol)."""
+    """Chain of k drafts (models/core/proposal.py protocol)."""
 
     def __init__(self, head: BigramHead, k: int = 3, sample_drafts: bool = True):
         self.head = head.eval()

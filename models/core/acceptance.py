@@ -7,7 +7,7 @@ metrics, and the cost-model choice "the size n maximising τ(n) / cost(n)".
                     ``{key}{j}_{k}`` metrics training writes (top-j hit rate; ``mass`` for the target's mass)
     best_by_cost    argmax_n gain(n) / cost(n) (ties → the smaller n), with the whole table for the record
 
-A tree's τ (Σ over nodes of the product along its path) is models/tree.py ``expected_tree_tau``.
+A tree's τ (Σ over nodes of the product along its path) is models/core/tree.py ``expected_tree_tau``.
 """
 
 from __future__ import annotations

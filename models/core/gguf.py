@@ -226,7 +226,7 @@ def convert(gguf: Path, out: Path) -> Path:
 def _cache_writes(root: Path, gguf: Path):
     """A read-only or full cache is one line naming it and DRAFTSMITH_CACHE, not a traceback from deep in a writer
     (a full one is NoSpaceError, as from every other writer)."""
-    from models.checkpoint import NoSpaceError, is_out_of_space
+    from models.core.checkpoint import NoSpaceError, is_out_of_space
 
     fix = (f"converting {gguf.name} writes its fp32 weights there: free space, or set DRAFTSMITH_CACHE to a writable "
            "directory with room")
@@ -257,7 +257,7 @@ def _read_gguf(gguf: Path):
 def _write_hf(model, tok, gguf: Path, tmp: Path, out: Path, t0: float) -> None:
     from safetensors.torch import save_file
 
-    from models.checkpoint import first_nonfinite
+    from models.core.checkpoint import first_nonfinite
 
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):

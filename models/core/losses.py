@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from models.acceptance import chain_tau
+from models.core.acceptance import chain_tau
 
 
 def distill_step(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,

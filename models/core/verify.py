@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.tree import tree_layout
+from models.core.tree import tree_layout
 
 __all__ = [
     "sampling_probs",

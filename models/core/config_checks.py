@@ -1,4 +1,4 @@
-"""The pieces of the methods' up-front draft-config checks (``MethodSpec.check_config``, models/spec.py).
+"""The pieces of the methods' up-front draft-config checks (``MethodSpec.check_config``, models/core/spec.py).
 
 train/checks.py runs a method's check on its ``draft.config`` before any model loads; each bad value is one
 ValueError line naming the key as the training config spells it, ``draft.config.<field>=<value>: <fix>``. A field

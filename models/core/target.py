@@ -28,17 +28,17 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from models.checkpoint import first_nonfinite
+from models.core.checkpoint import first_nonfinite
 
 EMBEDDED_NAME = "tiny-code"
 # the embedded default target ships in the repo (models/tiny_code/; built by train/build_tiny_code.py)
-EMBEDDED_DIR = Path(__file__).resolve().parent / "tiny_code"
+EMBEDDED_DIR = Path(__file__).resolve().parents[1] / "tiny_code"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-AUTO = "auto"  # target.dtype=auto: the dtype this machine runs the target fastest in (models/kernels.py)
+AUTO = "auto"  # target.dtype=auto: the dtype this machine runs the target fastest in (models/core/kernels.py)
 
 
 def dtype_names() -> list[str]:
@@ -48,11 +48,11 @@ def dtype_names() -> list[str]:
 
 def resolve_name(name_or_path: str, gguf_file: str | None = None) -> str:
     """`tiny-code` (the embedded default) → its shipped directory; a GGUF (``X.gguf``, a directory + ``gguf_file``,
-    or an alias such as ``smollm2``) → its converted HF directory (models/gguf.py; converted once, cached by
+    or an alias such as ``smollm2``) → its converted HF directory (models/core/gguf.py; converted once, cached by
     sha256); anything else unchanged."""
     if name_or_path == EMBEDDED_NAME:
         return str(EMBEDDED_DIR)
-    from models import gguf
+    from models.core import gguf
 
     source = gguf.gguf_file_of(str(name_or_path), gguf_file)
     return str(gguf.converted_dir(source)) if source is not None else name_or_path
@@ -88,7 +88,7 @@ def load_causal_lm(
     """Load model + tokenizer by hub id, local path or GGUF (see ``resolve_name``); eval mode, gradients off. Every
     way this can fail for a user's reason (no such target, offline, not a causal LM, remote code not trusted, a
     corrupt GGUF) is one ValueError line."""
-    from models import gguf
+    from models.core import gguf
 
     path = check_target_path(name_or_path, gguf_file)
     auto = dtype == AUTO
@@ -109,7 +109,7 @@ def load_causal_lm(
     model.to(device).eval().requires_grad_(False)
     check_finite_weights(model.named_parameters(), name_or_path, path)  # buffers may hold -inf masks
     if auto:
-        from models.kernels import resolve_auto_dtype
+        from models.core.kernels import resolve_auto_dtype
 
         model = resolve_auto_dtype(model)
     source = gguf.source_info(path)
@@ -132,7 +132,7 @@ def check_finite_weights(named: Iterable[tuple[str, torch.Tensor]], name_or_path
     bad = first_nonfinite(named)
     if bad is None:
         return
-    from models import gguf
+    from models.core import gguf
 
     source = gguf.source_info(path) if Path(path).expanduser().is_dir() else None
     if source is not None:
@@ -275,7 +275,7 @@ class FrozenTarget(nn.Module):
             "vocab_size": c.vocab_size,
             "embed_fingerprint": self.fingerprint(),
         }
-        if getattr(self.model, "draftsmith_gguf", None):  # models/gguf.py: the dequantized GGUF is the target
+        if getattr(self.model, "draftsmith_gguf", None):  # models/core/gguf.py: the dequantized GGUF is the target
             ident["gguf"] = dict(self.model.draftsmith_gguf)
         return ident
 

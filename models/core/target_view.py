@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from models.target import FrozenTarget, check_finite_weights, check_target_path, parse_dtype
+from models.core.target import FrozenTarget, check_finite_weights, check_target_path, parse_dtype
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -11,8 +11,8 @@ line and, if engines serve it, its exporter in models/export/.
                    ``eagle3_tree``): a factory, its options with their defaults (the one source of defaults),
                    and an optional cost-model sizing step that fixes a tree before proposers are built.
 
-Protocols over inheritance: a drafter is any nn.Module with the models/drafter.py protocol, a proposer any
-object with the models/proposal.py ``Proposer`` protocol.
+Protocols over inheritance: a drafter is any nn.Module with the models/core/drafter.py protocol, a proposer any
+object with the models/core/proposal.py ``Proposer`` protocol.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class ProposerSpec:
     size: Callable[..., dict | None] | None = None  # (drafter, checkpoint_dir, options, v, t1_s=) → options
     nodes: Callable[[dict], int] | None = None
     # --- how eval runs it (the registry is the only list; conf/eval.yaml reads these, no copy)
-    # batched(rows) → one BatchProposer drafting for all rows (models/proposal.py ``batch_proposer``: one drafter
+    # batched(rows) → one BatchProposer drafting for all rows (models/core/proposal.py ``batch_proposer``: one drafter
     # call per round); None → the rows draft one after another (PerRowProposers)
     batched: Callable[[list], Any] | None = None
     # drafts nothing: eval times it with plain decoding (decode_ar), the baseline every method is checked against
@@ -122,7 +122,7 @@ class MethodSpec:
     Medusa: its heads, MTP: its modules, DFlash: the block's drafted slots, P-EAGLE: its parallel depths).
     ``check_config(config, max_len)``: the up-front checks of a draft config (its fields as
     ``conf/draft/<name>.yaml`` gives them, before anything loads; ``max_len``: data.max_len or None), each bad
-    value a one-line ValueError naming the key as ``draft.config.<field>`` (models/config_checks.py); the
+    value a one-line ValueError naming the key as ``draft.config.<field>`` (models/core/config_checks.py); the
     method's depth check among them. ``final_files``: what ``after_training`` writes into final/ (training
     replaces those files with the directory)."""
 

@@ -2,7 +2,7 @@
 
 ``Sampling`` (how tokens are chosen, the same for target and draft), ``Proposal`` (one round's drafted
 chain or tree), the ``Proposer`` protocol the engine drives (eval/decode.py docstring: context bookkeeping),
-and the small helpers proposers share. A tree's depth and ancestors: ``models.tree.tree_layout``.
+and the small helpers proposers share. A tree's depth and ancestors: ``models.core.tree.tree_layout``.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from models import verify
+from models.core import verify
 
 MAX_TREE_NODES = 256  # default cap on drafted nodes per round (verification cost grows with it)
 
 
 @dataclass
 class Sampling:
-    """How tokens are chosen: temperature 0 = greedy; otherwise temperature → top-k → top-p (models/verify.py)."""
+    """How tokens are chosen: temperature 0 = greedy; otherwise temperature → top-k → top-p (models/core/verify.py)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -49,7 +49,7 @@ class Proposal:
     from (row j for node j); None = deterministic drafts (greedy / top-k / lookup), verified with the
     point-mass rule. ``depth`` [N] (1-based) and ``ancestors`` [N, N] bool ([i, j] = j is i or an ancestor
     of i) are optional tree layout a proposer may precompute (static trees); the engine derives them otherwise
-    (models/tree.py).
+    (models/core/tree.py).
     """
 
     tokens: Tensor
@@ -78,7 +78,7 @@ class Proposal:
 class Proposer(Protocol):
     """The protocol every proposer follows (see the module docstring for the context bookkeeping).
 
-    ``layer_ids``: the target hidden states it consumes (models/target.py ids; empty for model-free or
+    ``layer_ids``: the target hidden states it consumes (models/core/target.py ids; empty for model-free or
     separate-model drafters); the engine requests exactly these in prefill and verification.
     """
 

@@ -10,7 +10,7 @@ Conventions shared by all methods:
 - ``input_ids``/``loss_mask``: [B, T]; ``loss_mask[b, t] == 1`` when token t is a training
   target (assistant tokens for chat data, every real token for code windows; 0 on padding).
 - ``hidden``: {layer id → [B, T, H]} in the HF ``output_hidden_states`` index convention
-  (models/target.py); id L (= num_hidden_layers) is the last layer *after* the final norm.
+  (models/core/target.py); id L (= num_hidden_layers) is the last layer *after* the final norm.
 - ``target_logits``: [B, T, V] the target's logits; position t predicts token t+1. A drafter with a reduced
   vocabulary that sets ``reads_draft_vocab_teacher`` may get a ``DraftVocabTeacher`` instead (offline training
   from a feature cache): the same information it reads, without the full-vocabulary lm_head at every step.
