@@ -50,7 +50,7 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
             prompt_tokens: int = 64) -> dict:
     from eval.bench_setup import load_prompts
     from models.core.target import FrozenTarget, resolve_name
-    from models.export import export
+    from models.export.api import export
     from models.registry import baseline, load_drafter
 
     target = FrozenTarget.from_pretrained(target_name)
@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --checkpoint: {e}", file=sys.stderr)
         return 2
     if a.engine == "llamacpp":
-        from models.export import ExportError
         from models.export.llamacpp import require_rows
+        from models.export.shared.common import ExportError
 
         try:
             for method in methods.values():  # up front: a method llama.cpp cannot draft for costs no checkpoint load

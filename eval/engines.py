@@ -71,7 +71,7 @@ def _run_vllm_once(job: dict, timeout: float, nice: int) -> dict:
 def speculative_config(fmt: str, export_dir: str | Path, k: int) -> dict:
     """vLLM's speculative_config for an export: the method its format row names (``ExportFormat.vllm_method``)
     and the row's other keys (``vllm_options``, e.g. P-EAGLE's ``parallel_drafting``)."""
-    from models.export import export_format
+    from models.export.formats import export_format
 
     f = export_format(fmt)
     if f.vllm_method is None:

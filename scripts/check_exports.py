@@ -22,7 +22,8 @@ from data.corpus import heldout_prompts
 from eval.decode import Sampling, accept_proposal, commit_kv, new_cache, prefill, verify_forward
 from models import registry
 from models.core.target import FrozenTarget
-from models.export import ExportError, export, load_export
+from models.export.api import export, load_export
+from models.export.shared.common import ExportError
 from models.registry import load_drafter
 
 

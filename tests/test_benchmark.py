@@ -199,7 +199,7 @@ def test_batch_sweep_and_recommendation(full):
 
 
 def test_json_report_and_plots_are_written(full, tmp_path):
-    from models.export import recommended_k_from_results
+    from models.export.shared.common import recommended_k_from_results
 
     path = write_json(full, tmp_path / "results.json")
     on_disk = json.loads(path.read_text())  # strict JSON: write_json refuses NaN, so untried positions are null

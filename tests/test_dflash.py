@@ -13,7 +13,9 @@ from eval import decode
 from models import registry
 from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
-from models.export import ExportError, export, load_export, validate
+from models.export.api import export, load_export
+from models.export.shared.common import ExportError
+from models.export.validate import validate
 from models.methods.dflash import build
 from models.methods.dflash.config import DFlashConfig, default_layer_ids
 from models.methods.dflash.net import DFlashDrafter

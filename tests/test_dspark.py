@@ -316,7 +316,9 @@ def test_dspark_exports_round_trip_and_refuse_what_engines_would_misread(target_
     import json
     import shutil
 
-    from models.export import ExportError, export, load_export, validate
+    from models.export.api import export, load_export
+    from models.export.shared.common import ExportError
+    from models.export.validate import validate
     from tests.test_dflash import _same_proposals
 
     run(_cfg(target_dir, tmp_path / "run", "+recipe=dspark"))

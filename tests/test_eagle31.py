@@ -10,9 +10,10 @@ import torch
 from transformers import LlamaConfig
 
 from eval import decode
-from models import export as ex
 from models.core.target import FrozenTarget
 from models.core.vocab import build_draft_vocab
+from models.export.api import export, load_export
+from models.export.shared.common import CONFIG, ExportError
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter
 from models.methods.eagle3.proposers import Eagle3ChainProposer
@@ -116,18 +117,18 @@ def test_exports_write_every_flag_and_round_trip(target, tmp_path, flags):
         for n, p in d.named_parameters():
             if "norm" in n:
                 p.copy_(1 + 0.5 * torch.randn_like(p))
-    out = ex.export(d, "eagle3_speculators", tmp_path / "spec", target)
-    cfg = json.loads((out / ex.CONFIG).read_text())
+    out = export(d, "eagle3_speculators", tmp_path / "spec", target)
+    cfg = json.loads((out / CONFIG).read_text())
     for f in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         assert cfg[f] is bool(flags.get(f, False)), f
-    back = ex.load_export(out, target)
+    back = load_export(out, target)
     toks = torch.randint(3, tc.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
     hid = target(toks[:, :9], layer_ids=[1, 2, 3]).hidden
     torch.testing.assert_close(back.draft_greedy(hid, toks, 3, return_logits=True)[1],
                                d.draft_greedy(hid, toks, 3, return_logits=True)[1], atol=1e-5, rtol=1e-5)
     if any(flags.get(f) for f in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")):
-        with pytest.raises(ex.ExportError, match="cannot be expressed in the native EAGLE-3 format"):
-            ex.export(d, "eagle3_native", tmp_path / "nat", target)
+        with pytest.raises(ExportError, match="cannot be expressed in the native EAGLE-3 format"):
+            export(d, "eagle3_native", tmp_path / "nat", target)
     else:
-        nat = json.loads((ex.export(d, "eagle3_native", tmp_path / "nat", target) / ex.CONFIG).read_text())
+        nat = json.loads((export(d, "eagle3_native", tmp_path / "nat", target) / CONFIG).read_text())
         assert all(nat[f] is False for f in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"))

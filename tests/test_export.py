@@ -18,9 +18,12 @@ from hydra import compose, initialize_config_dir
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from models import export as ex
 from models.core.target import FrozenTarget
 from models.core.vocab import build_draft_vocab
+from models.export.api import export, load_export
+from models.export.formats import export_format
+from models.export.shared.common import CONFIG, README, SIDECAR, WEIGHTS, ExportError
+from models.export.validate import detect_format, validate
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter
 from models.methods.medusa.export import MEDUSA_WEIGHTS
@@ -93,7 +96,7 @@ def ds(ds_dir, tmp_path_factory):
 def native(ckpts, target, tmp_path_factory):
     """A good eagle3_native export, copied by tests that break it."""
     d, meta = load_drafter(ckpts["eagle3"], target)
-    return ex.export(d, "eagle3_native", tmp_path_factory.mktemp("good") / "e3", target, meta=meta)
+    return export(d, "eagle3_native", tmp_path_factory.mktemp("good") / "e3", target, meta=meta)
 
 
 def _broken(src: Path, tmp_path: Path) -> Path:
@@ -102,19 +105,19 @@ def _broken(src: Path, tmp_path: Path) -> Path:
     return dst
 
 
-def _edit_weights(path: Path, fn, file: str = ex.WEIGHTS) -> None:
+def _edit_weights(path: Path, fn, file: str = WEIGHTS) -> None:
     sd = load_file(str(path / file))
     fn(sd)
     save_file(sd, str(path / file), metadata={"format": "pt"})
 
 
 def _edit_config(path: Path, fn) -> None:
-    cfg = json.loads((path / ex.CONFIG).read_text())
+    cfg = json.loads((path / CONFIG).read_text())
     fn(cfg)
-    (path / ex.CONFIG).write_text(json.dumps(cfg))
+    (path / CONFIG).write_text(json.dumps(cfg))
 
 
-def _keys(path: Path, file: str = ex.WEIGHTS) -> set[str]:
+def _keys(path: Path, file: str = WEIGHTS) -> set[str]:
     with safe_open(str(path / file), framework="pt") as f:
         return set(f.keys())
 
@@ -152,23 +155,23 @@ ROUND_TRIP = [("eagle3", "eagle3_native"), ("eagle3", "eagle3_speculators"), ("m
 @pytest.mark.parametrize("method,fmt", ROUND_TRIP)
 def test_round_trip_gives_identical_proposals(ckpts, target, tmp_path, method, fmt):
     drafter, meta = load_drafter(ckpts[method], target)
-    out = ex.export(drafter, fmt, tmp_path / fmt, target, meta=meta)
-    assert ex.detect_format(out) == fmt and ex.validate(out) == fmt and ex.validate(out, fmt, target) == fmt
-    back = ex.load_export(out, target)
+    out = export(drafter, fmt, tmp_path / fmt, target, meta=meta)
+    assert detect_format(out) == fmt and validate(out) == fmt and validate(out, fmt, target) == fmt
+    back = load_export(out, target)
     assert type(back) is type(drafter)
     _same_state(drafter, back)
     for a, b in zip(_proposals(drafter, target, method), _proposals(back, target, method)):
         assert torch.equal(a, b)
     names = {p.name for p in out.iterdir()}
-    assert {ex.CONFIG, ex.README, ex.SIDECAR} <= names
+    assert {CONFIG, README, SIDECAR} <= names
 
 
 def test_nextn_round_trip_on_deepseek_target(ds, tmp_path):
     target, ckpt = ds
     drafter, meta = load_drafter(ckpt, target)
     for fmt in ("mtp_deepseek", "mtp_sglang_nextn"):
-        out = ex.export(drafter, fmt, tmp_path / fmt, target, meta=meta)
-        back = ex.load_export(out, target)
+        out = export(drafter, fmt, tmp_path / fmt, target, meta=meta)
+        back = load_export(out, target)
         _same_state(drafter, back)
         assert torch.equal(_proposals(drafter, target, "mtp")[0], _proposals(back, target, "mtp")[0])
     keys = _keys(tmp_path / "mtp_sglang_nextn")
@@ -176,9 +179,9 @@ def test_nextn_round_trip_on_deepseek_target(ds, tmp_path):
     assert {"model.layers.0.eh_proj.weight", "model.layers.0.shared_head.norm.weight",
             "model.layers.0.mlp.experts.3.up_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight"} <= keys
     assert not any("embed_tokens" in k or "shared_head.head" in k or "gate_up_proj" in k for k in keys)
-    cfg = json.loads((tmp_path / "mtp_sglang_nextn" / ex.CONFIG).read_text())
+    cfg = json.loads((tmp_path / "mtp_sglang_nextn" / CONFIG).read_text())
     assert cfg["architectures"] == ["DeepseekV3ForCausalLMNextN"] and cfg["num_hidden_layers"] == 1
-    assert "--speculative-algorithm NEXTN" in (tmp_path / "mtp_sglang_nextn" / ex.README).read_text()
+    assert "--speculative-algorithm NEXTN" in (tmp_path / "mtp_sglang_nextn" / README).read_text()
     assert "model.layers.2.embed_tokens.weight" in _keys(tmp_path / "mtp_deepseek")  # vLLM deepseek_mtp layout
 
 
@@ -196,7 +199,7 @@ def test_expert_split_matches_transformers_checkpoint_layout(ds, ds_dir):
 
 # --------------------------------------------------------------------------------------------- formats
 def test_eagle3_layouts_and_layer_id_conventions(native, ckpts, target, tmp_path):
-    cfg = json.loads((native / ex.CONFIG).read_text())
+    cfg = json.loads((native / CONFIG).read_text())
     keys = _keys(native)
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
@@ -205,13 +208,13 @@ def test_eagle3_layouts_and_layer_id_conventions(native, ckpts, target, tmp_path
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     assert "embed_tokens.weight" not in keys and "midlayer.hidden_norm.weight" in keys
-    with safe_open(str(native / ex.WEIGHTS), framework="pt") as f:
+    with safe_open(str(native / WEIGHTS), framework="pt") as f:
         assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
         assert list(f.get_slice("fc.weight").get_shape()) == [32, 96]
 
     drafter, meta = load_drafter(ckpts["eagle3"], target)
-    spec = ex.export(drafter, "eagle3-speculators", tmp_path / "spec", target, meta=meta, recommended_k=5)
-    sc = json.loads((spec / ex.CONFIG).read_text())
+    spec = export(drafter, "eagle3-speculators", tmp_path / "spec", target, meta=meta, recommended_k=5)
+    sc = json.loads((spec / CONFIG).read_text())
     assert sc["architectures"] == ["Eagle3Speculator"] and sc["speculators_model_type"] == "eagle3"
     assert sc["norm_before_residual"] is False  # explicit: vLLM's reader assumes true when absent
     assert sc["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
@@ -221,16 +224,16 @@ def test_eagle3_layouts_and_layer_id_conventions(native, ckpts, target, tmp_path
     assert sc["speculators_config"]["verifier"]["name_or_path"] == Path(target.model.config._name_or_path).name
     assert sc["transformer_layer_config"]["vocab_size"] == 300
     assert {k for k in _keys(spec) if k.startswith("layers.0.")} and not any("midlayer" in k for k in _keys(spec))
-    readme = (spec / ex.README).read_text()
+    readme = (spec / README).read_text()
     assert '"num_speculative_tokens": 5' in readme and '"draft_tensor_parallel_size": 1' in readme
 
 
 @pytest.mark.parametrize("method,fmt", [("eagle3", "eagle3_native"), ("medusa", "medusa_vllm")])
 def test_bfloat16_export_keeps_mapping_dtypes(ckpts, target, tmp_path, method, fmt):
     drafter, meta = load_drafter(ckpts[method], target)
-    out = ex.export(drafter, fmt, tmp_path / fmt, target, meta=meta, dtype=torch.bfloat16)
-    assert json.loads((out / ex.CONFIG).read_text())["torch_dtype"] == "bfloat16"
-    back = ex.load_export(out, target)
+    out = export(drafter, fmt, tmp_path / fmt, target, meta=meta, dtype=torch.bfloat16)
+    assert json.loads((out / CONFIG).read_text())["torch_dtype"] == "bfloat16"
+    back = load_export(out, target)
     _same_state(copy.deepcopy(drafter).to(torch.bfloat16), back)  # d2t/t2d stay int64/bool
 
 
@@ -238,12 +241,12 @@ def test_norm_before_residual_drafter_goes_to_speculators_only(ckpts, target, tm
     drafter, meta = load_drafter(ckpts["eagle3"], target)
     d = copy.deepcopy(drafter)
     d.cfg.norm_before_residual = d.midlayer.norm_before_residual = True
-    with pytest.raises(ex.ExportError, match="norm_before_residual=True cannot be expressed"):
-        ex.export(d, "eagle3_native", tmp_path / "native", target, meta=meta)
+    with pytest.raises(ExportError, match="norm_before_residual=True cannot be expressed"):
+        export(d, "eagle3_native", tmp_path / "native", target, meta=meta)
     assert not (tmp_path / "native").exists()  # refused before anything was written
-    out = ex.export(d, "eagle3_speculators", tmp_path / "spec", target, meta=meta)
-    assert json.loads((out / ex.CONFIG).read_text())["norm_before_residual"] is True
-    back = ex.load_export(out, target)
+    out = export(d, "eagle3_speculators", tmp_path / "spec", target, meta=meta)
+    assert json.loads((out / CONFIG).read_text())["norm_before_residual"] is True
+    back = load_export(out, target)
     assert back.midlayer.norm_before_residual
     for a, b in zip(_proposals(d, target, "eagle3"), _proposals(back, target, "eagle3")):
         assert torch.equal(a, b)
@@ -251,39 +254,39 @@ def test_norm_before_residual_drafter_goes_to_speculators_only(ckpts, target, tm
 
 def test_medusa_layouts(ckpts, target, tmp_path):
     drafter, meta = load_drafter(ckpts["medusa"], target)
-    fd = ex.export(drafter, "medusa", tmp_path / "fd", target, meta=meta)
-    assert (fd / MEDUSA_WEIGHTS).exists() and not (fd / ex.WEIGHTS).exists()
+    fd = export(drafter, "medusa", tmp_path / "fd", target, meta=meta)
+    assert (fd / MEDUSA_WEIGHTS).exists() and not (fd / WEIGHTS).exists()
     assert _keys(fd, MEDUSA_WEIGHTS) == {f"{h}.0.linear.{w}" for h in range(4) for w in ("weight", "bias")} | {
         f"{h}.1.weight" for h in range(4)}
-    cfg = json.loads((fd / ex.CONFIG).read_text())
+    cfg = json.loads((fd / CONFIG).read_text())
     assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"]) == (4, 1)
     assert cfg["base_model_name_or_path"] == Path(target.model.config._name_or_path).name
-    vl = ex.export(drafter, "medusa-vllm", tmp_path / "vl", target, meta=meta)
-    vc = json.loads((vl / ex.CONFIG).read_text())
+    vl = export(drafter, "medusa-vllm", tmp_path / "vl", target, meta=meta)
+    vc = json.loads((vl / CONFIG).read_text())
     assert vc["model_type"] == "medusa" and vc["architectures"] == ["MedusaModel"] and vc["medusa_fc_bias"] is True
     assert (vc["num_heads"], vc["num_hidden_layers"], vc["truncated_vocab_size"]) == (4, 1, 300)
     assert _keys(vl) == {f"blocks.{h}.layers.0.{w}" for h in range(4) for w in ("weight", "bias")} | {
         f"lm_heads.{h}.weight" for h in range(4)}
-    with pytest.raises(ex.ExportError, match="exceeds the drafter's 4 Medusa heads"):
-        ex.export(drafter, "medusa-vllm", tmp_path / "k", target, meta=meta, recommended_k=5)
+    with pytest.raises(ExportError, match="exceeds the drafter's 4 Medusa heads"):
+        export(drafter, "medusa-vllm", tmp_path / "k", target, meta=meta, recommended_k=5)
 
 
 def test_mtp_refusals_for_a_llama_block(ckpts, target, tmp_path):
     drafter, meta = load_drafter(ckpts["mtp"], target)
-    with pytest.raises(ex.ExportError, match="runs a DeepSeek-V3 block"):
-        ex.export(drafter, "mtp-nextn", tmp_path / "nextn", target, meta=meta)
+    with pytest.raises(ExportError, match="runs a DeepSeek-V3 block"):
+        export(drafter, "mtp-nextn", tmp_path / "nextn", target, meta=meta)
     assert not (tmp_path / "nextn").exists()
-    out = ex.export(drafter, "mtp", tmp_path / "ds", target, meta=meta)
-    assert "No engine serves this block as-is" in (out / ex.README).read_text()
-    assert json.loads((out / ex.CONFIG).read_text())["num_nextn_predict_layers"] == 1
+    out = export(drafter, "mtp", tmp_path / "ds", target, meta=meta)
+    assert "No engine serves this block as-is" in (out / README).read_text()
+    assert json.loads((out / CONFIG).read_text())["num_nextn_predict_layers"] == 1
 
 
 def test_export_refuses_layer_ids_engines_cannot_capture(target, tmp_path):
     d2t, t2d = build_draft_vocab(torch.arange(target.vocab_size), 50)
     d = Eagle3Drafter(Eagle3Config(layer_ids=[1, 2, 4], draft_vocab_size=50), target.model.config,
                       target.embed.weight.detach().clone(), d2t, t2d)  # id 4 = L: after the final norm
-    with pytest.raises(ex.ExportError, match=r"layer ids \[4\] cannot be served"):
-        ex.export(d, "eagle3", tmp_path / "x", target)
+    with pytest.raises(ExportError, match=r"layer ids \[4\] cannot be served"):
+        export(d, "eagle3", tmp_path / "x", target)
     assert not (tmp_path / "x").exists()
 
 
@@ -291,22 +294,22 @@ def test_export_refuses_layer_ids_engines_cannot_capture(target, tmp_path):
 def test_validator_rejects_missing_tensor(native, tmp_path):
     bad = _broken(native, tmp_path)
     _edit_weights(bad, lambda sd: sd.pop("norm.weight"))
-    with pytest.raises(ex.ExportError, match=r"missing 1 tensor\(s\), e.g. \['norm.weight'\]"):
-        ex.validate(bad)
+    with pytest.raises(ExportError, match=r"missing 1 tensor\(s\), e.g. \['norm.weight'\]"):
+        validate(bad)
 
 
 def test_validator_rejects_extra_tensor(native, target, tmp_path):
     bad = _broken(native, tmp_path)
     _edit_weights(bad, lambda sd: sd.update({"embed_tokens.weight": torch.zeros(300, 32)}))
-    with pytest.raises(ex.ExportError, match=r"unexpected tensor\(s\), e.g. \['embed_tokens.weight'\]"):
-        ex.validate(bad, "eagle3_native", target)
+    with pytest.raises(ExportError, match=r"unexpected tensor\(s\), e.g. \['embed_tokens.weight'\]"):
+        validate(bad, "eagle3_native", target)
 
 
 def test_validator_rejects_wrong_shape_fc(native, tmp_path):
     bad = _broken(native, tmp_path)
     _edit_weights(bad, lambda sd: sd.update({"fc.weight": torch.zeros(32, 64)}))
-    with pytest.raises(ex.ExportError, match=r"fc.weight has shape \[32, 64\], expected \[32, 96\]"):
-        ex.validate(bad)
+    with pytest.raises(ExportError, match=r"fc.weight has shape \[32, 64\], expected \[32, 96\]"):
+        validate(bad)
 
 
 def test_validator_rejects_layer_ids_off_by_one(native, target, tmp_path):
@@ -317,19 +320,19 @@ def test_validator_rejects_layer_ids_off_by_one(native, target, tmp_path):
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
 
     _edit_config(bad, shift)
-    (bad / ex.SIDECAR).unlink()  # the target's layer count then comes from config.json's draftsmith_target ...
-    with pytest.raises(ex.ExportError, match=r"\[4\] out of range for a 4-layer target .* off by one"):
-        ex.validate(bad)
-    with pytest.raises(ex.ExportError, match=r"\[4\] out of range for a 4-layer target .* off by one"):
-        ex.validate(bad, None, target)  # ... or from the target: the top id is one past the last capturable layer
+    (bad / SIDECAR).unlink()  # the target's layer count then comes from config.json's draftsmith_target ...
+    with pytest.raises(ExportError, match=r"\[4\] out of range for a 4-layer target .* off by one"):
+        validate(bad)
+    with pytest.raises(ExportError, match=r"\[4\] out of range for a 4-layer target .* off by one"):
+        validate(bad, None, target)  # ... or from the target: the top id is one past the last capturable layer
     _edit_config(bad, lambda c: c.pop("draftsmith_target"))
-    ex.validate(bad)  # with neither, the ids are merely self-consistent
+    validate(bad)  # with neither, the ids are merely self-consistent
     bad2 = _broken(native, tmp_path / "b")
     _edit_config(bad2, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]))
     _edit_config(bad2, lambda c: c.pop("draftsmith_target"))
-    (bad2 / ex.SIDECAR).unlink()  # no layer count known: the two fields must still agree with each other
-    with pytest.raises(ex.ExportError, match=r"must be the top-level ids \[1, 2, 3\] .* minus 1"):
-        ex.validate(bad2)  # SGLang's field written in vLLM's convention
+    (bad2 / SIDECAR).unlink()  # no layer count known: the two fields must still agree with each other
+    with pytest.raises(ExportError, match=r"must be the top-level ids \[1, 2, 3\] .* minus 1"):
+        validate(bad2)  # SGLang's field written in vLLM's convention
 
 
 def test_validator_rejects_misaligned_d2t(native, tmp_path):
@@ -341,27 +344,27 @@ def test_validator_rejects_misaligned_d2t(native, tmp_path):
         sd["d2t"] = other
 
     _edit_weights(bad, rebuilt)
-    with pytest.raises(ex.ExportError, match="d2t/t2d rejected: .*misaligned"):
-        ex.validate(bad)
+    with pytest.raises(ExportError, match="d2t/t2d rejected: .*misaligned"):
+        validate(bad)
     bad2 = _broken(native, tmp_path / "b")
     _edit_weights(bad2, lambda sd: sd.update({"d2t": sd["d2t"].to(torch.int32)}))
-    with pytest.raises(ex.ExportError, match="d2t must be int64, got torch.int32"):
-        ex.validate(bad2)
+    with pytest.raises(ExportError, match="d2t must be int64, got torch.int32"):
+        validate(bad2)
 
 
 def test_validator_rejects_export_for_another_target(native, target, tiny_tokenizer):
     from transformers import LlamaConfig
 
     wider = LlamaConfig(vocab_size=300, hidden_size=48, num_hidden_layers=4, num_attention_heads=4)
-    with pytest.raises(ex.ExportError, match="exported for another target: hidden_size 32 != the target's 48"):
-        ex.validate(native, None, wider)
+    with pytest.raises(ExportError, match="exported for another target: hidden_size 32 != the target's 48"):
+        validate(native, None, wider)
     twin = FrozenTarget(make_tiny_llama(target.vocab_size, seed=1), tiny_tokenizer)  # same shape, other weights
     twin.model.config._name_or_path = target.model.config._name_or_path
-    with pytest.raises(ex.ExportError, match="exported for another target: embed_fingerprint"):
-        ex.validate(native, None, twin)
+    with pytest.raises(ExportError, match="exported for another target: embed_fingerprint"):
+        validate(native, None, twin)
     renamed = {"num_hidden_layers": 4, "hidden_size": 32, "vocab_size": 300, "_name_or_path": "org/other-model"}
-    with pytest.raises(ex.ExportError, match="exported for another target: verifier"):
-        ex.validate(native, None, renamed)
+    with pytest.raises(ExportError, match="exported for another target: verifier"):
+        validate(native, None, renamed)
 
 
 @pytest.mark.parametrize("fmt,edit,msg", [
@@ -370,27 +373,27 @@ def test_validator_rejects_export_for_another_target(native, target, tiny_tokeni
     ("medusa_vllm", lambda c: c.update(num_attention_heads=4), "would overwrite num_heads"),
 ])
 def test_validator_rejects_engine_traps(ckpts, target, tmp_path, fmt, edit, msg):
-    method = ex.export_format(fmt).method
+    method = export_format(fmt).method
     drafter, meta = load_drafter(ckpts[method], target)
-    out = ex.export(drafter, fmt, tmp_path / fmt, target, meta=meta)
+    out = export(drafter, fmt, tmp_path / fmt, target, meta=meta)
     _edit_config(out, edit)
-    with pytest.raises(ex.ExportError, match=msg):
-        ex.validate(out)
+    with pytest.raises(ExportError, match=msg):
+        validate(out)
 
 
 def test_validator_rejects_mtp_layer_index_off_by_one(ckpts, target, tmp_path):
     drafter, meta = load_drafter(ckpts["mtp"], target)
-    out = ex.export(drafter, "mtp", tmp_path / "mtp", target, meta=meta)
+    out = export(drafter, "mtp", tmp_path / "mtp", target, meta=meta)
     _edit_weights(out, lambda sd: sd.update({k.replace("layers.4.", "layers.5."): sd.pop(k) for k in list(sd)}))
-    with pytest.raises(ex.ExportError, match=r"sit at layers \[5\], expected model.layers.4..4 .* off by one"):
-        ex.validate(out)
+    with pytest.raises(ExportError, match=r"sit at layers \[5\], expected model.layers.4..4 .* off by one"):
+        validate(out)
 
 
 def test_detect_format_refuses_non_exports(llama_dir, tmp_path):
-    with pytest.raises(ex.ExportError, match="matches no export format"):
-        ex.detect_format(llama_dir)
-    with pytest.raises(ex.ExportError, match="no config.json"):
-        ex.validate(tmp_path)
+    with pytest.raises(ExportError, match="matches no export format"):
+        detect_format(llama_dir)
+    with pytest.raises(ExportError, match="no config.json"):
+        validate(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -402,7 +405,7 @@ def test_cli_exports_checks_and_refuses(ckpts, llama_dir, target, tiny_tokenizer
     assert main([str(ckpts["eagle3"]), "--format", "eagle3", "--out", str(out), "--results", str(res)]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("exported eagle3 checkpoint") and "num_speculative_tokens=4" in line
-    assert "--speculative-num-steps 4" in (out / ex.README).read_text()
+    assert "--speculative-num-steps 4" in (out / README).read_text()
     assert main(["--check", str(out), "--target", str(llama_dir)]) == 0
     assert "valid eagle3_native export" in capsys.readouterr().out
 
@@ -434,8 +437,8 @@ def test_shared_lm_head_medusa_round_trip(target, tmp_path, fmt):
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    out = ex.export(heads.eval(), fmt, tmp_path / fmt, target, meta={"method": "medusa", "target": target.identity()})
-    back = ex.load_export(out, target)
+    out = export(heads.eval(), fmt, tmp_path / fmt, target, meta={"method": "medusa", "target": target.identity()})
+    back = load_export(out, target)
     h = target(_inputs(target), layer_ids=heads.layer_ids).hidden[heads.layer_ids[0]]
     torch.testing.assert_close(back(h), heads(h), rtol=1e-5, atol=1e-5)
     assert torch.equal(propose(back, h[:, -1], top_k=3), propose(heads, h[:, -1], top_k=3))

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from models import export as ex
 from models.core.target import FrozenTarget
+from models.export.api import export
+from models.export.shared.common import CONFIG, WEIGHTS
 from tests.test_export_engines import make_drafter
 
 STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
@@ -30,8 +31,8 @@ def target(tmp_path_factory, tiny_llama, tiny_tokenizer):
 
 
 def _read(path: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
-    cfg = json.loads((path / ex.CONFIG).read_text())
-    with safe_open(str(path / ex.WEIGHTS), framework="pt") as f:
+    cfg = json.loads((path / CONFIG).read_text())
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     return cfg, shapes
 
@@ -118,7 +119,7 @@ def sglang_load(cfg: dict, shapes: dict[str, tuple[int, ...]]) -> tuple[dict, se
 
 @pytest.mark.parametrize("fmt", ["eagle3_native", "eagle3_speculators"])
 def test_vllm_loader_receives_every_parameter(target, tmp_path, fmt):
-    cfg, shapes = _read(ex.export(make_drafter(target, (3, 1, 2)), fmt, tmp_path / fmt, target))
+    cfg, shapes = _read(export(make_drafter(target, (3, 1, 2)), fmt, tmp_path / fmt, target))
     params, loaded = vllm_load(cfg, shapes)
     # the embedding may come from the target (native); the speculators file carries it (identical → deduped)
     assert set(params) - loaded <= {"model.embed_tokens.weight"}
@@ -127,7 +128,7 @@ def test_vllm_loader_receives_every_parameter(target, tmp_path, fmt):
 
 
 def test_sglang_loader_receives_every_parameter_and_skips_nothing(target, tmp_path):
-    cfg, shapes = _read(ex.export(make_drafter(target), "eagle3_native", tmp_path / "nat", target))
+    cfg, shapes = _read(export(make_drafter(target), "eagle3_native", tmp_path / "nat", target))
     params, loaded, skipped = sglang_load(cfg, shapes)
     assert skipped == []  # SGLang would drop these silently
     assert set(params) - loaded == {"model.embed_tokens.weight"}  # SGLang sets the target's (set_embed)
@@ -135,7 +136,7 @@ def test_sglang_loader_receives_every_parameter_and_skips_nothing(target, tmp_pa
 
 
 def test_a_renamed_key_fails_the_replay(target, tmp_path):
-    cfg, shapes = _read(ex.export(make_drafter(target), "eagle3_native", tmp_path / "nat", target))
+    cfg, shapes = _read(export(make_drafter(target), "eagle3_native", tmp_path / "nat", target))
     renamed = {k.replace("midlayer.hidden_norm", "midlayer.hnorm"): v for k, v in shapes.items()}
     _, loaded, skipped = sglang_load(cfg, renamed)
     assert skipped == ["midlayer.hnorm.weight"] and "model.midlayer.hidden_norm.weight" not in loaded

@@ -273,7 +273,7 @@ def test_gpu_recipe_is_a_file_with_the_gpu_settings():
 def test_exporter_refuses_k_zero_from_results(tmp_path):
     import json
 
-    from models.export import ExportError, recommended_k_from_results
+    from models.export.shared.common import ExportError, recommended_k_from_results
 
     p = tmp_path / "r.json"
     p.write_text(json.dumps({"recommended_num_speculative_tokens": 0, "best_positive_num_speculative_tokens": 2}))
@@ -322,7 +322,7 @@ def test_train_every_recipe_two_steps_then_export_and_check(family, tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from models.export import ExportError
+    from models.export.shared.common import ExportError
     from models.registry import load_drafter
     from tests.families import save_family
     from train.export import main as export_main
@@ -349,7 +349,7 @@ def test_train_every_recipe_two_steps_then_export_and_check(family, tmp_path):
             argv = [str(out / "final"), "--format", fmt, "--out", str(e), "--target", str(tdir)]
             if (fmt, family) in REFUSED:
                 with pytest.raises(ExportError, match=REFUSED[(fmt, family)]):
-                    from models.export import export
+                    from models.export.api import export
 
                     d, meta = load_drafter(out / "final", target_of(family))
                     export(d, fmt, e, target_of(family), meta=meta)

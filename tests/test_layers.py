@@ -3,12 +3,15 @@
 Layers come from folders (``LAYERS``: no module list), lowest first; a module is in the layer of the deepest folder
 (or file) of the table that holds it, and may import its own layer or lower ones:
 
-    core      models/core/            the frozen target, decoding and verification, shared draft blocks, checkpoints
-    methods   models/methods/<name>/  one package per method; a method imports core and its own package only
-    registry  models/registry.py
-    data      data/
-    export    models/export/
-    top       train/ and eval/ (not each other)
+    core            models/core/            the frozen target, decoding and verification, shared draft blocks,
+                                            checkpoints
+    export helpers  models/export/shared/   the export helpers a method's export.py builds on
+    methods         models/methods/<name>/  one package per method; a method imports core, the export helpers
+                                            and its own package only
+    registry        models/registry.py
+    data            data/
+    export          models/export/          the rest of it: export, validation, the format table, serving
+    top             train/ and eval/ (not each other)
 
 A loose module in models/ outside these folders is in no layer, and reported.
 Also: no import cycle (module-level and function-level imports both count, so a lazy import cannot hide one),
@@ -29,9 +32,7 @@ PACKAGES = ("train", "models", "data", "eval")
 LAYERS = {
     "models/__init__.py": "core",
     "models/core": "core",
-    "models/export_common.py": "core",  # the shared export helpers, until they move under models/export/
-    "models/export_identity.py": "core",
-    "models/export_snippets.py": "core",
+    "models/export/shared": "export helpers",
     "models/methods": "methods",
     "models/registry.py": "registry",
     "data": "data",
@@ -40,7 +41,7 @@ LAYERS = {
     "eval": "eval",
 }
 # rank of each layer; train and eval share the top rank but are separate groups
-RANK = {"core": 0, "methods": 1, "registry": 2, "data": 3, "export": 4, "train": 5, "eval": 5}
+RANK = {"core": 0, "export helpers": 1, "methods": 2, "registry": 3, "data": 4, "export": 5, "train": 6, "eval": 6}
 
 
 def layer(mod: str) -> str | None:
@@ -166,7 +167,7 @@ def arrow_violations(edges: dict[str, dict[str, int]], mods: dict[str, Path], ro
     for a, targets in sorted(edges.items()):
         la = layer(a)
         if la is None:
-            bad.append(f"{mods[a].relative_to(root)}: module {a} is in no layer (models/, data/, train/ or eval/)")
+            bad.append(f"{mods[a].relative_to(root)}: module {a} is in no layer (no folder of LAYERS holds it)")
             continue
         for b, line in sorted(targets.items()):
             lb = layer(b)
@@ -182,17 +183,33 @@ def arrow_violations(edges: dict[str, dict[str, int]], mods: dict[str, Path], ro
     return bad
 
 
+def package_init_violations(edges: dict[str, dict[str, int]], mods: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Importing a module runs its packages' __init__.py first, so what they import is imported by the module too:
+    a package folder that holds a lower layer (models/export/ holds models/export/shared/) may not import above it
+    in its __init__.py."""
+    bad = []
+    for a in sorted(mods):
+        parts = a.split(".")
+        for p in (".".join(parts[:i]) for i in range(1, len(parts))):
+            for b, line in sorted(edges.get(p, {}).items()):
+                if layer(a) and layer(b) and RANK[layer(b)] > RANK[layer(a)]:
+                    bad.append(f"{mods[p].relative_to(root)}:{line}: {p} imports {b} ({layer(b)}), and it runs before"
+                               f" {a} ({layer(a)}): upward arrow")
+    return bad
+
+
 def test_import_graph_is_a_layered_dag_without_private_crossings():
     mods = package_modules()
     edges, private = scan(mods)
     problems = [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
-    problems += arrow_violations(edges, mods) + private
+    problems += arrow_violations(edges, mods) + package_init_violations(edges, mods) + private
     assert not problems, f"{len(problems)} layering violation(s):\n" + "\n".join(problems)
 
 
 def test_the_checker_sees_each_kind_of_violation(tmp_path):
     """The checker itself: a planted cycle through a function-level import, an upward arrow, a method importing
-    a method, train importing eval, and both spellings of a private import are each reported."""
+    a method, train importing eval, a package __init__ importing above a lower layer it holds, and both spellings of
+    a private import are each reported."""
     files = {
         "models/core/target.py": "def f():\n    from models import registry\n",
         "models/registry.py": "from models.core import target\n",
@@ -202,22 +219,27 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
         "models/methods/medusa/net.py": "from models.methods.medusa import _own\n",  # its own package: allowed
         "models/core/vocab.py": "",
         "train/loop.py": "import eval.decode\n",
+        "models/export/__init__.py": "from models import registry\n",
+        "models/export/shared/common.py": "",
         "eval/decode.py": "",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    for pkg in ("models", "models/core", "models/methods", "train", "eval", "data"):
+    for pkg in ("models", "models/core", "models/methods", "models/export/shared", "train", "eval", "data"):
         (tmp_path / pkg).mkdir(exist_ok=True)
         (tmp_path / pkg / "__init__.py").write_text("")
     mods = package_modules(tmp_path)
     edges, private = scan(mods, tmp_path)
-    found = "\n".join([str(c) for c in cycles(edges)] + arrow_violations(edges, mods, tmp_path) + private)
+    found = "\n".join([str(c) for c in cycles(edges)] + arrow_violations(edges, mods, tmp_path)
+                      + package_init_violations(edges, mods, tmp_path) + private)
     assert "['models.core.target', 'models.registry']" in found
     assert "models.core.target (core) imports models.registry (registry): upward arrow" in found
     assert ("models.methods.eagle3 (methods) imports models.methods.medusa (methods):"
             " methods share code only through core") in found
     assert "train.loop (train) imports eval.decode (eval): train and eval must not import each other" in found
+    assert ("models.export imports models.registry (registry), and it runs before models.export.shared.common"
+            " (export helpers): upward arrow") in found
     assert "imports private models.core.target._fp" in found
     assert "uses private models.core.vocab._x" in found
     assert "_own" not in found and "models.methods.medusa.net" not in found

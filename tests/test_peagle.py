@@ -183,7 +183,9 @@ def test_recipe_trains_exports_and_round_trips(target_dir, tmp_path, vocab):
     import json
     import shutil
 
-    from models.export import ExportError, export, load_export, validate
+    from models.export.api import export, load_export
+    from models.export.shared.common import ExportError
+    from models.export.validate import validate
 
     res = run(_cfg(target_dir, tmp_path / "run", f"draft.config.draft_vocab_size={vocab}"))
     assert res["method"] == "peagle" and "acc_3" in res["val"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import export as ex
 from models.core.target import FrozenTarget
+from models.export.api import export, load_export
 from tests.test_export_engines import make_drafter
 
 speculators = pytest.importorskip(
@@ -62,7 +62,7 @@ def test_speculators_drafts_the_same_logits(target, tmp_path, flags, attn):
     d = make_drafter(target, (3, 1, 2), **flags)
     # speculators' from_pretrained loads the verifier from verifier.name_or_path: the user sets where it lives
     # (by default the export names the target's id, not this machine's path to it)
-    out = ex.export(d, "eagle3_speculators", tmp_path / "spec", target,
+    out = export(d, "eagle3_speculators", tmp_path / "spec", target,
                     serve_name=target.model.config._name_or_path)
     model = _speculators_model(out, attn)
     for f in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
@@ -106,7 +106,7 @@ def test_speculators_loads_our_dspark_and_peagle_exports(target, tmp_path):
     for drafter, fmt, cfg_cls, model_cls in ((d, "dspark_speculators", DSparkSpeculatorConfig, DSparkDraftModel),
                                             (p, "peagle_speculators", PEagleSpeculatorConfig, PEagleDraftModel)):
         # speculators loads the verifier from verifier.name_or_path: the user sets where it lives (serve_name)
-        out = ex.export(drafter, fmt, tmp_path / fmt, target, serve_name=target.model.config._name_or_path)
+        out = export(drafter, fmt, tmp_path / fmt, target, serve_name=target.model.config._name_or_path)
         cfg = cfg_cls.from_pretrained(str(out))
         cfg.transformer_layer_config._attn_implementation = "sdpa"
         model = model_cls.from_pretrained(str(out), config=cfg)
@@ -119,7 +119,7 @@ def test_speculators_loads_our_dspark_and_peagle_exports(target, tmp_path):
         assert own <= set(file) | {"d2t", "t2d"}, (fmt, sorted(own - set(file)))  # none of theirs left at init
         for k, v in file.items():
             assert torch.equal(theirs[k].to(v.dtype), v), (fmt, k)
-        ours = ex.load_export(out, target)
+        ours = load_export(out, target)
         if fmt == "dspark_speculators":
             assert cfg.sample_from_anchor is True and cfg.markov_rank == 8 and cfg.enable_confidence_head
             pairs = {"markov_head.markov_w1.weight": d.block_head.markov_head.markov_w1.weight,

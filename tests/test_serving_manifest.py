@@ -10,48 +10,50 @@ import warnings
 import pytest
 import torch
 
-from models import export as ex
+from models.export.api import export
 from models.export.serving import template_hash, training_serving
+from models.export.shared.common import CONFIG, SIDECAR, ExportError
+from models.export.validate import validate
 from tests.test_export_engines import make_drafter, target  # noqa: F401 - the module fixture
 
 
 def _side(out):
-    return json.loads((out / ex.SIDECAR).read_text())
+    return json.loads((out / SIDECAR).read_text())
 
 
 def test_every_export_records_the_serving_mode(target, tmp_path):  # noqa: F811
     meta = {"serving": training_serving(target, None, True, "chat")}
-    out = ex.export(make_drafter(target), "eagle3_native", tmp_path / "e3", target, meta=meta)
+    out = export(make_drafter(target), "eagle3_native", tmp_path / "e3", target, meta=meta)
     m = _side(out)["serving"]
     assert m["enable_thinking"] is True and m["uses_chat_template"] is True
     assert m["chat_template_sha256"] == template_hash(target.tokenizer.chat_template)
     assert m["target_embed_fingerprint"] == target.fingerprint() and m["target_head_fingerprint"]
     # in config.json too: only config + weights travel to a model hub
-    assert json.loads((out / ex.CONFIG).read_text())["draftsmith_target"]["serving"] == m
+    assert json.loads((out / CONFIG).read_text())["draftsmith_target"]["serving"] == m
     # an old checkpoint (no serving meta): the template at export time, marked so
-    old = ex.export(make_drafter(target), "eagle3_native", tmp_path / "old", target)
+    old = export(make_drafter(target), "eagle3_native", tmp_path / "old", target)
     assert "predates" in _side(old)["serving"]["recorded_at"]
 
 
 def test_check_refuses_another_thinking_mode_and_head_warns_on_template(target, tmp_path):  # noqa: F811
     meta = {"serving": training_serving(target, None, True, "chat")}
-    out = ex.export(make_drafter(target), "eagle3_speculators", tmp_path / "e3s", target, meta=meta)
-    assert ex.validate(out, None, target, enable_thinking=True) == "eagle3_speculators"
-    with pytest.raises(ex.ExportError, match="trained with thinking on, to be served with it off"):
-        ex.validate(out, None, target, enable_thinking=False)
+    out = export(make_drafter(target), "eagle3_speculators", tmp_path / "e3s", target, meta=meta)
+    assert validate(out, None, target, enable_thinking=True) == "eagle3_speculators"
+    with pytest.raises(ExportError, match="trained with thinking on, to be served with it off"):
+        validate(out, None, target, enable_thinking=False)
     with pytest.warns(UserWarning, match="not the one the drafter was trained with"):
-        ex.validate(out, None, target, chat_template="{{ messages[0]['content'] }}")
+        validate(out, None, target, chat_template="{{ messages[0]['content'] }}")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ex.validate(out, None, target)  # the trained template: silent
+        validate(out, None, target)  # the trained template: silent
     # same embedding, another lm_head (a fine-tune / another revision): refused
     head = target.model.get_output_embeddings().weight
     saved = head.detach().clone()
     try:
         with torch.no_grad():
             head.add_(0.01)
-        with pytest.raises(ex.ExportError, match="lm_head fingerprint differs"):
-            ex.validate(out, None, target)
+        with pytest.raises(ExportError, match="lm_head fingerprint differs"):
+            validate(out, None, target)
     finally:
         with torch.no_grad():
             head.copy_(saved)
@@ -66,7 +68,7 @@ def test_cli_check_takes_the_serving_mode(target, tmp_path, capsys):  # noqa: F8
     from train.export import main
 
     meta = {"serving": training_serving(target, None, False, "chat")}
-    out = ex.export(make_drafter(target), "eagle3_native", tmp_path / "e3", target, meta=meta)
+    out = export(make_drafter(target), "eagle3_native", tmp_path / "e3", target, meta=meta)
     tdir = target.model.config._name_or_path
     assert main(["--check", str(out), "--target", tdir, "--thinking", "off"]) == 0
     assert main(["--check", str(out), "--target", tdir, "--thinking", "on"]) == 2

@@ -15,9 +15,12 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from models import export as ex
 from models.core.target import FrozenTarget
 from models.core.target_view import TargetView
+from models.export.api import export
+from models.export.formats import export_format
+from models.export.shared.common import CONFIG, SIDECAR
+from models.export.validate import detect_format
 from models.methods.dflash.config import DFlashConfig
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.medusa.config import MedusaConfig
@@ -98,8 +101,8 @@ FORMATS = {"eagle3": ["eagle3", "eagle3-speculators"], "medusa": ["medusa", "med
 
 
 def _same_export(a, b) -> None:
-    fmt = ex.export_format(ex.detect_format(a))
-    for name in (ex.CONFIG, ex.SIDECAR):
+    fmt = export_format(detect_format(a))
+    for name in (CONFIG, SIDECAR):
         assert json.loads((a / name).read_text()) == json.loads((b / name).read_text()), name
     ta, tb = load_file(str(a / fmt.weights_file)), load_file(str(b / fmt.weights_file))
     assert ta.keys() == tb.keys()
@@ -125,7 +128,7 @@ def test_export_and_check_never_load_the_model(tmp_path, tiny_tokenizer, monkeyp
         meta = {"method": method, "draft": d.config_dict(), "target": full.identity(), "step": 2}
         save_drafter(tmp_path / method, d, meta)
         for fmt in FORMATS[method]:
-            refs[fmt] = ex.export(d, fmt, tmp_path / f"ref_{fmt}", full, target_name=str(tdir), meta=meta)
+            refs[fmt] = export(d, fmt, tmp_path / f"ref_{fmt}", full, target_name=str(tdir), meta=meta)
 
     def refuse(*_a, **_k):
         raise AssertionError("export/--check loaded the whole target")

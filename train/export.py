@@ -25,7 +25,11 @@ from pathlib import Path
 from models.core.checkpoint import NoSpaceError
 from models.core.target import EMBEDDED_NAME, parse_dtype, resolve_name
 from models.core.target_view import TargetView
-from models.export import ExportError, cli_formats, export, llamacpp, recommended_k_from_results, validate
+from models.export import llamacpp
+from models.export.api import export
+from models.export.formats import cli_formats
+from models.export.shared.common import ExportError, recommended_k_from_results
+from models.export.validate import validate
 
 GGUF = "gguf"
 

@@ -82,7 +82,7 @@ class ExportFormat:
 
     The format's own facts, so that models/export/ never asks which format it holds:
     ``readme(cfg, sidecar, serve) → lines``: its sections of the exported README.md after the common frame
-    (engine commands, conventions, notes; ``serve``: models/export_snippets.py ``Serve``); None: the frame only,
+    (engine commands, conventions, notes; ``serve``: models/export/shared/snippets.py ``Serve``); None: the frame only,
     no engine snippet invented. ``verify_target(tensors, target, where) → bool``: for a format that carries the
     target's own tensors, compare them with the target (a FrozenTarget's fingerprint; fail on a mismatch) and
     say whether that verified it (then a differently spelled target name is not refused)."""

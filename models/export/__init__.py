@@ -19,30 +19,11 @@ Aux-layer-id conventions (checked against the engines' loaders, see the comments
   (sglang/srt/models/llama.py ``set_eagle3_layers_to_capture``; read in model_executor/model_runner.py).
 So the two fields hold different numbers for the same tensors; the validator checks top == sglang + 1.
 
-Modules: api (export, load_export), validate (detect_format, validate), formats (the table), readme (the
-README frame), serving (the serving-mode manifest); shared helpers in models/export_common.py,
-models/export_identity.py and models/export_snippets.py (core, so the methods' exporters use them too).
+Modules: api (export, load_export), validate (detect_format, validate), formats (the table: export_format,
+export_formats, cli_formats), readme (the README frame), serving (the serving-mode manifest), llamacpp (GGUF);
+the helpers the methods' exporters share are in models/export/shared/ (common: file names, ``ExportError``,
+``recommended_k_from_results``; identity; snippets), a layer below the methods (tests/test_layers.py).
+
+This file imports nothing: a method's export.py imports models/export/shared/, which runs this file first, and
+the modules here import the registry, which imports the methods.
 """
-
-from models.core.spec import ExportFormat
-from models.core.target import embed_fingerprint
-from models.export_common import (
-    CONFIG,
-    LAYER_ID_CONVENTION,
-    README,
-    SIDECAR,
-    WEIGHTS,
-    ExportError,
-    recommended_k_from_results,
-)
-
-from .api import export, load_export
-from .formats import cli_formats, export_format, export_formats
-from .validate import detect_format, validate
-
-__all__ = [
-    "cli_formats", "export_formats", "ExportFormat", "export_format", "CONFIG",
-    "LAYER_ID_CONVENTION", "README",
-    "SIDECAR", "WEIGHTS", "ExportError", "detect_format", "embed_fingerprint", "export", "load_export",
-    "recommended_k_from_results", "validate",
-]

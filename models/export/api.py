@@ -15,7 +15,7 @@ from torch import nn
 from models import registry
 from models.core.checkpoint import out_of_space_as_error
 from models.core.target import FrozenTarget
-from models.export_common import (
+from models.export.shared.common import (
     CONFIG,
     DTYPE_NAMES,
     README,
@@ -27,7 +27,7 @@ from models.export_common import (
     load_json,
     target_info,
 )
-from models.export_identity import STAMP_KEY
+from models.export.shared.identity import STAMP_KEY
 
 from .formats import export_format, export_formats
 from .readme import render_readme

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from models import registry
 from models.core.spec import ExportFormat
-from models.export_common import ExportError, architectures
+from models.export.shared.common import ExportError, architectures
 
 
 def export_formats() -> dict[str, ExportFormat]:

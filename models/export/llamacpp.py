@@ -31,7 +31,7 @@ from torch import nn
 
 from models import registry
 from models.core.target import resolve_name
-from models.export_common import SIDECAR, ExportError, load_json
+from models.export.shared.common import SIDECAR, ExportError, load_json
 
 from .api import export
 from .formats import export_format

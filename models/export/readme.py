@@ -2,14 +2,14 @@
 
 The frame names the target, the check command and num_speculative_tokens; what comes after it (engine commands,
 layer-id conventions, notes) is the format row's ``readme`` (models/core/spec.py ``ExportFormat``, declared in its
-method's ``export.py``; shared pieces in models/export_snippets.py). A format without one gets the frame only.
+method's ``export.py``; shared pieces in models/export/shared/snippets.py). A format without one gets the frame only.
 """
 
 from __future__ import annotations
 
 from models.core.target import EMBEDDED_NAME
-from models.export_common import EMBEDDED_SERVE_PATH, engine_target_name
-from models.export_snippets import Serve
+from models.export.shared.common import EMBEDDED_SERVE_PATH, engine_target_name
+from models.export.shared.snippets import Serve
 
 from .formats import export_format
 

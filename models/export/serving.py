@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from models.core.target import embed_fingerprint
-from models.export_common import fail
+from models.export.shared.common import fail
 
 SERVING_KEY = "serving"
 
@@ -70,7 +70,7 @@ def serving_manifest(target: Any, meta: Mapping | None) -> dict:
 def manifest_of(cfg: Mapping, side: Mapping | None, where: str | None = None) -> dict:
     """The serving manifest of an export; with ``where``, both copies (draftsmith.json and config.json's stamp) are
     compared field by field first: reading one of them would let an edit of it hide what the other says."""
-    from models.export_identity import STAMP_KEY, stamp_of
+    from models.export.shared.identity import STAMP_KEY, stamp_of
 
     m, stamp = (side or {}).get(SERVING_KEY), stamp_of(cfg).get(SERVING_KEY)
     if where is not None and isinstance(m, Mapping) and isinstance(stamp, Mapping):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from models.export_common import (
+from models.export.shared.common import (
     CONFIG,
     LAYER_ID_CONVENTION,
     SIDECAR,
@@ -26,7 +26,7 @@ from models.export_common import (
     norm_name,
     target_info,
 )
-from models.export_identity import check_stamp
+from models.export.shared.identity import check_stamp
 
 from .formats import detect_format as _detect
 from .formats import export_format

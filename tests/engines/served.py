@@ -113,7 +113,8 @@ def _controls(root: Path, exports: dict, k_of: dict) -> list[dict]:
 def _build(root: Path) -> dict:
     from data.corpus import heldout_prompts
     from models.core.target import FrozenTarget, resolve_name
-    from models.export import export, validate
+    from models.export.api import export
+    from models.export.validate import validate
     from models.registry import load_drafter
 
     target = FrozenTarget.from_pretrained("tiny-code")

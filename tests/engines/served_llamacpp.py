@@ -91,7 +91,7 @@ def shifted_control(src: Path, out: Path) -> Path:
 def converted(ckpt: Path, fmt: str, target, out: Path) -> Path:
     """A drafter exported in layout ``fmt`` and converted by llama.cpp's converter (what --format gguf does for
     its first layout; here for the others llama.cpp also takes)."""
-    from models.export import export
+    from models.export.api import export
     from models.registry import load_drafter
 
     d, meta = load_drafter(ckpt, target)
@@ -136,7 +136,7 @@ def draft_tie_gaps(target, drafter, ckpt: Path, prompts: list[list[int]], k: int
 def _build(root: Path, runs_dir: Path) -> dict:
     from data.corpus import heldout_prompts
     from models.core.target import FrozenTarget
-    from models.export import validate
+    from models.export.validate import validate
     from models.registry import load_drafter
 
     target = FrozenTarget.from_pretrained("tiny-code")

@@ -76,7 +76,9 @@ def test_save_refuses_nan_module(target_dir, trained, tmp_path):
 
 
 def test_export_validator_refuses_nan_weights(target_dir, trained, tmp_path):
-    from models.export import ExportError, export, validate
+    from models.export.api import export
+    from models.export.shared.common import ExportError
+    from models.export.validate import validate
 
     target = FrozenTarget.from_pretrained(str(target_dir))
     drafter, meta = load_drafter(trained / "final", target)

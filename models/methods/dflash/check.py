@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from models.core.vocab import check_mapping
-from models.export_common import (
+from models.export.shared.common import (
     TargetInfo,
     Tensors,
     fail,

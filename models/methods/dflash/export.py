@@ -40,7 +40,7 @@ from torch import nn
 
 from models.core.spec import ExportFormat
 from models.core.target import FrozenTarget
-from models.export_common import (
+from models.export.shared.common import (
     DTYPE_NAMES,
     Bundle,
     ExportError,
@@ -48,7 +48,7 @@ from models.export_common import (
     engine_target_name,
     make_sidecar,
 )
-from models.export_snippets import Serve, vllm_section
+from models.export.shared.snippets import Serve, vllm_section
 from models.methods.dflash.check import check_dflash
 from models.methods.dflash.config import DFlashConfig
 from models.methods.dflash.net import DFlashDrafter

@@ -10,14 +10,14 @@ from typing import Any
 import torch
 
 from models.core.vocab import check_mapping
-from models.export_common import (
+from models.export.shared.common import (
     TargetInfo,
     Tensors,
     fail,
     require,
     target_num_layers,
 )
-from models.export_identity import (
+from models.export.shared.identity import (
     STAMP_KEY,
     check_vocab_against_target,
     model_type_of,

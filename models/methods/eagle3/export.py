@@ -12,7 +12,7 @@ from torch import nn
 
 from models.core.spec import ExportFormat
 from models.core.target import FrozenTarget
-from models.export_common import (
+from models.export.shared.common import (
     DTYPE_NAMES,
     Bundle,
     ExportError,
@@ -20,7 +20,7 @@ from models.export_common import (
     engine_target_name,
     make_sidecar,
 )
-from models.export_identity import (
+from models.export.shared.identity import (
     SGLANG_PLUS1_IF_FIRST_IS_1,
     STAMP_KEY,
     sglang_reads,
@@ -28,7 +28,7 @@ from models.export_identity import (
     target_stamp,
     vocab_hash,
 )
-from models.export_snippets import SGLANG_CHECKED, Serve, sglang_chain_section, vllm_section
+from models.export.shared.snippets import SGLANG_CHECKED, Serve, sglang_chain_section, vllm_section
 from models.methods.eagle3.check import EAGLE31_FLAGS, check_eagle3
 from models.methods.eagle3.config import Eagle3Config
 from models.methods.eagle3.net import Eagle3Drafter

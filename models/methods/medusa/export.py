@@ -11,7 +11,7 @@ from torch import nn
 
 from models.core.spec import ExportFormat
 from models.core.target import FrozenTarget
-from models.export_common import (
+from models.export.shared.common import (
     DTYPE_NAMES,
     Bundle,
     ExportError,
@@ -22,8 +22,8 @@ from models.export_common import (
     make_sidecar,
     require,
 )
-from models.export_identity import STAMP_KEY, target_stamp
-from models.export_snippets import Serve, vllm_serve
+from models.export.shared.identity import STAMP_KEY, target_stamp
+from models.export.shared.snippets import Serve, vllm_serve
 from models.methods.medusa.config import MedusaConfig
 from models.methods.medusa.net import MedusaHeads
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from models.core.spec import ExportFormat
 from models.core.target import FrozenTarget, embed_fingerprint, resolve_name
-from models.export_common import (
+from models.export.shared.common import (
     CONFIG,
     DTYPE_NAMES,
     Bundle,
@@ -27,8 +27,8 @@ from models.export_common import (
     make_sidecar,
     require,
 )
-from models.export_identity import STAMP_KEY, stamp_of, target_stamp
-from models.export_snippets import Serve, sglang_chain_section, vllm_section
+from models.export.shared.identity import STAMP_KEY, stamp_of, target_stamp
+from models.export.shared.snippets import Serve, sglang_chain_section, vllm_section
 from models.methods.mtp.config import MTPConfig, decoder_config
 from models.methods.mtp.native import init_from_native, to_native_state_dict
 from models.methods.mtp.net import MTPDrafter, MTPModule

@@ -30,7 +30,7 @@ from torch import nn
 from models.core.spec import ExportFormat
 from models.core.target import FrozenTarget
 from models.core.vocab import check_mapping
-from models.export_common import (
+from models.export.shared.common import (
     DTYPE_NAMES,
     Bundle,
     ExportError,
@@ -43,8 +43,8 @@ from models.export_common import (
     require,
     target_num_layers,
 )
-from models.export_identity import STAMP_KEY, target_stamp, vocab_hash
-from models.export_snippets import Serve, vllm_section
+from models.export.shared.identity import STAMP_KEY, target_stamp, vocab_hash
+from models.export.shared.snippets import Serve, vllm_section
 from models.methods.peagle.config import PEagleConfig
 from models.methods.peagle.net import PEagleDrafter
 

@@ -27,7 +27,16 @@ from torch import Tensor, nn
 from models.core.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
 from models.core.spec import ExportFormat, MethodSpec, ProposerSpec
 from models.core.target import FrozenTarget, validate_layer_ids
-from models.export_common import WEIGHTS, Bundle, TargetInfo, Tensors, engine_target_name, fail, make_sidecar, require
+from models.export.shared.common import (
+    WEIGHTS,
+    Bundle,
+    TargetInfo,
+    Tensors,
+    engine_target_name,
+    fail,
+    make_sidecar,
+    require,
+)
 
 ARCH = "DraftsmithBigramHead"
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from models.export_common import TargetInfo, fail
+from models.export.shared.common import TargetInfo, fail
 
 STAMP_KEY = "draftsmith_target"
 
