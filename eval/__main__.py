@@ -18,9 +18,9 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from eval.benchmark import BenchSettings, all_lossless, build_methods, load_prompts, run_benchmark, write_json
-from eval.defaults import register
-from eval.report import console_summary, write_report
+from eval.bench.benchmark import BenchSettings, all_lossless, build_methods, load_prompts, run_benchmark, write_json
+from eval.bench.defaults import register
+from eval.bench.report import console_summary, write_report
 from models.core.checkpoint import NoSpaceError, out_of_space_as_error
 
 log = logging.getLogger("eval")
@@ -31,7 +31,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 def settings_from(cfg: DictConfig) -> BenchSettings:
     """BenchSettings from the config (validated: bad values fail here, before any model is loaded)."""
     # the config's keys map 1:1 onto BenchSettings' fields (their defaults live in conf/eval.yaml; the methods'
-    # rows — methods, checkpoints, draft_model, options, variants — come from their specs, eval/defaults.py)
+    # rows — methods, checkpoints, draft_model, options, variants — come from their specs, eval/bench/defaults.py)
     return BenchSettings(**{f.name: OmegaConf.to_object(cfg[f.name]) if OmegaConf.is_config(cfg[f.name])
                             else cfg[f.name] for f in dataclasses.fields(BenchSettings)})
 
@@ -134,7 +134,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """The CLI: conf/eval.yaml composed over the registry's method rows as they are now (eval/defaults.py)."""
+    """The CLI: conf/eval.yaml composed over the registry's method rows as they are now (eval/bench/defaults.py)."""
     register()
     hydra_main()
 

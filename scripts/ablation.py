@@ -41,7 +41,7 @@ def train_variant(name: str, recipe: str, steps: int, root: Path, extra: list[st
 
 def report(root: Path, names: list[str]) -> str:
     """results.md (last held-out record of each run, its minutes and tokens) and learning_curve.png."""
-    from eval.training import collect, plot
+    from eval.bench.training import collect, plot
 
     runs = [(n, str(root / n / "final")) for n in names if (root / n / "val.jsonl").exists()]
     training = collect(runs)

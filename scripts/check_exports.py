@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from data.corpus import heldout_prompts
-from eval.decode import Sampling, accept_proposal, commit_kv, new_cache, prefill, verify_forward
+from eval.decode.single import Sampling, accept_proposal, commit_kv, new_cache, prefill, verify_forward
 from models import registry
 from models.core.target import FrozenTarget
 from models.export.api import export, load_export

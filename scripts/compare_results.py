@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eval.report import is_baseline
+from eval.bench.report import is_baseline
 
 
 def _runs(r: dict) -> dict[tuple[str, float], dict]:

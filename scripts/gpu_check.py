@@ -23,8 +23,8 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eval.bench_setup import BenchSettings, build_methods, load_prompts  # noqa: E402
-from eval.benchmark import run_benchmark, write_json  # noqa: E402
+from eval.bench.benchmark import run_benchmark, write_json  # noqa: E402
+from eval.bench.setup import BenchSettings, build_methods, load_prompts  # noqa: E402
 from models import registry  # noqa: E402
 from models.core.target import FrozenTarget  # noqa: E402
 from train.loop import run as train_run  # noqa: E402

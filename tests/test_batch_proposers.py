@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval import decode, decode_batch
+from eval.decode.batch import decode_ar_batch, speculative_decode_batch
+from eval.decode.single import decode_ar, speculative_decode
 from models.core.proposal import PerRowProposers, Sampling, batch_proposer
 from models.core.target import FrozenTarget
 from models.methods.dflash.config import DFlashConfig
@@ -74,26 +75,26 @@ def log_batch(bp, logs: list[list]) -> None:
 def test_batched_greedy_equals_per_row_ar_and_per_row_drafts(target, name):  # noqa: F811
     d = drafter(target) if name == "dflash" else None
     ps = ragged_prompts(target.vocab_size)
-    refs = [decode.decode_ar(target, p, N) for p in ps]
+    refs = [decode_ar(target, p, N) for p in ps]
     bp = batched(name, [make(name, d) for _ in ps])  # the form its ProposerSpec declares
     assert isinstance(bp, DFlashBatchProposer if name == "dflash" else NGramBatchProposer)
     assert isinstance(batched(name, [make(name, d)]), PerRowProposers)  # one row: the B=1 path, no padding
     assert isinstance(batch_proposer([make(name, d) for _ in ps]), PerRowProposers)  # none declared: row by row
     batch_logs: list[list] = [[] for _ in ps]
     log_batch(bp, batch_logs)
-    got = decode_batch.speculative_decode_batch(target, bp, ps, N)
+    got = speculative_decode_batch(target, bp, ps, N)
     assert [r.tokens for r in got] == [r.tokens for r in refs]
     rows = [make(name, d) for _ in ps]
     row_logs: list[list] = [[] for _ in ps]
     for p, log in zip(rows, row_logs):
         p.propose = logged(p.propose, log)
-    decode_batch.speculative_decode_batch(target, PerRowProposers(rows), ps, N)
+    speculative_decode_batch(target, PerRowProposers(rows), ps, N)
     assert batch_logs == row_logs  # the same drafts, round for round, row for row
     if name == "ngram":
         assert sum(sum(r.accepted) for r in got) > 0
     eos = refs[0].tokens[8]  # row 0 stops early at this eos; the others run on
-    got = decode_batch.speculative_decode_batch(target, batched(name, [make(name, d) for _ in ps]), ps, N, eos_id=eos)
-    assert [r.tokens for r in got] == [decode.decode_ar(target, p, N, eos_id=eos).tokens for p in ps]
+    got = speculative_decode_batch(target, batched(name, [make(name, d) for _ in ps]), ps, N, eos_id=eos)
+    assert [r.tokens for r in got] == [decode_ar(target, p, N, eos_id=eos).tokens for p in ps]
     assert len({r.rounds for r in got}) > 1  # rows finished at different rounds and left the batch
 
 
@@ -125,13 +126,13 @@ def test_one_drafter_forward_per_round_for_all_rows(target, monkeypatch):  # noq
     blocks = d.blocks
     monkeypatch.setattr(d, "blocks", lambda *a, **kw: (calls.append(a[0].shape[0]), blocks(*a, **kw))[1])
     ps = ragged_prompts(target.vocab_size)
-    res = decode_batch.speculative_decode_batch(target, batched("dflash", [DFlashProposer(d) for _ in ps]), ps, N)
+    res = speculative_decode_batch(target, batched("dflash", [DFlashProposer(d) for _ in ps]), ps, N)
     # the batch's rounds that drafted (row b takes part in rounds 0..rounds_b-1; the last ones may have no budget)
     drafting = [i for i in range(max(r.rounds for r in res)) if any(i < r.rounds and r.drafted[i] for r in res)]
     assert len(drafting) >= 10 and len(calls) == len(drafting)  # one forward per round...
     assert calls[0] == len(ps)  # ...with all rows in it
     calls.clear()
-    res = decode_batch.speculative_decode_batch(target, PerRowProposers([DFlashProposer(d) for _ in ps]), ps, N)
+    res = speculative_decode_batch(target, PerRowProposers([DFlashProposer(d) for _ in ps]), ps, N)
     assert len(calls) == sum(sum(x > 0 for x in r.drafted) for r in res) > 2 * len(drafting)  # one per row
     assert set(calls) == {1}
 
@@ -139,7 +140,7 @@ def test_one_drafter_forward_per_round_for_all_rows(target, monkeypatch):  # noq
 def test_draft_cost_microbenchmark_times_one_batched_forward_per_round(target, monkeypatch):  # noqa: F811
     """measure_draft_costs drives the same batched proposer as the engine: one block forward of all B rows per
     timed round (reps + 1 rounds per (B, K)), so the policy's d_B(K) is a batched round, not B of them."""
-    from eval.cost_model import measure_draft_costs
+    from eval.bench.cost_model import measure_draft_costs
 
     d = drafter(target)
     calls = []
@@ -176,7 +177,7 @@ def assert_batched_rows_follow_target(tgt, make, prompts, sampling, seed: int, m
     accepted = rounds = 0
     for _ in range(batches):
         rows = [prompts[i % 2] for i in range(6)]
-        res = decode_batch.speculative_decode_batch(tgt, batched(method, [make() for _ in rows]), rows, 4,
+        res = speculative_decode_batch(tgt, batched(method, [make() for _ in rows]), rows, 4,
                                                     sampling=Sampling(sampling.temperature, sampling.top_p,
                                                                       sampling.top_k, gen))
         for i, r in enumerate(res):
@@ -198,8 +199,8 @@ def test_trees_batch_with_per_row_masks():
     ps = [p[0] for p in prompts(3)]
     assert tgt.vocab_size == V_DEC
     for name in ("eagle3_tree", "medusa_tree"):
-        res = decode_batch.speculative_decode_batch(tgt, [make_proposer(name, tgt, dr) for _ in ps], ps, 17)
-        assert [r.tokens for r in res] == [decode.decode_ar(tgt, p, 17).tokens for p in ps]
+        res = speculative_decode_batch(tgt, [make_proposer(name, tgt, dr) for _ in ps], ps, 17)
+        assert [r.tokens for r in res] == [decode_ar(tgt, p, 17).tokens for p in ps]
         assert sum(sum(r.accepted) for r in res) > 0, name  # the per-row tree compaction ran
 
 
@@ -248,7 +249,7 @@ def test_batched_shared_topology_trees_reproduce_target_distribution(sampled, mo
     q0 = torch.tensor([0.4, 0.2, 0.4])
     samples, accepted = [], 0
     for _ in range(60):
-        res = decode_batch.speculative_decode_batch(small, [FixedTreeProposer(q0, g, sampled) for _ in range(8)],
+        res = speculative_decode_batch(small, [FixedTreeProposer(q0, g, sampled) for _ in range(8)],
                                                     [prompt] * 8, 4, sampling=Sampling(1.0, generator=gen))
         samples += [tuple(r.tokens) for r in res]
         accepted += sum(sum(r.accepted) for r in res)
@@ -262,9 +263,9 @@ def test_public_decoders_take_one_sampling_object(target):  # noqa: F811
     gives the same tokens through each of them, None is greedy, and the old scalar keywords are refused."""
     p = ragged_prompts(target.vocab_size)[0]
     g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-    fns = (decode.decode_ar, lambda t, x, n, **kw: decode.speculative_decode(t, NGramProposer(), x, n, **kw),
-           lambda t, x, n, **kw: decode_batch.speculative_decode_batch(t, [NGramProposer()], [x], n, **kw)[0],
-           lambda t, x, n, **kw: decode_batch.decode_ar_batch(t, [x], n, **kw)[0])
+    fns = (decode_ar, lambda t, x, n, **kw: speculative_decode(t, NGramProposer(), x, n, **kw),
+           lambda t, x, n, **kw: speculative_decode_batch(t, [NGramProposer()], [x], n, **kw)[0],
+           lambda t, x, n, **kw: decode_ar_batch(t, [x], n, **kw)[0])
     sampled = [fn(target, p, 8, sampling=Sampling(0.9, top_k=5, generator=g())).tokens for fn in fns]
     assert sampled == [fn(target, p, 8, sampling=Sampling(0.9, top_k=5, generator=g())).tokens for fn in fns]
     greedy = [fn(target, p, 8).tokens for fn in fns]
@@ -296,8 +297,8 @@ def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
         monkeypatch.setattr(mod, "entry_qkv", lambda d, ids, *a: (calls.append(ids.shape[0]), qkv(d, ids, *a))[1])
     batch_logs: list[list] = [[] for _ in ps]
     log_batch(bp, batch_logs)
-    got = decode_batch.speculative_decode_batch(tgt, bp, ps, N)
-    assert [r.tokens for r in got] == [decode.decode_ar(tgt, p, N).tokens for p in ps]
+    got = speculative_decode_batch(tgt, bp, ps, N)
+    assert [r.tokens for r in got] == [decode_ar(tgt, p, N).tokens for p in ps]
     rounds = max(r.rounds for r in got)
     assert calls[0] == len(ps) and len(calls) <= 4 * rounds  # <= k passes per round for the whole batch
     calls.clear()
@@ -305,7 +306,7 @@ def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
     row_logs: list[list] = [[] for _ in ps]
     for p, log in zip(rows, row_logs):
         p.propose = logged(p.propose, log)
-    decode_batch.speculative_decode_batch(tgt, PerRowProposers(rows), ps, N)
+    speculative_decode_batch(tgt, PerRowProposers(rows), ps, N)
     assert set(calls) == {1} and len(calls) > 2 * rounds  # the adapter: one pass per row per step
     assert batch_logs == row_logs
 

@@ -1,4 +1,4 @@
-"""The evaluation harness (eval/benchmark.py, eval/report.py, python -m eval) on tiny models built in code.
+"""The evaluation harness (eval/bench/benchmark.py, eval/bench/report.py, python -m eval) on tiny models built in code.
 
 What is checked:
 - end to end, every method (AR, n-gram, draft model, EAGLE-3 chain and tree, Medusa, MTP; tiny checkpoints
@@ -27,8 +27,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from eval import decode, ladder
-from eval.benchmark import (
+from eval.bench.benchmark import (
     BenchSettings,
     Method,
     Prompt,
@@ -42,7 +41,9 @@ from eval.benchmark import (
     run_benchmark,
     write_json,
 )
-from eval.report import console_summary, markdown, write_report
+from eval.bench.report import console_summary, markdown, write_report
+from eval.decode import ladder
+from eval.decode.single import speculative_decode
 from models import registry
 from models.core.target import FrozenTarget
 from tests.conftest import make_tiny_llama
@@ -110,7 +111,7 @@ def full(env):
 
 def test_medusa_tree_is_sized_by_the_cost_model(full, env):
     """num_nodes=auto: the tree is the checkpoint's greedy tree of the size that maximises expected τ / v(n)."""
-    from eval.cost_model import interp
+    from eval.bench.cost_model import interp
     from models.core.tree import expected_tree_tau
     from models.methods.medusa.tree import build_medusa_tree, load_rank_accuracy
 
@@ -224,7 +225,7 @@ def test_json_report_and_plots_are_written(full, tmp_path):
 
 
 def _perturb_last(target, proposer, ids, max_new, **kw):
-    r = decode.speculative_decode(target, proposer, ids, max_new, **kw)
+    r = speculative_decode(target, proposer, ids, max_new, **kw)
     r.tokens[-1] = (r.tokens[-1] + 1) % target.vocab_size
     return r
 
@@ -245,8 +246,8 @@ def test_lossless_check_flags_perturbed_tokens(env):
 def test_the_baseline_is_plain_decoding_chosen_by_its_spec(env, monkeypatch):
     """AR is a registered method (``ProposerSpec.baseline``), yet the harness times it with ``decode_ar`` /
     ``decode_ar_batch`` — not a speculative loop over its empty drafts — and always runs it first."""
-    import eval.batch_sweep as bs
-    import eval.benchmark as bm
+    import eval.bench.batch_sweep as bs
+    import eval.bench.benchmark as bm
 
     assert [p.name for _, p in registry.proposers().values() if p.baseline] == ["ar"] == [registry.baseline().name]
     calls = {"ar": 0, "ar_batch": 0, "spec": []}
@@ -270,7 +271,7 @@ def test_the_baseline_is_plain_decoding_chosen_by_its_spec(env, monkeypatch):
 def test_the_recommended_k_comes_from_the_spec_ranks():
     """``recommended_for``: the swept chain whose proposer has the lowest ``ProposerSpec.recommend_rank`` (a new
     method declares its own; none ranked → no recommendation)."""
-    from eval.benchmark import recommendation
+    from eval.bench.benchmark import recommendation
 
     names = ("ngram", "mtp", "peagle")
     pol = {n: {"k_star": {1: i + 1, 2: 0}, "k_star_positive_b1": i + 1} for i, n in enumerate(names)}
@@ -423,7 +424,7 @@ def test_bad_checkpoints_and_methods(env, caplog):
         build_methods(env.target, ["eagle3"], {"eagle3": env.ckpts["medusa"]})
     with pytest.raises(ValueError, match="unknown method"):
         build_methods(env.target, ["eagle4"])
-    with caplog.at_level(logging.WARNING, logger="eval.benchmark"):
+    with caplog.at_level(logging.WARNING, logger="eval.bench.benchmark"):
         methods, skipped = build_methods(env.target, ["ngram", "mtp", "draft_model"],
                                          {"mtp": str(env.dir / "missing")})
     assert [m.name for m in methods] == ["ar", "ngram"] and set(skipped) == {"mtp", "draft_model"}
@@ -519,7 +520,7 @@ def test_a_variant_with_its_own_checkpoint_runs_that_drafter_beside_its_method(e
 def test_training_cost_and_learning_curve_come_from_the_run_directories(full, env, tmp_path):
     """results["training"]: per trained drafter the steps, training minutes (metrics.jsonl elapsed_s), the
     held-out curve (val.jsonl) and the data cost (data_stats.json); the report draws learning_curve.png."""
-    from eval.report import markdown, plot
+    from eval.bench.report import markdown, plot
 
     t = full["training"]
     trained = {registry.proposer(k)[0].name for k in KINDS[1:]} & set(registry.trainable_methods())
@@ -570,8 +571,8 @@ def test_hf_peer_does_not_stop_at_the_models_own_eos_when_we_do_not(tiny_llama, 
     <|im_end|> and its peer rows read "same tokens: NO")."""
     from types import SimpleNamespace
 
-    from eval.decode import decode_ar
-    from eval.peers import hf_generate
+    from eval.bench.peers import hf_generate
+    from eval.decode.single import decode_ar
     from models.core.target import FrozenTarget
 
     target = FrozenTarget(tiny_llama, tiny_tokenizer)

@@ -56,7 +56,7 @@ def test_recipes_only_list_differences():
 
 
 def compose_eval(*overrides: str) -> DictConfig:
-    from eval.defaults import register
+    from eval.bench.defaults import register
 
     register()  # what `python -m eval` does before composing: the registry's method rows as a config node
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -65,7 +65,7 @@ def compose_eval(*overrides: str) -> DictConfig:
 
 def test_eval_config_method_rows_are_the_specs():
     """The composed eval config's methods, checkpoints, draft model, options and variants are read from the
-    method specs (eval/defaults.py), not kept in conf/eval.yaml: the registry is their only source."""
+    method specs (eval/bench/defaults.py), not kept in conf/eval.yaml: the registry is their only source."""
     from models import registry
 
     cfg = OmegaConf.to_container(compose_eval())
@@ -93,7 +93,7 @@ def test_eval_config_command_line_overrides_and_unknown_options():
     declares is refused: by Hydra without ``+``, and with ``+`` as the harness's one-line error naming the known."""
     from hydra.errors import ConfigCompositionException
 
-    from eval.bench_setup import build_methods
+    from eval.bench.setup import build_methods
 
     cfg = compose_eval("options.eagle3.k=3", "checkpoints.eagle3=runs/x/final", "methods=[ar,eagle3]",
                        "draft_model=null", "+variants.fast={method: eagle3, k: 3}", "options.dflash.k=null")

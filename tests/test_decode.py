@@ -1,4 +1,4 @@
-"""The decoding engine (eval/decode.py) and every proposer (models/<method>.py) on tiny models built in code.
+"""The decoding engine (eval/decode/single.py) and every proposer (models/<method>.py) on tiny models built in code.
 
 What is checked:
 - the KV cache: cached greedy decoding equals a naive no-cache argmax loop;
@@ -20,8 +20,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from eval import decode, decode_batch
-from eval.decode import Proposal
+from eval.decode.batch import decode_ar_batch, speculative_decode_batch
+from eval.decode.single import (
+    Proposal,
+    Sampling,
+    commit_kv,
+    decode_ar,
+    new_cache,
+    prefill,
+    speculative_decode,
+    verify_forward,
+)
 from models import registry
 from models.core.proposal import batch_proposer
 from models.core.target import FrozenTarget
@@ -125,11 +134,11 @@ def random_tree(n: int, g: torch.Generator) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- engine pieces
 def test_decode_ar_greedy_equals_naive_no_cache_loop(target):
     for prompt in prompts():
-        res = decode.decode_ar(target, prompt, 13)
+        res = decode_ar(target, prompt, 13)
         assert res.tokens == naive_greedy(target, prompt, 13)
         assert res.target_forwards == 13 and res.tau == 1.0 and res.stop == "length"
     eos = res.tokens[5]
-    stopped = decode.decode_ar(target, prompt, 13, eos_id=eos)
+    stopped = decode_ar(target, prompt, 13, eos_id=eos)
     first = res.tokens.index(eos)
     assert stopped.tokens == res.tokens[: first + 1] and stopped.stop == "eos"
 
@@ -140,9 +149,9 @@ def test_tree_verification_logits_equal_each_path_run_alone(target):
     root = torch.tensor([7])
     parents = random_tree(14, g)
     tokens = torch.randint(3, V, (14,), generator=g)
-    cache = decode.new_cache(target)
-    decode.prefill(target, prompt, cache)
-    out = decode.verify_forward(target, cache, root, Proposal(tokens=tokens, parents=parents))
+    cache = new_cache(target)
+    prefill(target, prompt, cache)
+    out = verify_forward(target, cache, root, Proposal(tokens=tokens, parents=parents))
     assert out.logits.shape == (1, 15, V) and cache.get_seq_length() == 9 + 15
     par = parents.tolist()
     for j in [-1, *range(14)]:
@@ -161,20 +170,20 @@ def test_commit_kv_keeps_exactly_the_accepted_path(target):
     root = torch.tensor([5])
     parents = torch.tensor([-1, -1, 0, 1, 3, 1, 4])
     tokens = torch.randint(3, V, (7,), generator=g)
-    cache = decode.new_cache(target)
-    decode.prefill(target, prompt, cache)
-    decode.verify_forward(target, cache, root, Proposal(tokens=tokens, parents=parents))
+    cache = new_cache(target)
+    prefill(target, prompt, cache)
+    verify_forward(target, cache, root, Proposal(tokens=tokens, parents=parents))
     path = [1, 3, 4, 6]  # not contiguous: the entries must be gathered into place
-    decode.commit_kv(cache, 6, path)
-    ref = decode.new_cache(target)
-    decode.prefill(target, torch.cat([prompt[0], root, tokens[path]])[None], ref)
+    commit_kv(cache, 6, path)
+    ref = new_cache(target)
+    prefill(target, torch.cat([prompt[0], root, tokens[path]])[None], ref)
     assert cache.get_seq_length() == ref.get_seq_length() == 6 + 1 + 4
     for a, b in zip(cache.layers, ref.layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
         torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
     # a chain path is a crop
-    decode.verify_forward(target, cache, torch.tensor([9]), Proposal(tokens=tokens[:3]))
-    decode.commit_kv(cache, 11, [0, 1])
+    verify_forward(target, cache, torch.tensor([9]), Proposal(tokens=tokens[:3]))
+    commit_kv(cache, 11, [0, 1])
     assert cache.get_seq_length() == 11 + 1 + 2
 
 
@@ -186,7 +195,7 @@ def test_eagle3_kv_chain_equals_draft_greedy(target, drafters):
     hid = target(ctx, layer_ids=dr.layer_ids).hidden
     prop = Eagle3ChainProposer(dr, k=5)
     n0 = 8  # begin: tokens x_0..x_8, states for x_0..x_7
-    prop.begin(ctx[:, : n0 + 1], {k: v[:, :n0] for k, v in hid.items()}, decode.Sampling())
+    prop.begin(ctx[:, : n0 + 1], {k: v[:, :n0] for k, v in hid.items()}, Sampling())
     got = prop.propose(5).tokens
     ref = dr.draft_greedy({k: v[:, :n0] for k, v in hid.items()}, ctx[:, : n0 + 1], 5)[0]
     assert torch.equal(got, ref)
@@ -198,7 +207,7 @@ def test_eagle3_kv_chain_equals_draft_greedy(target, drafters):
     assert prop.n_real == 11
     # sampled drafts: q over the target vocabulary is the drafter's distribution after the drafted tokens
     prop = Eagle3ChainProposer(dr, k=4)
-    prop.begin(ctx, {k: v[:, :11] for k, v in hid.items()}, decode.Sampling(1.0, generator=g))
+    prop.begin(ctx, {k: v[:, :11] for k, v in hid.items()}, Sampling(1.0, generator=g))
     sampled = prop.propose(4)
     assert sampled.q.shape == (4, V) and torch.allclose(sampled.q.sum(-1), torch.ones(4))
     assert bool((sampled.q[:, ~dr.t2d] == 0).all())  # no mass outside the draft vocabulary
@@ -225,7 +234,7 @@ def test_eagle3_kv_buffer_growth_keeps_the_cache(target, drafters):
     hid = target(ctx, layer_ids=dr.layer_ids).hidden
     prop = Eagle3ChainProposer(dr, k=5)
     n0 = 60
-    prop.begin(ctx[:, : n0 + 1], {k: v[:, :n0] for k, v in hid.items()}, decode.Sampling())
+    prop.begin(ctx[:, : n0 + 1], {k: v[:, :n0] for k, v in hid.items()}, Sampling())
     prop.propose(5)  # drafted scratch entries are written after the real ones, then overwritten
     for n1 in (63, 66, 130, 139):  # accepts that land just below / above a capacity doubling
         prop.accept(ctx[:, n0 + 1 : n1 + 1], {k: v[:, n0:n1] for k, v in hid.items()})
@@ -263,7 +272,7 @@ def test_eagle2_dynamic_tree_matches_a_no_cache_reference(target, drafters):
     ctx = torch.randint(3, V, (1, 10), generator=g)
     hid = {k: v[:, :9] for k, v in target(ctx, layer_ids=dr.layer_ids).hidden.items()}
     prop = Eagle3TreeProposer(dr, depth=4, top_k=3, total_tokens=15)
-    prop.begin(ctx, hid, decode.Sampling())
+    prop.begin(ctx, hid, Sampling())
     tree = prop.propose(10)
     par, toks, depth = tree.parents.tolist(), tree.tokens.tolist(), tree.depth.tolist()
     assert tree.size == 15 and 2 <= max(depth) <= 4 and all(p < j for j, p in enumerate(par))
@@ -284,7 +293,7 @@ def test_eagle2_dynamic_tree_matches_a_no_cache_reference(target, drafters):
             # cumulative log q equals the no-cache drafter's along the path: positions, masks and states right
             assert abs(float(prop.last_scores[j]) - (base + float(ref[t2d[toks[j]]]))) < 1e-4, (p, j)
     assert len(children[-1]) == 3  # the root's top-3 always survive (highest scores)
-    prop.begin(ctx, hid, decode.Sampling())
+    prop.begin(ctx, hid, Sampling())
     assert int(prop.propose(2).depth.max()) == 2  # the engine's budget caps the depth
 
 
@@ -307,7 +316,7 @@ def test_mtp_kv_chain_equals_propose_chain(target, drafters):
     g = torch.Generator().manual_seed(5)
     ctx = torch.randint(3, V, (1, 14), generator=g)
     h = target(ctx, layer_ids=dr.layer_ids).hidden[L]
-    for sampling in (decode.Sampling(), decode.Sampling(1.0, generator=g)):
+    for sampling in (Sampling(), Sampling(1.0, generator=g)):
         prop = MTPProposer(dr, k=4)
         prop.begin(ctx[:, :7], {L: h[:, :6]}, sampling)
         end, k = 7, 4
@@ -330,16 +339,16 @@ def test_greedy_speculative_equals_autoregressive(target, drafters, name):
     accepted = 0
     for i, prompt in enumerate(prompts()):
         n = (17, 22, 30)[i]  # not multiples of K + 1
-        ref = decode.decode_ar(target, prompt, n)
-        res = decode.speculative_decode(target, make_proposer(name, target, drafters), prompt, n)
+        ref = decode_ar(target, prompt, n)
+        res = speculative_decode(target, make_proposer(name, target, drafters), prompt, n)
         assert res.tokens == ref.tokens, (name, i)
         assert res.target_forwards == 1 + res.rounds
         assert len(res.tokens) == 1 + sum(a + 1 for a in res.accepted)  # prefill token + accepted + 1 per round
         accepted += sum(res.accepted)
         # eos inside an accepted run stops exactly where decode_ar stops
         eos = ref.tokens[n // 2]
-        ref_eos = decode.decode_ar(target, prompt, n, eos_id=eos)
-        res_eos = decode.speculative_decode(target, make_proposer(name, target, drafters), prompt, n, eos_id=eos)
+        ref_eos = decode_ar(target, prompt, n, eos_id=eos)
+        res_eos = speculative_decode(target, make_proposer(name, target, drafters), prompt, n, eos_id=eos)
         assert res_eos.tokens == ref_eos.tokens and res_eos.stop == "eos"
     if name in ("ngram", "self_draft", "eagle3_tree", "medusa_tree"):
         assert accepted > 0, name  # the compaction paths actually ran
@@ -382,7 +391,7 @@ class MixedProposer:
 
 
 @torch.no_grad()
-def exact_joint(target: FrozenTarget, prompt: torch.Tensor, n: int, sampling: decode.Sampling) -> dict:
+def exact_joint(target: FrozenTarget, prompt: torch.Tensor, n: int, sampling: Sampling) -> dict:
     """P(first n generated tokens) from the target's processed probabilities, by enumeration."""
     v = target.vocab_size
     probs = {}
@@ -431,15 +440,15 @@ def test_sampled_engine_reproduces_target_distribution(small_target):
     """4 tokens: round 1 drafts 2 deep (chain, deterministic tree or sampled tree), later rounds run on the
     compacted cache. top_k=2 zeroes one token per step, so every draft of it must be rejected."""
     prompt = torch.tensor([[0, 2, 1]])
-    sampling = decode.Sampling(0.8, 1.0, 2)
+    sampling = Sampling(0.8, 1.0, 2)
     exact = exact_joint(small_target, prompt, 4, sampling)
     q0 = torch.tensor([0.5, 0.2, 0.3])
     gen = torch.Generator().manual_seed(123)
     prop = MixedProposer(q0, seed=7)
     samples, accepted, rounds = [], 0, 0
     for _ in range(500):
-        res = decode.speculative_decode(small_target, prop, prompt, 4,
-                                        sampling=decode.Sampling(0.8, top_k=2, generator=gen))
+        res = speculative_decode(small_target, prop, prompt, 4,
+                                        sampling=Sampling(0.8, top_k=2, generator=gen))
         samples.append(tuple(res.tokens))
         accepted += sum(res.accepted)
         rounds += res.rounds
@@ -450,13 +459,13 @@ def test_sampled_engine_reproduces_target_distribution(small_target):
 def test_sampled_draft_model_reproduces_target_distribution(small_target):
     draft = sharp_tiny_llama(9)
     prompt = torch.tensor([[0, 2, 1]])
-    exact = exact_joint(small_target, prompt, 4, decode.Sampling(1.0, 0.9, 0))
+    exact = exact_joint(small_target, prompt, 4, Sampling(1.0, 0.9, 0))
     gen = torch.Generator().manual_seed(321)
     samples, rounds, acc = [], 0, 0
     for _ in range(300):
         prop = DraftModelProposer(draft, k=2, target=small_target)
-        res = decode.speculative_decode(small_target, prop, prompt, 4,
-                                        sampling=decode.Sampling(1.0, top_p=0.9, generator=gen))
+        res = speculative_decode(small_target, prop, prompt, 4,
+                                        sampling=Sampling(1.0, top_p=0.9, generator=gen))
         samples.append(tuple(res.tokens))
         rounds += res.rounds
         acc += sum(res.accepted)
@@ -468,8 +477,8 @@ def test_sampled_draft_model_reproduces_target_distribution(small_target):
 @pytest.mark.parametrize("name", ["ngram", "self_draft", "eagle3_chain", "mtp_chain"])
 def test_batched_greedy_equals_per_row_autoregressive(target, drafters, name):
     ps = prompts(4)  # lengths 5, 8, 11, 28: right padding + per-row positions
-    refs = [decode.decode_ar(target, p, 19) for p in ps]
-    res = decode_batch.speculative_decode_batch(target, batched(name, [make_proposer(name, target, drafters)
+    refs = [decode_ar(target, p, 19) for p in ps]
+    res = speculative_decode_batch(target, batched(name, [make_proposer(name, target, drafters)
                                                                        for _ in ps]), ps, 19)
     for r, ref in zip(res, refs):
         assert r.tokens == ref.tokens
@@ -477,10 +486,10 @@ def test_batched_greedy_equals_per_row_autoregressive(target, drafters, name):
     if name == "self_draft":
         assert all(r.tau > 3 for r in res)
     eos = refs[1].tokens[6]
-    res = decode_batch.speculative_decode_batch(target, batched(name, [make_proposer(name, target, drafters)
+    res = speculative_decode_batch(target, batched(name, [make_proposer(name, target, drafters)
                                                                        for _ in ps]), ps, 19, eos_id=eos)
-    assert [r.tokens for r in res] == [decode.decode_ar(target, p, 19, eos_id=eos).tokens for p in ps]
-    assert [r.tokens for r in decode_batch.decode_ar_batch(target, ps, 19)] == [r.tokens for r in refs]
+    assert [r.tokens for r in res] == [decode_ar(target, p, 19, eos_id=eos).tokens for p in ps]
+    assert [r.tokens for r in decode_ar_batch(target, ps, 19)] == [r.tokens for r in refs]
 
 
 class RaggedChainProposer:
@@ -509,13 +518,13 @@ def test_batched_sampling_reproduces_target_distribution(small_target):
     """8 rows of one prompt per batch; ragged drafts padded with token 0, a real token here, so accepted
     padding (the pad emitted as that position's token) happens often and must keep the output exact."""
     prompt = torch.tensor([0, 2, 1])
-    exact = exact_joint(small_target, prompt[None], 4, decode.Sampling(1.0))
+    exact = exact_joint(small_target, prompt[None], 4, Sampling(1.0))
     gen, g = torch.Generator().manual_seed(11), torch.Generator().manual_seed(12)
     q0 = torch.tensor([0.4, 0.2, 0.4])
     samples, accepted = [], 0
     for _ in range(90):
-        res = decode_batch.speculative_decode_batch(small_target, [RaggedChainProposer(q0, g) for _ in range(8)],
-                                              [prompt] * 8, 4, sampling=decode.Sampling(1.0, generator=gen))
+        res = speculative_decode_batch(small_target, [RaggedChainProposer(q0, g) for _ in range(8)],
+                                              [prompt] * 8, 4, sampling=Sampling(1.0, generator=gen))
         samples += [tuple(r.tokens) for r in res]
         accepted += sum(sum(r.accepted) for r in res)
     assert accepted > 100
@@ -546,11 +555,11 @@ def test_tau_oracle_is_k_plus_one_and_always_wrong_is_one(target):
     k, rounds = 3, 5
     n = 1 + rounds * (k + 1)
     prompt = prompts()[0]
-    ref = decode.decode_ar(target, prompt, n).tokens
-    oracle = decode.speculative_decode(target, ScriptedProposer(ref, k), prompt, n)
+    ref = decode_ar(target, prompt, n).tokens
+    oracle = speculative_decode(target, ScriptedProposer(ref, k), prompt, n)
     assert oracle.tokens == ref and oracle.tau == k + 1 and oracle.rounds == rounds
     assert oracle.acceptance_by_pos == [1.0] * k and oracle.target_forwards == 1 + rounds
-    wrong = decode.speculative_decode(target, ScriptedProposer(ref, k, wrong=True), prompt, n)
+    wrong = speculative_decode(target, ScriptedProposer(ref, k, wrong=True), prompt, n)
     assert wrong.tokens == ref and wrong.tau == 1.0 and wrong.rounds == n - 1
     assert wrong.acceptance_by_pos == [0.0]
     assert oracle.draft_s >= 0 and oracle.verify_s > 0 and oracle.total_s >= oracle.verify_s
@@ -561,7 +570,7 @@ def test_errors_are_one_line(target, drafters, tiny_tokenizer, tmp_path):
     prompt = prompts()[0]
     for kw in ({"temperature": -1.0}, {"temperature": 1.0, "top_p": 0.0}, {"temperature": 1.0, "top_p": 1.5}):
         with pytest.raises(ValueError, match="temperature|top_p"):  # refused where the Sampling is made
-            decode.Sampling(**kw)
+            Sampling(**kw)
     with pytest.raises(ValueError, match="max_nodes"):
         Eagle3TreeProposer(drafters["eagle"], total_tokens=300)
 
@@ -570,7 +579,7 @@ def test_errors_are_one_line(target, drafters, tiny_tokenizer, tmp_path):
             return Proposal(tokens=torch.zeros(300, dtype=torch.long), parents=torch.full((300,), -1))
 
     with pytest.raises(ValueError, match="more than max_nodes=256"):
-        decode.speculative_decode(target, Huge([], 1), prompt, 4)
+        speculative_decode(target, Huge([], 1), prompt, 4)
     with pytest.raises(ValueError, match="3 heads"):
         MedusaProposer(drafters["medusa"], choices=[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)])
     with pytest.raises(ValueError, match="smaller than the target"):
@@ -597,10 +606,10 @@ def test_draft_model_proposer_when_new_tokens_match_all_its_drafts(target, draft
     context) must not leave it with nothing to feed: the next proposal equals a fresh proposer's on that context."""
     p = DraftModelProposer(drafters["draft_lm"], k=3, target=target)
     ctx = prompts(1)[0][0]
-    p.begin(ctx[None], {}, decode.Sampling())
+    p.begin(ctx[None], {}, Sampling())
     drafts = p.propose(3).tokens
     p.accept(drafts[:2][None], {})  # both cached (the third draft was never fed): the cache covers the context
     assert p.seen.shape[0] == p.ctx.shape[0]
     fresh = DraftModelProposer(drafters["draft_lm"], k=3, target=target)
-    fresh.begin(torch.cat([ctx, drafts[:2]])[None], {}, decode.Sampling())
+    fresh.begin(torch.cat([ctx, drafts[:2]])[None], {}, Sampling())
     assert p.propose(3).tokens.tolist() == fresh.propose(3).tokens.tolist()

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from eval import decode
+from eval.decode.single import decode_ar, speculative_decode
 from models import registry
 from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
@@ -152,8 +152,8 @@ def test_cached_drafting_equals_the_no_cache_reference(target):
             self.all_ids = torch.cat([self.all_ids, tokens], 1)
             super().accept(tokens, hidden)
 
-    res = decode.speculative_decode(target, Checked(d), prompt, 24)
-    assert len(checked) >= 5 and res.tokens == decode.decode_ar(target, prompt, 24).tokens
+    res = speculative_decode(target, Checked(d), prompt, 24)
+    assert len(checked) >= 5 and res.tokens == decode_ar(target, prompt, 24).tokens
 
 
 @pytest.mark.parametrize("vocab", [None, 40])
@@ -161,8 +161,8 @@ def test_greedy_dflash_is_lossless(target, vocab):
     d = drafter(target, draft_vocab_size=vocab)
     for seed in range(3):
         prompt = torch.randint(0, V - 1, (1, 6 + seed), generator=torch.Generator().manual_seed(seed))
-        ref = decode.decode_ar(target, prompt, 20)
-        assert decode.speculative_decode(target, DFlashProposer(d), prompt, 20).tokens == ref.tokens
+        ref = decode_ar(target, prompt, 20)
+        assert speculative_decode(target, DFlashProposer(d), prompt, 20).tokens == ref.tokens
 
 
 def test_sampled_dflash_drafts_reproduce_the_target_distribution():
@@ -173,13 +173,13 @@ def test_sampled_dflash_drafts_reproduce_the_target_distribution():
     d = scramble(DFlashDrafter(cfg, small.model.config, small.embed.weight,
                                small.model.get_output_embeddings().weight), seed=3)
     prompt = torch.tensor([[0, 2, 1]])
-    sampling = decode.Sampling(0.8, 1.0, 2)
+    sampling = Sampling(0.8, 1.0, 2)
     exact = exact_joint(small, prompt, 4, sampling)
     gen = torch.Generator().manual_seed(11)
     prop = DFlashProposer(d)
     samples, accepted, rounds = [], 0, 0
     for _ in range(500):
-        res = decode.speculative_decode(small, prop, prompt, 4, sampling=Sampling(0.8, top_k=2, generator=gen))
+        res = speculative_decode(small, prop, prompt, 4, sampling=Sampling(0.8, top_k=2, generator=gen))
         samples.append(tuple(res.tokens))
         accepted += sum(res.accepted)
         rounds += res.rounds
@@ -252,7 +252,7 @@ def _same_proposals(d1, d2, target, prompts):
         a, b = DFlashProposer(d1), DFlashProposer(d2)
         out = target(p[:, :-1], layer_ids=d1.layer_ids)
         hid = {k: v.float() for k, v in out.hidden.items()}
-        s = decode.Sampling()
+        s = Sampling()
         a.begin(p, hid, s)
         b.begin(p, hid, s)
         assert torch.equal(a.propose(9).tokens, b.propose(9).tokens)
@@ -333,8 +333,8 @@ def test_qwen3_target_trains_decodes_losslessly_and_exports(tmp_path):
     scramble(d)
     assert d.head_dim == 16 and d.num_key_value_heads == 2
     prompt = torch.tensor([tok("def add(a, b):\n    return", add_special_tokens=False)["input_ids"]])
-    assert decode.speculative_decode(target, DFlashProposer(d), prompt, 16).tokens == \
-        decode.decode_ar(target, prompt, 16).tokens
+    assert speculative_decode(target, DFlashProposer(d), prompt, 16).tokens == \
+        decode_ar(target, prompt, 16).tokens
     for fmt in ("dflash_speculators", "dflash_zlab"):
         out = export(d, fmt, tmp_path / fmt, target, meta=meta)
         _same_proposals(d, load_export(out, target), target, [prompt])

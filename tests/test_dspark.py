@@ -11,7 +11,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from eval import decode, decode_batch
+from eval.decode.batch import speculative_decode_batch
+from eval.decode.single import decode_ar, speculative_decode
 from models import registry
 from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
@@ -97,10 +98,10 @@ def test_greedy_dspark_is_lossless_and_drafts_b_tokens(target, vocab):
     d = drafter(target, draft_vocab_size=vocab)
     for seed in range(3):
         prompt = torch.randint(0, V - 1, (1, 6 + seed), generator=torch.Generator().manual_seed(seed))
-        ref = decode.decode_ar(target, prompt, 20)
+        ref = decode_ar(target, prompt, 20)
         prop = DFlashProposer(d)
         assert prop.k == 4
-        assert decode.speculative_decode(target, prop, prompt, 20).tokens == ref.tokens
+        assert speculative_decode(target, prop, prompt, 20).tokens == ref.tokens
 
 
 def test_the_head_conditions_each_slot_on_the_previous_draft(target):
@@ -139,12 +140,12 @@ def test_sampled_dspark_reproduces_the_target_distribution():
     generated tokens matches the target's exactly (χ²), with drafts both accepted and rejected."""
     small, d = _sharp_dspark()
     prompt = torch.tensor([[0, 2, 1]])
-    sampling = decode.Sampling(0.8, 1.0, 2)
+    sampling = Sampling(0.8, 1.0, 2)
     exact = exact_joint(small, prompt, 4, sampling)
     gen = torch.Generator().manual_seed(11)
     samples, accepted, rounds = [], 0, 0
     for _ in range(500):
-        res = decode.speculative_decode(small, DFlashProposer(d), prompt, 4,
+        res = speculative_decode(small, DFlashProposer(d), prompt, 4,
                                         sampling=Sampling(0.8, top_k=2, generator=gen))
         samples.append(tuple(res.tokens))
         accepted += sum(res.accepted)
@@ -173,14 +174,14 @@ def test_confidence_scheduled_k_stops_where_the_running_confidence_drops(target)
         out = target(prompt[:, :-1], layer_ids=d.layer_ids)
         p.begin(prompt, {k: v.float() for k, v in out.hidden.items()}, Sampling())
         sizes[m] = p.propose(4).size
-        assert decode.speculative_decode(target, DFlashProposer(d, min_confidence=m), prompt, 16).tokens == \
-            decode.decode_ar(target, prompt, 16).tokens
+        assert speculative_decode(target, DFlashProposer(d, min_confidence=m), prompt, 16).tokens == \
+            decode_ar(target, prompt, 16).tokens
     assert sizes == {0.0: 4, 0.6: 1, 0.45: 2, 0.3: 3}  # slot 0 is always drafted
     rows = [prompt[0], prompt[0, :5]]
     for m in (0.0, 0.45):
-        res = decode_batch.speculative_decode_batch(target, batched("dflash", [DFlashProposer(d, min_confidence=m)
+        res = speculative_decode_batch(target, batched("dflash", [DFlashProposer(d, min_confidence=m)
                                                                                for _ in rows]), rows, 16)
-        assert [r.tokens for r in res] == [decode.decode_ar(target, r, 16).tokens for r in rows]
+        assert [r.tokens for r in res] == [decode_ar(target, r, 16).tokens for r in rows]
     with pytest.raises(ValueError, match="needs a confidence head"):
         DFlashProposer(drafter(target, block_head="none", sample_from_anchor=False), min_confidence=0.5)
 
@@ -201,8 +202,8 @@ def test_verify_costs_schedule_k_from_the_heads_expected_tokens(target, tmp_path
         p = DFlashProposer(d, verify_costs=costs)  # 1.7/1, 2.19/1.2 = 1.825, 2.54/1.4 = 1.81, 2.78/1.6
         p.begin(prompt, {k: v.float() for k, v in out.hidden.items()}, Sampling())
         assert p.propose(4).size == want, costs
-        assert decode.speculative_decode(target, DFlashProposer(d, verify_costs=costs), prompt, 16).tokens == \
-            decode.decode_ar(target, prompt, 16).tokens
+        assert speculative_decode(target, DFlashProposer(d, verify_costs=costs), prompt, 16).tokens == \
+            decode_ar(target, prompt, 16).tokens
     p = SPEC.proposers[0]
     o = p.prepare(d, str(tmp_path), p.options({"verify_costs": "auto"}))
     sized = p.size(d, str(tmp_path), o, lambda k: 1 + 0.2 * k)
@@ -262,8 +263,8 @@ def test_a_second_head_is_one_small_module(target, monkeypatch):
     assert d.block_head.cell.weight_hh.grad.abs().sum() > 0
     d.eval()
     prompt = ids[:1, :7]
-    assert decode.speculative_decode(target, DFlashProposer(d), prompt, 16).tokens == \
-        decode.decode_ar(target, prompt, 16).tokens
+    assert speculative_decode(target, DFlashProposer(d), prompt, 16).tokens == \
+        decode_ar(target, prompt, 16).tokens
     with pytest.raises(ValueError, match="block_head='nope'"):
         drafter(target, block_head="nope")
 
@@ -302,8 +303,8 @@ def test_recipe_dspark_trains_and_warm_starts_from_dflash(target_dir, tmp_path):
     for k, v in df.state_dict().items():  # lr ~ 0: still the warm start's weights
         torch.testing.assert_close(ds.state_dict()[k], v, atol=1e-6, rtol=0, msg=k)
     prompt = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(0))
-    assert decode.speculative_decode(tgt, DFlashProposer(ds), prompt, 12).tokens == \
-        decode.decode_ar(tgt, prompt, 12).tokens
+    assert speculative_decode(tgt, DFlashProposer(ds), prompt, 12).tokens == \
+        decode_ar(tgt, prompt, 12).tokens
     with pytest.raises(ValueError, match="not a DFlash one|no model.safetensors"):
         run(_cfg(target_dir, tmp_path / "bad", "+recipe=dspark", f"draft.config.warm_start={tmp_path}"))
     with pytest.raises(ValueError, match="num_layers=3 but the warm-start"):

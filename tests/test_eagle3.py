@@ -410,7 +410,8 @@ def test_drafting_precision_switch_is_lossless_and_close(weights):
     """``weights``: the proposer drafts with a bf16 / weight-only int8 copy of the drafter (the original is left
     as it is); greedy speculative output stays AR's token for token (B=1 and batched), and the copy's draft
     logits stay close to float32's (a broken kernel or scale would change them wholesale)."""
-    from eval import decode, decode_batch
+    from eval.decode.batch import speculative_decode_batch
+    from eval.decode.single import decode_ar, speculative_decode
     from models.methods.eagle3.kernels import Int8Linear, cached_step, inference_copy
     from models.methods.eagle3.proposers import Eagle3ChainProposer, Eagle3TreeProposer
     from tests.test_decode import batched, drafters, prompts
@@ -421,13 +422,13 @@ def test_drafting_precision_switch_is_lossless_and_close(weights):
     before = {k: v.clone() for k, v in dr.state_dict().items()}
     ps = [p[0] for p in prompts(2)]
     for p in ps:
-        ref = decode.decode_ar(tgt, p, 16).tokens
-        assert decode.speculative_decode(tgt, Eagle3ChainProposer(dr, k=4, weights=weights), p, 16).tokens == ref
+        ref = decode_ar(tgt, p, 16).tokens
+        assert speculative_decode(tgt, Eagle3ChainProposer(dr, k=4, weights=weights), p, 16).tokens == ref
         tree = Eagle3TreeProposer(dr, depth=3, top_k=3, total_tokens=8, weights=weights)
-        assert decode.speculative_decode(tgt, tree, p, 16).tokens == ref
-    got = decode_batch.speculative_decode_batch(tgt, batched("eagle3", [Eagle3ChainProposer(dr, k=4, weights=weights)
+        assert speculative_decode(tgt, tree, p, 16).tokens == ref
+    got = speculative_decode_batch(tgt, batched("eagle3", [Eagle3ChainProposer(dr, k=4, weights=weights)
                                                                          for _ in ps]), ps, 16)
-    assert [r.tokens for r in got] == [decode.decode_ar(tgt, p, 16).tokens for p in ps]
+    assert [r.tokens for r in got] == [decode_ar(tgt, p, 16).tokens for p in ps]
     assert all(torch.equal(before[k], v) for k, v in dr.state_dict().items())  # the drafter itself is untouched
     low = inference_copy(dr, weights)
     assert low is inference_copy(dr, weights) and low is not dr  # built once, reused by every proposer

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from eval import decode
+from eval.decode.single import Sampling
 from models.core.target import FrozenTarget
 from models.core.vocab import build_draft_vocab
 from models.export.api import export, load_export
@@ -94,7 +94,7 @@ def test_training_and_both_proposers_compute_the_same_chain(tc, flags):
     for s in range(k):
         torch.testing.assert_close(steps[s][:, n], chain[:, s], atol=1e-5, rtol=1e-5)
     prop = Eagle3ChainProposer(d, k=k)
-    prop.begin(prefix[:1], {key: v[:1] for key, v in ph.items()}, decode.Sampling())
+    prop.begin(prefix[:1], {key: v[:1] for key, v in ph.items()}, Sampling())
     assert torch.equal(prop.propose(k).tokens, drafts[0])
 
 

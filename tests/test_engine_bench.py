@@ -1,10 +1,10 @@
-"""eval.engine_bench's report from a results dict (no engine needed), and its refusals."""
+"""eval.engines.bench's report from a results dict (no engine needed), and its refusals."""
 
 from __future__ import annotations
 
 import json
 
-from eval.engine_bench import main, render
+from eval.engines.bench import main, render
 
 
 def test_render_lists_every_method_and_refusals():

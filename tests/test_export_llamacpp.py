@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from eval.llamacpp import counts, sum_counts
+from eval.engines.llamacpp import counts, sum_counts
 from models.export import llamacpp as G
 from models.export.shared.common import ExportError
 from tests.test_export import _train

@@ -20,7 +20,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from data.corpus import SourceFile, file_windows
-from eval import decode, decode_batch
+from eval.decode.batch import decode_ar_batch, speculative_decode_batch
+from eval.decode.single import decode_ar, speculative_decode
 from models.core.target import FrozenTarget
 from models.core.vocab import build_draft_vocab
 from models.methods.dflash.config import DFlashConfig
@@ -141,20 +142,20 @@ def test_lossless_greedy_decode_past_the_window(family):
     x = prompts[0][None]
     for _ in range(n):  # the reference: no cache at all
         x = torch.cat([x, t.model(x).logits[:, -1:].argmax(-1)], 1)
-    ref = decode.decode_ar(t, prompts[0], n).tokens
+    ref = decode_ar(t, prompts[0], n).tokens
     assert ref == x[0, prompts[0].numel():].tolist()
     for m in METHODS:
-        assert decode.speculative_decode(t, _proposer(m, dr), prompts[0], n).tokens == ref, m
-    single = [decode.decode_ar(t, p, n).tokens for p in prompts]
-    assert [r.tokens for r in decode_batch.decode_ar_batch(t, prompts, n)] == single
+        assert speculative_decode(t, _proposer(m, dr), prompts[0], n).tokens == ref, m
+    single = [decode_ar(t, p, n).tokens for p in prompts]
+    assert [r.tokens for r in decode_ar_batch(t, prompts, n)] == single
     for m in ("ngram", "eagle3", "mtp", "dspark"):
-        out = decode_batch.speculative_decode_batch(t, batched(m, [_proposer(m, dr), _proposer(m, dr)]), prompts, n)
+        out = speculative_decode_batch(t, batched(m, [_proposer(m, dr), _proposer(m, dr)]), prompts, n)
         assert [r.tokens for r in out] == single, m
 
 
 @pytest.mark.parametrize("family", SLIDING)
 def test_cost_model_measures_sliding_targets_past_the_window(family):
-    from eval.cost_model import measure_costs
+    from eval.bench.cost_model import measure_costs
 
     costs = measure_costs(target_of(family), prefix_len=WINDOW + 8, widths=(1, 4), batch_sizes=(1, 2),
                           k_max_batch=2, reps=1)
@@ -496,10 +497,10 @@ def test_block_drafters_train_decode_and_export_on_family_targets(family, recipe
     prompts = [torch.randint(len(t.tokenizer), (WINDOW + 3,), generator=g),
                torch.randint(len(t.tokenizer), (WINDOW + 7,), generator=g)]
     n = WINDOW + 4
-    single = [decode.decode_ar(t, p, n).tokens for p in prompts]
-    assert decode.speculative_decode(t, make(), prompts[0], n).tokens == single[0]
+    single = [decode_ar(t, p, n).tokens for p in prompts]
+    assert speculative_decode(t, make(), prompts[0], n).tokens == single[0]
     method = "dflash" if recipe == "dspark" else "peagle"
-    assert [r.tokens for r in decode_batch.speculative_decode_batch(t, batched(method, [make(), make()]), prompts,
+    assert [r.tokens for r in speculative_decode_batch(t, batched(method, [make(), make()]), prompts,
                                                                     n)] == single
     formats = {"dspark": ["dspark-speculators", "dspark"], "peagle": ["peagle-speculators"]}[recipe]
     for fmt in formats:

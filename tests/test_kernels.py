@@ -32,7 +32,7 @@ def test_auto_dtype_loads_the_target_in_the_probed_dtype(target_dir):
 def test_probe_cli_writes_the_probe_and_the_gemm_table(target_dir, tmp_path, capsys):
     import json
 
-    from eval.probe import main
+    from eval.bench.probe import main
 
     out = tmp_path / "probe.json"
     main(["--target", str(target_dir), "--max-width", "2", "--reps", "1", "--gemm", "--out", str(out)])

@@ -11,7 +11,13 @@ Layers come from folders (``LAYERS``: no module list), lowest first; a module is
     registry        models/registry.py
     data            data/
     export          models/export/          the rest of it: export, validation, the format table, serving
-    top             train/ and eval/ (not each other)
+    train           train/
+    decode          eval/decode/            the decoding loop (ladder, the B=1 and B-row APIs)
+    bench           eval/bench/             the benchmark harness (python -m eval's work, cost model, report)
+    engines         eval/engines/           vLLM and llama.cpp serving our exports (prompts from eval/bench/)
+    eval            eval/__main__.py        python -m eval
+
+train/ and the four eval layers form the top: train ranks with eval/decode/, and neither group imports the other.
 
 A loose module in models/ outside these folders is in no layer, and reported.
 Also: no import cycle (module-level and function-level imports both count, so a lazy import cannot hide one),
@@ -38,10 +44,16 @@ LAYERS = {
     "data": "data",
     "models/export": "export",
     "train": "train",
+    "eval/decode": "decode",
+    "eval/bench": "bench",
+    "eval/engines": "engines",
     "eval": "eval",
 }
-# rank of each layer; train and eval share the top rank but are separate groups
-RANK = {"core": 0, "export helpers": 1, "methods": 2, "registry": 3, "data": 4, "export": 5, "train": 6, "eval": 6}
+# rank of each layer, lowest first
+RANK = {"core": 0, "export helpers": 1, "methods": 2, "registry": 3, "data": 4, "export": 5, "train": 6,
+        "decode": 6, "bench": 7, "engines": 8, "eval": 9}
+# the top: train/ and eval/ are two groups that must not import each other (eval's layers rank among themselves)
+TOP = {"train": "train", "decode": "eval", "bench": "eval", "engines": "eval", "eval": "eval"}
 
 
 def layer(mod: str) -> str | None:
@@ -174,7 +186,9 @@ def arrow_violations(edges: dict[str, dict[str, int]], mods: dict[str, Path], ro
             if lb is None:
                 continue  # reported as its own module above
             at = f"{mods[a].relative_to(root)}:{line}: {a} ({la}) imports {b} ({lb})"
-            if RANK[lb] > RANK[la]:
+            if la in TOP and lb in TOP and TOP[la] != TOP[lb]:
+                bad.append(f"{at}: {TOP[la]} and {TOP[lb]} must not import each other")
+            elif RANK[lb] > RANK[la]:
                 bad.append(f"{at}: upward arrow")
             elif la != lb and RANK[la] == RANK[lb]:
                 bad.append(f"{at}: {la} and {lb} must not import each other")
@@ -207,9 +221,9 @@ def test_import_graph_is_a_layered_dag_without_private_crossings():
 
 
 def test_the_checker_sees_each_kind_of_violation(tmp_path):
-    """The checker itself: a planted cycle through a function-level import, an upward arrow, a method importing
-    a method, train importing eval, a package __init__ importing above a lower layer it holds, and both spellings of
-    a private import are each reported."""
+    """The checker itself: a planted cycle through a function-level import, an upward arrow (also between eval's
+    layers), a method importing a method, train importing eval, a package __init__ importing above a lower layer
+    it holds, and both spellings of a private import are each reported."""
     files = {
         "models/core/target.py": "def f():\n    from models import registry\n",
         "models/registry.py": "from models.core import target\n",
@@ -218,10 +232,12 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
                                               "vocab._x\n"),
         "models/methods/medusa/net.py": "from models.methods.medusa import _own\n",  # its own package: allowed
         "models/core/vocab.py": "",
-        "train/loop.py": "import eval.decode\n",
+        "train/loop.py": "import eval.decode.single\n",
+        "eval/decode/single.py": "",
+        "eval/bench/report.py": "from eval.engines import serving\n",
+        "eval/engines/serving.py": "",
         "models/export/__init__.py": "from models import registry\n",
         "models/export/shared/common.py": "",
-        "eval/decode.py": "",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -237,7 +253,9 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
     assert "models.core.target (core) imports models.registry (registry): upward arrow" in found
     assert ("models.methods.eagle3 (methods) imports models.methods.medusa (methods):"
             " methods share code only through core") in found
-    assert "train.loop (train) imports eval.decode (eval): train and eval must not import each other" in found
+    assert ("train.loop (train) imports eval.decode.single (decode): train and eval must not import each other"
+            in found)
+    assert "eval.bench.report (bench) imports eval.engines.serving (engines): upward arrow" in found
     assert ("models.export imports models.registry (registry), and it runs before models.export.shared.common"
             " (export helpers): upward arrow") in found
     assert "imports private models.core.target._fp" in found

@@ -298,7 +298,7 @@ def test_block_follows_the_target_family(family):
 def test_hidden_between_depths_cached_proposer_equals_reference(target, between):
     """Depth >= 2 reads shared_head.norm(h) (vLLM/SGLang) or h: the KV-cached proposer follows either exactly, and
     the option really changes the chain (non-unit norm gains, O(1) weights)."""
-    from eval import decode
+    from eval.decode.single import Sampling
     from models.methods.mtp.proposers import MTPProposer
 
     torch.manual_seed(4)
@@ -314,7 +314,7 @@ def test_hidden_between_depths_cached_proposer_equals_reference(target, between)
     ctx = torch.randint(3, V, (1, 12), generator=torch.Generator().manual_seed(5))
     h = target(ctx, layer_ids=[L]).hidden[L]
     prop = MTPProposer(dr, k=4)
-    prop.begin(ctx[:, :8], {L: h[:, :7]}, decode.Sampling())
+    prop.begin(ctx[:, :8], {L: h[:, :7]}, Sampling())
     assert torch.equal(prop.propose(4).tokens, propose_chain(dr, ctx[:, :8], h[:, :7], 4)[0])
     prop.accept(ctx[:, 8:11], {L: h[:, 7:10]})
     assert torch.equal(prop.propose(3).tokens, propose_chain(dr, ctx[:, :11], h[:, :10], 3)[0])

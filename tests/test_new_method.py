@@ -111,7 +111,7 @@ def test_the_toy_trains_benchmarks_and_exports_through_the_real_clis(target_path
 
 def test_toy_decodes_losslessly_and_really_drafts(tiny_llama, tiny_tokenizer):
     """In process, straight from the package (no registry needed): greedy speculative decoding equals AR."""
-    from eval.decode import decode_ar, speculative_decode
+    from eval.decode.single import decode_ar, speculative_decode
 
     target = FrozenTarget(tiny_llama)
     torch.manual_seed(0)

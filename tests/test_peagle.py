@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from eval import decode
+from eval.decode.single import decode_ar, speculative_decode
 from models import registry
 from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
@@ -106,8 +106,8 @@ def test_cached_parallel_drafting_over_a_decode(target):
             checked.append(prop.size)
             return prop
 
-    res = decode.speculative_decode(target, Checked(d), prompt, 24)
-    assert len(checked) >= 5 and res.tokens == decode.decode_ar(target, prompt, 24).tokens
+    res = speculative_decode(target, Checked(d), prompt, 24)
+    assert len(checked) >= 5 and res.tokens == decode_ar(target, prompt, 24).tokens
 
 
 @pytest.mark.parametrize("vocab", [None, 40])
@@ -115,8 +115,8 @@ def test_greedy_peagle_is_lossless(target, vocab):
     d = drafter(target, draft_vocab_size=vocab)
     for seed in range(3):
         prompt = torch.randint(0, V - 1, (1, 6 + seed), generator=torch.Generator().manual_seed(seed))
-        assert decode.speculative_decode(target, PEagleProposer(d), prompt, 20).tokens == \
-            decode.decode_ar(target, prompt, 20).tokens
+        assert speculative_decode(target, PEagleProposer(d), prompt, 20).tokens == \
+            decode_ar(target, prompt, 20).tokens
 
 
 def test_sampled_peagle_reproduces_the_target_distribution():
@@ -132,12 +132,12 @@ def test_sampled_peagle_reproduces_the_target_distribution():
     d = scramble(PEagleDrafter(PEagleConfig(layer_ids=[1, 2, 3], num_depths=3, mask_token_id=2), small.model.config,
                                small.embed.weight, small.model.get_output_embeddings().weight), seed=3)
     prompt = torch.tensor([[0, 2, 1]])
-    sampling = decode.Sampling(0.8, 1.0, 2)
+    sampling = Sampling(0.8, 1.0, 2)
     exact = exact_joint(small, prompt, 4, sampling)
     gen = torch.Generator().manual_seed(11)
     samples, accepted, rounds = [], 0, 0
     for _ in range(500):
-        res = decode.speculative_decode(small, PEagleProposer(d), prompt, 4,
+        res = speculative_decode(small, PEagleProposer(d), prompt, 4,
                                         sampling=Sampling(0.8, top_k=2, generator=gen))
         samples.append(tuple(res.tokens))
         accepted += sum(res.accepted)
@@ -192,8 +192,8 @@ def test_recipe_trains_exports_and_round_trips(target_dir, tmp_path, vocab):
     tgt = FrozenTarget.from_pretrained(str(target_dir))
     d, meta = registry.load_drafter(tmp_path / "run" / "final", tgt)
     prompt = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(0))
-    assert decode.speculative_decode(tgt, PEagleProposer(d), prompt, 12).tokens == \
-        decode.decode_ar(tgt, prompt, 12).tokens
+    assert speculative_decode(tgt, PEagleProposer(d), prompt, 12).tokens == \
+        decode_ar(tgt, prompt, 12).tokens
     out = export(d, "peagle_speculators", tmp_path / "x", tgt, meta=meta)
     assert validate(out, None, tgt) == "peagle_speculators"
     back = load_export(out, tgt)

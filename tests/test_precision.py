@@ -1,4 +1,4 @@
-"""The T=0 lossless check under low precision (eval/precision.py, issue 11 item 8).
+"""The T=0 lossless check under low precision (eval/bench/precision.py, issue 11 item 8).
 
 A tiny Llama built in code, run in bfloat16 and float32. A near-tie is made exact: token ``twin``'s lm_head row
 is a copy of token ``a``'s, so wherever AR emits ``a`` the two logits are equal (argmax takes the lower id) and a
@@ -14,10 +14,11 @@ import json
 import pytest
 import torch
 
-from eval import decode, ladder
-from eval.benchmark import BenchSettings, Method, Prompt, all_lossless, build_methods, run_benchmark, write_json
-from eval.precision import measure_noise
-from eval.report import console_summary, markdown
+from eval.bench.benchmark import BenchSettings, Method, Prompt, all_lossless, build_methods, run_benchmark, write_json
+from eval.bench.precision import measure_noise
+from eval.bench.report import console_summary, markdown
+from eval.decode import ladder
+from eval.decode.single import decode_ar, speculative_decode
 from models.core.target import FrozenTarget
 from tests.conftest import make_tiny_llama
 
@@ -39,12 +40,12 @@ def _build(tok, dtype: torch.dtype):
     t = FrozenTarget(m.to(dtype), tok)
     prompts = [Prompt(tok(x, add_special_tokens=False)["input_ids"], "code", str(i)) for i, x in enumerate(TEXTS)]
     ids = [torch.tensor([p.ids]) for p in prompts]
-    ar = [decode.decode_ar(t, x, MAX_NEW).tokens for x in ids]
+    ar = [decode_ar(t, x, MAX_NEW).tokens for x in ids]
     a = ar[0][2]
     twin = next(i for i in range(t.vocab_size - 1, a, -1) if all(i not in r for r in ar))
     with torch.no_grad():
         m.lm_head.weight[twin] = m.lm_head.weight[a]
-    assert [decode.decode_ar(t, x, MAX_NEW).tokens for x in ids] == ar  # ties go to the lower id: AR unchanged
+    assert [decode_ar(t, x, MAX_NEW).tokens for x in ids] == ar  # ties go to the lower id: AR unchanged
     return t, prompts, a, twin, ar
 
 
@@ -52,7 +53,7 @@ def _swap(a: int, twin: int):
     """A method exact up to the tie: its tokens are speculative decoding's, with the first ``a`` emitted as
     ``twin`` (the other side of an exact tie)."""
     def run(target, proposer, ids, max_new, *args, **kw):
-        r = decode.speculative_decode(target, proposer, ids, max_new, *args, **kw)
+        r = speculative_decode(target, proposer, ids, max_new, *args, **kw)
         if a in r.tokens:
             r.tokens[r.tokens.index(a)] = twin
         return r
@@ -110,7 +111,7 @@ def _accept_everything(proposal, logits, sampling):
 
 
 def _perturb_last(target, proposer, ids, max_new, *args, **kw):
-    r = decode.speculative_decode(target, proposer, ids, max_new, *args, **kw)
+    r = speculative_decode(target, proposer, ids, max_new, *args, **kw)
     r.tokens[-1] = (r.tokens[-1] + 1) % target.vocab_size
     return r
 

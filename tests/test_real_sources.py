@@ -22,7 +22,7 @@ from data.chat import (
     render_chat,
 )
 from data.sources import DataConfig, _regenerated_chat, chat_regen_count, first_exchanges
-from eval.bench_setup import PROMPTS_DIR, load_prompts, prompt_file
+from eval.bench.setup import PROMPTS_DIR, load_prompts, prompt_file
 from models.core.target import EMBEDDED_DIR
 
 # ShareGPT-shaped records whose strings hold the characters a cut can land next to: brackets and braces, escaped

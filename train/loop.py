@@ -195,7 +195,7 @@ def load_target_and_data(t: Training) -> None:
         rate = f", {g['items_per_s']} continuations/s" if g["items_per_s"] else ""
         t.log(f"data: {g['continuations']} target continuations at T={g['temperature']:g} ({g['from_cache']} from "
               f"cache, {g['generated_now']} generated in {g['seconds']:.0f} s{rate})")
-    if d.is_main:  # what the data cost, for the benchmark's training table (eval/report.py)
+    if d.is_main:  # what the data cost, for the benchmark's training table (eval/bench/report.py)
         t.out_dir.mkdir(parents=True, exist_ok=True)
         path = t.out_dir / "data_stats.json"
         prev = json.loads(path.read_text()) if path.exists() else {}

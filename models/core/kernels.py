@@ -10,7 +10,7 @@ Whether bf16 beats fp32 on a CPU depends on the instructions it has, and torch p
 So ``target.dtype=auto`` loads the target in fp32, times a one-row forward at widths 1..K+1 on a KV cache in each
 candidate dtype (``probe``), and keeps the dtype whose one-token step (plain decoding, the baseline every speedup
 divides by) is fastest. The probe is recorded on the model (``draftsmith_kernels``) and in benchmark results.
-Losslessness is then checked against the target in the dtype chosen (eval/precision.py: noise-aware below fp32).
+Losslessness is then checked against the target in the dtype chosen (eval/bench/precision.py: noise-aware below fp32).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a proposer is and what it hands the verifier (core: every method and the engine import this).
 
 ``Sampling`` (how tokens are chosen, the same for target and draft), ``Proposal`` (one round's drafted
-chain or tree), the ``Proposer`` protocol the engine drives (eval/decode.py docstring: context bookkeeping),
+chain or tree), the ``Proposer`` protocol the engine drives (eval/decode/single.py docstring: context bookkeeping),
 and the small helpers proposers share. A tree's depth and ancestors: ``models.core.tree.tree_layout``.
 """
 
@@ -133,7 +133,7 @@ def chain_proposal(tokens: list[Tensor], qs: list[Tensor | None], device: torch.
 
 # --------------------------------------------------------------------------------------------- batched
 class BatchProposer(Protocol):
-    """The batched form the engine drives (eval/ladder.py): one object drafts for every active row of a batch.
+    """The batched form the engine drives (eval/decode/ladder.py): one object drafts for every active row of a batch.
 
     Rows are ragged: ``begin`` gets each row's prompt + first token and the prompts' hidden states right-padded
     into one tensor; each round ``propose`` gets one depth budget per active row and returns one ``Proposal``

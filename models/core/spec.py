@@ -59,7 +59,7 @@ class ProposerSpec:
     # (n-gram → prompt lookup, draft model → assisted generation); None → no HF twin
     hf_peer: Callable[[Mapping[str, Any], Any], tuple[str, dict]] | None = None
     # engine_options(k) → this proposer's options for the K-token chain an engine drafts (the harness side of an
-    # in-engine comparison, eval/engines.py); None → {k_option: k}
+    # in-engine comparison, eval/engines/serving.py); None → {k_option: k}
     engine_options: Callable[[int], dict] | None = None
 
     def options(self, overrides: Mapping[str, Any] | None = None) -> dict:

@@ -210,7 +210,7 @@ def read_marker(marker: Path) -> dict:
 
 
 def serve_args(manifest: dict, target_gguf: str = "target.gguf", draft: str = DRAFT) -> list[str]:
-    """llama.cpp's arguments for this draft: the same ones the engine tier runs (eval/llamacpp.py)."""
+    """llama.cpp's arguments for this draft: the same ones the engine tier runs (eval/engines/llamacpp.py)."""
     return ["-m", target_gguf, "-md", draft, "--spec-type", manifest["spec_type"],
             "--spec-draft-n-max", str(manifest["num_speculative_tokens"])]
 

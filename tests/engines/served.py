@@ -14,7 +14,7 @@ file lock (the first worker trains, exports and serves; the others wait and read
    causal-attention bug) and the eagle3-speculators export loaded as the model (vLLM then reads the target from
    its ``verifier.name_or_path``); the DSpark export once more in vLLM's V2 model runner (the only one that
    runs DSpark), and for both DSpark runs what vLLM's speculators reader makes of its config;
-4. draftsmith's harness on the same prompts at the same K (eval/engines.py ``harness_counts``).
+4. draftsmith's harness on the same prompts at the same K (eval/engines/serving.py ``harness_counts``).
 
 ``DRAFTSMITH_ENGINE_RESULTS=FILE`` re-checks a previous session's results.json instead (iterating on the asserts).
 Without the vLLM venv the tier is skipped (one reason, visible in the summary) unless
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from eval import engines as E
+from eval.engines import serving as E
 
 K = 3  # num_speculative_tokens for EAGLE-3 (the README's default); Medusa: its 3 heads; DFlash: its block - 1
 N_PROMPTS, PROMPT_TOKENS, MAX_NEW = 4, 64, 48

@@ -1,5 +1,5 @@
 """The llama.cpp tier's one expensive step (test_llamacpp.py's session fixture): tiny-code drafters exported with
-``--format gguf`` and served by llama.cpp's own tools (eval/llamacpp.py), next to draftsmith's harness.
+``--format gguf`` and served by llama.cpp's own tools (eval/engines/llamacpp.py), next to draftsmith's harness.
 
 1. train an EAGLE-3, a full-vocabulary DFlash and a DSpark (warm-started from that DFlash) drafter with the recipes
    at small step counts (llama.cpp's DFlash converter has no draft vocabulary), and take the vLLM tier's
@@ -11,7 +11,7 @@
    with a wrong head on this untied target (its converter drops a full-vocabulary draft's lm_head but keeps its
    embedding, and the loader then ties the two);
 3. llama.cpp: AR (llama-completion), n-gram (``ngram-simple``) and each draft (llama-speculative-simple) at T=0 on
-   the same aligned prompts (prompt + t0, see eval/llamacpp.py);
+   the same aligned prompts (prompt + t0, see eval/engines/llamacpp.py);
 4. the harness on the same prompts at the same K.
 
 Without the built tools the tier is skipped (one reason) unless ``DRAFTSMITH_REQUIRE_ENGINES=1``: then it fails.
@@ -25,8 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eval import engines as E
-from eval import llamacpp as L
+from eval.engines import llamacpp as L
+from eval.engines import serving as E
 from models.export import llamacpp as G
 from tests.engines.served import COMMON, RECIPES, _root, _runs_dir, build_once, require_engine
 
@@ -106,7 +106,7 @@ def draft_tie_gaps(target, drafter, ckpt: Path, prompts: list[list[int]], k: int
     import torch
 
     import models.methods.dflash.proposers as P
-    from eval.decode import speculative_decode
+    from eval.decode.single import speculative_decode
 
     gaps, orig = [], P.pick_token
 

@@ -2,7 +2,7 @@
 T=0, with the acceptance draftsmith's harness measured (issue 22). One session fixture (served_llamacpp.py) trains,
 exports (``--format gguf``) and serves everything once.
 
-Tolerance of the acceptance comparison: none, round by round. The engine gets prompt + t0 (eval/llamacpp.py), so
+Tolerance of the acceptance comparison: none, round by round. The engine gets prompt + t0 (eval/engines/llamacpp.py), so
 its rounds start where the harness's do; both decode greedily in float32 with the same weights, so every round
 drafts and accepts the same tokens, except that a request may end with one more engine round: with one token
 left the harness drafts nothing, while llama.cpp reads its draft cap 0 as "the default" and drafts K. So per
@@ -47,7 +47,7 @@ CONTROLS = ["eagle3_shifted_control", "dspark_speculators_control"]
 @pytest.mark.parametrize("name", ["ar", "ngram", *DRAFTS, *CONTROLS])
 def test_llamacpp_decodes_losslessly(served, name):
     """llama.cpp's text continues every prompt exactly as draftsmith's AR tokens (its AR gives exactly them)."""
-    from eval.llamacpp import matches_harness
+    from eval.engines.llamacpp import matches_harness
     from models.core.target import FrozenTarget
 
     tok = FrozenTarget.from_pretrained("tiny-code").tokenizer

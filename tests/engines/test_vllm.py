@@ -3,7 +3,7 @@ measured (issue 22). One session fixture (served.py ``served``) trains, exports 
 
 Tolerance of the acceptance comparison. Both sides decode greedily in float32 with the same drafter weights, so
 every verification round drafts and accepts the same tokens — except in each request's last round:
-- the harness never drafts past ``max_new_tokens`` (it caps the last rounds' depth, eval/decode.py);
+- the harness never drafts past ``max_new_tokens`` (it caps the last rounds' depth, eval/decode/single.py);
 - vLLM drafts K there anyway, counts that draft, and counts tokens accepted past ``max_tokens``.
 So per prompt vLLM has at most one more draft, and each per-position count may be at most one higher (never
 lower): over N prompts, 0 <= engine - harness <= N for the draft count and for every position. A drafter served

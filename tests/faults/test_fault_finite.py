@@ -93,7 +93,7 @@ def test_export_validator_refuses_nan_weights(target_dir, trained, tmp_path):
 
 
 def test_eval_refuses_nan_drafter(target_dir, trained, tmp_path):
-    from eval.bench_setup import build_methods
+    from eval.bench.setup import build_methods
 
     bad = _poison(trained / "final", tmp_path / "nan")
     target = FrozenTarget.from_pretrained(str(target_dir))

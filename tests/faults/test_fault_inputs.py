@@ -146,8 +146,8 @@ def test_truncated_feature_shard_names_the_path(target_dir, tmp_path):
 
 @pytest.mark.parametrize("n,eos_first", [(1, False), (4, True)])
 def test_batched_decode_rows_all_finished_at_prefill(tiny_llama, n, eos_first):
-    from eval.decode import decode_ar, speculative_decode
-    from eval.decode_batch import decode_ar_batch, speculative_decode_batch
+    from eval.decode.batch import decode_ar_batch, speculative_decode_batch
+    from eval.decode.single import decode_ar, speculative_decode
     from models.core.target import FrozenTarget
     from models.methods.ngram import NGramProposer
     from tests.test_decode import batched
@@ -167,7 +167,7 @@ def test_batched_decode_rows_all_finished_at_prefill(tiny_llama, n, eos_first):
 
 
 def test_speedup_estimate_resists_a_stalled_repetition():
-    from eval.bench_stats import paired_speedup
+    from eval.bench.stats import paired_speedup
 
     # method 2x faster than AR; AR's second repetition stalled 50x on one prompt
     t_ar = [[1.0, 1.0], [50.0, 1.0]]
@@ -198,7 +198,7 @@ def test_eval_named_method_that_cannot_run_is_an_error(target_dir, tmp_path):
 
 
 def test_eval_infinite_temperature_refused_up_front():
-    from eval.bench_setup import BenchSettings
+    from eval.bench.setup import BenchSettings
 
     with pytest.raises(ValueError, match="temperatures: inf is not finite"):
         BenchSettings(temperatures=[0, float("inf")])
@@ -275,7 +275,7 @@ def test_conversation_dropped_beyond_max_len_is_counted(tmp_path, tiny_tokenizer
 
 
 def test_eval_reads_sharegpt_prompt_files_as_training_does(tmp_path, tiny_tokenizer):
-    from eval.bench_setup import load_prompts
+    from eval.bench.setup import load_prompts
 
     sg, oa = tmp_path / "sg.jsonl", tmp_path / "oa.jsonl"
     sg.write_text(json.dumps({**GOOD, "category": "chat"}) + "\n")
@@ -291,7 +291,7 @@ def test_eval_reads_sharegpt_prompt_files_as_training_does(tmp_path, tiny_tokeni
 def _eval_cfg(target_dir, tmp_path, *over):
     from hydra import compose, initialize_config_dir
 
-    from eval.defaults import register
+    from eval.bench.defaults import register
     from tests.faults.fault_helpers import CONF
 
     register()  # the registry's method rows (methods, checkpoints, options, ...) that conf/eval.yaml composes
@@ -318,7 +318,7 @@ def test_eval_with_fewer_prompts_than_asked_warns_and_records_both(target_dir, t
 
 
 def test_recommendation_of_zero_says_speculation_does_not_pay():
-    from eval.report import console_summary
+    from eval.bench.report import console_summary
     from tests.faults.fault_helpers import ROOT
 
     res = json.loads((ROOT / "bench" / "results" / "results.json").read_text())

@@ -9,7 +9,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from eval.bench_setup import PROMPTS_DIR, load_prompts
+from eval.bench.setup import PROMPTS_DIR, load_prompts
 from models.core.target import EMBEDDED_DIR
 
 ODD = ["x" * 3000, " " * 2000 + "def f():" + "\n" * 900 + "    pass", "é" * 1500 + " ü" * 1500,

@@ -1,9 +1,9 @@
 """AR, plain autoregressive decoding, as a method whose proposer drafts nothing (module-free: source "none").
 
-It is the benchmark's baseline (``ProposerSpec.baseline``): eval times it with eval/decode.py ``decode_ar`` — a
+It is the benchmark's baseline (``ProposerSpec.baseline``): eval times it with eval/decode/single.py ``decode_ar`` — a
 lean loop without proposer overhead — and checks every other method's T=0 tokens against it. Its proposers here
 make the same decoding available through the speculative engine (every round verifies the root alone, so the
-output is AR's): ``NoDraftProposer`` for one sequence, ``NoDrafts`` for a batch (eval/decode_batch.py
+output is AR's): ``NoDraftProposer`` for one sequence, ``NoDrafts`` for a batch (eval/decode/batch.py
 ``decode_ar_batch``: the batched engine with empty drafts).
 """
 

@@ -161,7 +161,8 @@ SPEC = MethodSpec(
     proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o),
                             {"k": "auto", "min_confidence": 0.0, "verify_costs": None},
                             prepare=_prepare_k, size=_size_k, batched=DFlashProposer.batched, recommend_rank=1,
-                            # what vLLM drafts (eval/engines.py): K slots every round, DSpark's Markov head on, no
-                            # confidence-scheduled K (vLLM 0.32 runs that head only with enable_adaptive_verification)
+                            # what vLLM drafts (eval/engines/serving.py): K slots every round, DSpark's Markov head
+                            # on, no confidence-scheduled K (vLLM 0.32 runs that head only with
+                            # enable_adaptive_verification)
                             engine_options=lambda k: {"k": int(k), "min_confidence": 0.0, "verify_costs": None}),),
 )

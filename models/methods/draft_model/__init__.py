@@ -44,7 +44,7 @@ class DraftModelProposer:
         self.sampling = sampling
         self.ctx = tokens[0].long().clone()
         self.seen = torch.zeros(0, dtype=torch.long, device=self.ctx.device)  # tokens in the draft cache
-        self.cache = DynamicCache()  # every layer croppable, sliding ones too (eval/window.py)
+        self.cache = DynamicCache()  # every layer croppable, sliding ones too (eval/decode/window.py)
 
     @torch.no_grad()
     def _forward(self, ids: Tensor) -> Tensor:

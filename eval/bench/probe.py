@@ -1,4 +1,4 @@
-"""`python -m eval.probe --target smollm2`: which dtype this machine runs the target fastest in
+"""`python -m eval.bench.probe --target smollm2`: which dtype this machine runs the target fastest in
 (models/core/kernels.py), as JSON: t(w) for widths 1..K+1 per dtype, t(w)/t(1), the CPU's SIMD flags and the
 choice ``target.dtype=auto`` would make."""
 
@@ -40,11 +40,11 @@ def gemm_table(model, reps: int, rows: Sequence[int] = (1, 2, 4, 8, 16, 64)) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m eval.probe --target smollm2 [--out probe.json]``: the probe alone, as JSON."""
+    """``python -m eval.bench.probe --target smollm2 [--out probe.json]``: the probe alone, as JSON."""
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(prog="python -m eval.probe", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m eval.bench.probe", description=main.__doc__)
     ap.add_argument("--target", default="tiny-code")
     ap.add_argument("--prefix-len", type=int, default=128)
     ap.add_argument("--max-width", type=int, default=6, help="widths 1..this (K+1 of a chain of K drafts)")

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RUNNER = REPO / "scripts" / "vllm_runner.py"
 VLLM_VERSION = "0.32.0"
 
@@ -101,7 +101,7 @@ def harness_counts(target: Any, method: str, drafter: Any, checkpoint: str | Non
     vLLM's definitions (see the module docstring)."""
     import torch
 
-    from eval.decode import speculative_decode
+    from eval.decode.single import speculative_decode
 
     outs, rounds, pos, acc, drafted, by_round = [], 0, [0] * k, 0, 0, []
     for p in prompts:
@@ -121,7 +121,7 @@ def harness_counts(target: Any, method: str, drafter: Any, checkpoint: str | Non
 def ar_outputs(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
     import torch
 
-    from eval.decode import decode_ar
+    from eval.decode.single import decode_ar
 
     return [decode_ar(target, torch.tensor([list(p)], device=_device(target)), max_new_tokens).tokens for p in prompts]
 

@@ -12,7 +12,7 @@ Measured per (method, temperature):
 * lossless: at T = 0 every method's tokens must equal AR's for every prompt and repetition (and, in the batch
   sweep, every row must equal batched AR's row). Any mismatch marks the method ``lossless: false``; the CLI
   exits non-zero. In fp16/bf16 a mismatch at a near-tie the dtype's measured noise explains is tolerated but
-  still reported with its gap (eval/precision.py).
+  still reported with its gap (eval/bench/precision.py).
 * cost model: c = draft seconds per drafted node / the target's cost per call (AR's in-situ seconds per decode
   step); v(K) = (K+1)-token forward / 1-token forward, microbenchmarked on a cache of the mid-generation
   length; bound = τ / (K̄·c + v̄) with K̄ the mean drafted nodes per round (tree size for trees) and v̄ the
@@ -39,7 +39,7 @@ Results schema (``run_benchmark``'s dict; ``write_json`` turns int keys into str
     settings {BenchSettings fields}, prompts {source, n, categories {cat: n}, tokens {mean, min, max}, labels},
     cost_model {prefix_len, reps, t_target_s, t_ar_step_s {T: s}, verify {K: v(K)}, batch {B: {K: w_B(K)}},
         draft_s_per_round {chain method: {B: {K: s}}}},
-    precision {dtype, exact, noise, threshold, slack, noise_positions, noise_width} (eval/precision.py),
+    precision {dtype, exact, noise, threshold, slack, noise_positions, noise_width} (eval/bench/precision.py),
     methods {name: {kind, k, chain, checkpoint, options, lossless, mismatches [..20], n_mismatches, n_tolerated,
         divergences [{where, rep, prompt|row.., first_diff, ar_token, token, gap, top2_gap, noise, threshold,
         tolerated}]}},
@@ -64,10 +64,10 @@ Results schema (``run_benchmark``'s dict; ``write_json`` turns int keys into str
     recommended_num_speculative_tokens_by_batch {B: K*, 0 = off}, speculation_pays_at_batch_1,
     lossless (all methods).
 
-Layout (split for readability): eval/bench_setup.py (method kinds, prompts, methods, settings), eval/cost_model.py
-(forward-cost microbenchmark, policy formulas), eval/bench_stats.py (pooled accounting, per-run summaries),
-eval/peers.py (HF peers), eval/batch_sweep.py (batch sweep). This module runs them (``run_benchmark``), writes
-the JSON and re-exports their names.
+Layout (split for readability): eval/bench/setup.py (method kinds, prompts, methods, settings), eval/bench/cost_model.py
+(forward-cost microbenchmark, policy formulas), eval/bench/stats.py (pooled accounting, per-run summaries),
+eval/bench/peers.py (HF peers), eval/bench/batch_sweep.py (batch sweep). This module runs them (``run_benchmark``),
+writes the JSON and re-exports their names.
 """
 
 from __future__ import annotations
@@ -90,16 +90,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 # the split-out parts of the harness; the public names (``__all__``) still import from here
-from eval.batch_sweep import batch_sweep, seeded_generator
-from eval.bench_setup import (
-    BenchSettings,
-    Method,
-    Prompt,
-    build_methods,
-    load_prompts,
-)
-from eval.bench_stats import Pooled, lossless_single, summaries
-from eval.cost_model import (
+from eval.bench.batch_sweep import batch_sweep, seeded_generator
+from eval.bench.cost_model import (
     choose_k,
     crossover_batch_size,
     draft_round_costs,
@@ -108,10 +100,18 @@ from eval.cost_model import (
     measure_draft_costs,
     predicted_speedup,
 )
-from eval.decode import DecodeResult, decode_ar, speculative_decode
-from eval.peers import hf_generate, peer_runs, peer_summaries
-from eval.precision import Judge, failures
-from eval.training import collect as collect_training
+from eval.bench.peers import hf_generate, peer_runs, peer_summaries
+from eval.bench.precision import Judge, failures
+from eval.bench.setup import (
+    BenchSettings,
+    Method,
+    Prompt,
+    build_methods,
+    load_prompts,
+)
+from eval.bench.stats import Pooled, lossless_single, summaries
+from eval.bench.training import collect as collect_training
+from eval.decode.single import DecodeResult, decode_ar, speculative_decode
 from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
 
@@ -247,7 +247,7 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
     results = _results(target, methods, prompts, s, prompt_source, costs, judge, mismatches, single)
     results.update(skipped=dict(skipped or {}), runs=runs, peers=peer_summaries(single, s), policy=policy,
                    batch=batch)
-    # what each drafter cost to train and its learning curve (eval/training.py, from its run directory)
+    # what each drafter cost to train and its learning curve (eval/bench/training.py, from its run directory)
     # (a variant with a drafter of its own under its name; one sharing its method's is reported once, there)
     results["training"] = collect_training((m.variant_of and m.name or m.kind, m.checkpoint)
                                            for m in methods if not m.baseline)
@@ -269,7 +269,8 @@ def _cost_tables(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
     prefix_len = round(statistics.mean(len(p.ids) for p in prompts)) + s.max_new_tokens // 2  # mid-generation
     costs = measure_costs(target, prefix_len, widths, sorted({1, *s.batch_sizes}), k_chain, s.cost_reps, s.seed)
     # the dtype's numeric noise between a verification-width forward and AR's one-token step: the T=0 check is
-    # exact in fp32, in fp16/bf16 a divergence fails only where the target's own gap exceeds it (eval/precision.py)
+    # exact in fp32, in fp16/bf16 a divergence fails only where the target's own gap exceeds it
+    # (eval/bench/precision.py)
     judge = Judge.measure(target, ids, widths)
     for m in drafting:
         m.size_tree(target, lambda n: interp(costs["verify"], n), costs["t_target_s"])

@@ -1,6 +1,6 @@
 """Decoding engine for the frozen target: plain autoregressive decoding and lossless speculative decoding.
 
-The single-sequence API over the batched ladder (eval/ladder.py, gpt-fast style), whose B=1 call
+The single-sequence API over the batched ladder (eval/decode/ladder.py, gpt-fast style), whose B=1 call
 ``speculative_decode`` is:
 
     new_cache → prefill → sample_token                         (both decoders)
@@ -24,7 +24,7 @@ drafts), i.e. always exactly one hidden row per new token.
 
 τ (tokens per target forward, bonus included) = mean over verification rounds of (accepted + 1); the prefill
 forward, which emits the first token, is counted in ``target_forwards`` but is not a round.
-``speculative_decode_batch`` / ``decode_ar_batch`` (eval/decode_batch.py) are the same ladder at B rows, with one
+``speculative_decode_batch`` / ``decode_ar_batch`` (eval/decode/batch.py) are the same ladder at B rows, with one
 batched verification forward and, for proposers with a batched form, one drafter forward per round for all rows.
 The step functions here (``prefill``, ``verify_inputs``, ``verify_forward``, ``commit_kv``) are the ladder's
 steps at B=1, in their single-sequence signatures.
@@ -36,9 +36,9 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from eval import ladder
-from eval.decode_result import DecodeResult, check_prompt, check_proposal, device_time
-from eval.ladder import accept_proposal, new_cache, sample_token
+from eval.decode import ladder
+from eval.decode.ladder import accept_proposal, new_cache, sample_token
+from eval.decode.result import DecodeResult, check_prompt, check_proposal, device_time
 from models.core.proposal import MAX_TREE_NODES, PerRowProposers, Proposal, Proposer, Sampling
 from models.core.target import FrozenTarget, TargetOutput
 
@@ -150,7 +150,7 @@ def speculative_decode(
     eos_id: int | None = None,
     max_nodes: int = MAX_TREE_NODES,
 ) -> DecodeResult:
-    """Lossless speculative decoding of one sequence (the ladder, eval/ladder.py ``decode``, at B=1): greedy
+    """Lossless speculative decoding of one sequence (the ladder, eval/decode/ladder.py ``decode``, at B=1): greedy
     output equals ``decode_ar``'s token for token; sampled output follows the target's processed distribution
     exactly (models/core/verify.py). ``sampling``: how tokens are chosen (None: greedy).
 

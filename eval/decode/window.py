@@ -53,7 +53,7 @@ def apply_window(config: PretrainedConfig, mask: Tensor | None, q_pos: Tensor, k
 
 
 def batch_key_positions(lens: Tensor, start: int, width: int) -> Tensor:
-    """[A, start+width] RoPE positions of the batched cache's keys (eval/ladder.py): row a's valid prefix
+    """[A, start+width] RoPE positions of the batched cache's keys (eval/decode/ladder.py): row a's valid prefix
     entries sit at their index, its ``width`` new entries (written at ``start``) at lens[a] + i. Entries past a
     row's length are padding, hidden by the mask whatever their position."""
     idx = torch.arange(start + width, device=lens.device)[None].expand(lens.shape[0], -1)

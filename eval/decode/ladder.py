@@ -16,7 +16,7 @@
 The cache is shared by the rows: row a's valid entries are [0, lens[a]) and anything up to the cache length
 is garbage hidden by the mask. At B=1 the cache never holds padding, chains get no mask (plain causal), and the
 proposer (``PerRowProposers``) receives exactly the tensors of the historical B=1 engine, so results are
-unchanged. Context bookkeeping (what ``begin`` / ``accept`` receive): eval/decode.py's docstring.
+unchanged. Context bookkeeping (what ``begin`` / ``accept`` receive): eval/decode/single.py's docstring.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
-from eval.decode_result import DecodeResult, check_prompt, check_proposal, device_time
-from eval.window import apply_window, full_cache
+from eval.decode.result import DecodeResult, check_prompt, check_proposal, device_time
+from eval.decode.window import apply_window, full_cache
 from models.core import verify
 from models.core.proposal import MAX_TREE_NODES, BatchProposer, Proposal, Sampling, right_pad
 from models.core.target import FrozenTarget, TargetOutput
@@ -42,7 +42,7 @@ __all__ = ["new_cache", "prefill", "sample_token", "batch_mask", "verify_inputs"
 # --------------------------------------------------------------------------------------------- basic steps
 def new_cache(target: FrozenTarget) -> DynamicCache:
     """An empty KV cache for the target (transformers DynamicCache, one layer per decoder layer). Every layer keeps
-    every entry, sliding ones included, so rejected drafts can be cropped (eval/window.py)."""
+    every entry, sliding ones included, so rejected drafts can be cropped (eval/decode/window.py)."""
     return full_cache()
 
 
@@ -134,7 +134,7 @@ def verify_forward(target: FrozenTarget, cache: DynamicCache, roots: Tensor, pro
     their KV at start..start+W-1). logits [A, W, V]: row a's entry 0 follows its root, entry j+1 its node j."""
     start = cache.get_seq_length()
     ids, pos, mask = verify_inputs(roots, props, lens, start, target.model.dtype, pad_id)
-    if mask is not None:  # a custom mask must carry a sliding window itself (eval/window.py)
+    if mask is not None:  # a custom mask must carry a sliding window itself (eval/decode/window.py)
         k_pos = torch.cat([torch.arange(start, device=pos.device).expand(pos.shape[0], -1), pos], dim=1)
         mask = apply_window(target.model.config, mask, pos, k_pos)
     return target(ids, layer_ids=layer_ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)

@@ -1,6 +1,6 @@
-"""Results JSON (eval/benchmark.py) → a markdown report, PNG plots and a console summary.
+"""Results JSON (eval/bench/benchmark.py) → a markdown report, PNG plots and a console summary.
 
-    python -m eval.report bench/results/results.json [--out DIR]    # re-render an existing results file
+    python -m eval.bench.report bench/results/results.json [--out DIR]    # re-render an existing results file
 
 Files written: ``results.md``; ``tau_speedup.png`` (τ and speedup per method and temperature, speedup with its
 min–max over repetitions and the cost-model bound), ``acceptance.png`` (acceptance rate by draft position) and,
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eval import training
+from eval.bench import training
 
 __all__ = ["normalize", "markdown", "console_summary", "plot", "write_report", "PLOTS"]
 
@@ -25,7 +25,7 @@ PLOTS = ("tau_speedup.png", "acceptance.png", "batch_speedup.png", "learning_cur
 
 def normalize(results: Mapping[str, Any]) -> dict:
     """The JSON view of a results dict (string keys, NaN → None), so in-memory and on-disk results render alike."""
-    from eval.benchmark import jsonable
+    from eval.bench.benchmark import jsonable
 
     return json.loads(json.dumps(jsonable(results)))
 
@@ -174,7 +174,7 @@ def _cost_md(r: dict) -> list[str]:
 
 
 def _divergences_md(r: dict) -> list[str]:
-    """The precision line and every T=0 divergence from AR, tolerated or not, with its gap (eval/precision.py)."""
+    """The precision line and every T=0 divergence from AR, tolerated or not, with its gap (eval/bench/precision.py)."""
     p = r.get("precision")
     if not p:
         return []
@@ -382,7 +382,7 @@ def write_report(results: Mapping[str, Any], out_dir: str | Path) -> dict[str, P
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m eval.report", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m eval.bench.report", description=__doc__.splitlines()[0])
     p.add_argument("results", help="results.json written by `python -m eval`")
     p.add_argument("--out", help="output directory (default: next to the results file)")
     a = p.parse_args(argv)

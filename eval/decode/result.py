@@ -1,5 +1,5 @@
 """What a decoding run returns (``DecodeResult``) and the small checks and clocks the engine shares
-(eval/ladder.py, eval/decode.py, eval/decode_batch.py)."""
+(eval/decode/ladder.py, eval/decode/single.py, eval/decode/batch.py)."""
 
 from __future__ import annotations
 

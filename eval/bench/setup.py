@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from eval.decode import DecodeResult
+from eval.decode.single import DecodeResult
 from models import registry
 from models.core import verify
 from models.core.proposal import batch_proposer
 from models.core.spec import MethodSpec, ProposerSpec
 from models.core.target import FrozenTarget
 
-# the harness's logger, kept from before the split (logging config and filters on "eval.benchmark" still apply)
-log = logging.getLogger("eval.benchmark")
+# the harness's logger: eval/bench/benchmark.py runs the harness, its modules log under its name
+log = logging.getLogger("eval.bench.benchmark")
 
 
 # --------------------------------------------------------------------------------------------- inputs
@@ -153,7 +153,7 @@ class BenchSettings:
         self.batch_sizes = sorted(set(bs))
 
 
-PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"
 
 
 def prompt_file(source: str | Path) -> Path:

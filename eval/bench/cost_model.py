@@ -3,11 +3,11 @@
 ``measure_costs`` times v(K) (a (K+1)-token verify forward) and w_B(K) (a B-row one) in units of one single-token
 forward; ``predicted_speedup`` / ``choose_k`` turn per-position acceptance (models/core/acceptance.py ``chain_tau``)
 and the draft cost into K*(B); ``crossover_batch_size`` finds where speculation stops paying (formulas:
-eval/benchmark.py's docstring). ``measure_draft_costs`` times one batched drafting round (propose + accept for
+eval/bench/benchmark.py's docstring). ``measure_draft_costs`` times one batched drafting round (propose + accept for
 all B rows, through the method's batched proposer) per B and K, so the policy uses the measured cost of drafting
 a batch instead of assuming B·K·c (B proposers one after another; a batched drafter such as DFlash costs about
 one forward).
-eval/benchmark.py re-exports every name.
+eval/bench/benchmark.py re-exports every name.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.decode_result import device_time
-from eval.ladder import batch_mask, new_cache, prefill
-from eval.window import apply_window, batch_key_positions
+from eval.decode.ladder import batch_mask, new_cache, prefill
+from eval.decode.result import device_time
+from eval.decode.window import apply_window, batch_key_positions
 from models.core.acceptance import best_by_cost, chain_tau
 from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
@@ -58,10 +58,11 @@ def measure_costs(
         for w in sorted(set(ws)):
             x = torch.randint(vocab, (b, w), generator=g).to(device)
             pos = torch.arange(prefix_len, prefix_len + w, device=device)[None].expand(b, -1)
-            # the batched engine always passes its 4D mask (eval/decode.py); B=1 chains use plain causal attention
+            # the batched engine always passes its 4D mask (eval/decode/single.py); B=1 chains use plain causal
+            # attention
             mask = None if b == 1 else batch_mask(torch.full((b,), prefix_len, device=device), prefix_len, w,
                                                    target.model.dtype)
-            if mask is not None:  # the batched engine's windowed masks (eval/window.py), so the timing is its
+            if mask is not None:  # the batched engine's windowed masks (eval/decode/window.py), so the timing is its
                 mask = apply_window(target.model.config, mask, pos,
                                     batch_key_positions(torch.full((b,), prefix_len, device=device), prefix_len, w))
             samples = []

