@@ -5,7 +5,7 @@
         [--n-prompts 8] [--max-new-tokens 64] [--batch-sizes 1 4] [--out bench/engines]
 
 Exports each checkpoint in the format vLLM serves (eagle3, medusa-vllm, dflash-speculators), serves AR, n-gram and
-every drafter in one vLLM process (scripts/vllm_runner.py in .venv-vllm) at batch 1 and each batch size, and
+every drafter in one vLLM process (eval/engines/vllm_runner.py in .venv-vllm) at batch 1 and each batch size, and
 decodes the same prompts with draftsmith's harness at the same K. Writes OUT/results.json and OUT/results.md:
 vLLM tokens/s and speedup over vLLM's own AR per batch size, vLLM's per-position acceptance (unconditional) and
 tokens per round (generated / drafts) beside the harness's, and whether the engine's tokens equal AR's.

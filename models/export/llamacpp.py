@@ -1,5 +1,5 @@
 """GGUF for llama.cpp: a drafter written in the HF layout llama.cpp's converter reads, then converted by llama.cpp's
-own ``convert_hf_to_gguf.py`` (the sources scripts/build_llama_cpp.sh unpacks; scripts/convert_gguf.py wraps it).
+own ``convert_hf_to_gguf.py`` (the sources scripts/build_llama_cpp.sh unpacks; models/export/convert_gguf.py wraps it).
 
 Which layout: the first of the method's format rows that names a llama.cpp ``--spec-type`` (``ExportFormat.llamacpp``)
 and builds for this drafter. EAGLE-3 → ``eagle3`` (LlamaForCausalLMEagle3); DFlash → the z-lab layout (llama.cpp's
@@ -38,7 +38,8 @@ from .formats import export_format
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp we build and convert with
-CONVERTER = REPO / "scripts" / "convert_gguf.py"
+# run by its file path: it puts llama.cpp's own gguf-py first on the path before anything imports gguf
+CONVERTER = Path(__file__).resolve().parent / "convert_gguf.py"
 MARKER, DRAFT = "gguf.json", "draft.gguf"
 
 
@@ -224,7 +225,7 @@ def readme(m: dict) -> str:
         f"{m['llama_cpp_python_sources']} sources, {m['outtype']}; sha256 in `{MARKER}`). Serve it beside the target "
         "it was trained for, converted by the same converter:", "",
         "```bash",
-        f"python scripts/convert_gguf.py {target} --outfile target.gguf --outtype f32   # once (draftsmith checkout)",
+        f"python -m models.export.convert_gguf {target} --outfile target.gguf --outtype f32   # once (with draftsmith)",
         f"llama-speculative-simple {args} --temp 0 -p \"...\" -n 128",
         f"llama-server {args}",
         "```", "",

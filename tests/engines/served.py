@@ -9,7 +9,7 @@ file lock (the first worker trains, exports and serves; the others wait and read
    ``DRAFTSMITH_ENGINE_CACHE=DIR`` keeps them across sessions);
 2. export them in every format vLLM 0.32 can be asked to serve, and check the serving manifest (``validate``
    with the serving mode the runs use: plain text, no thinking);
-3. one vLLM subprocess (scripts/vllm_runner.py in .venv-vllm) serving AR, n-gram and every export at T=0 on the
+3. one vLLM subprocess (eval/engines/vllm_runner.py in .venv-vllm) serving AR, n-gram and every export at T=0 on the
    same prompts, plus two controls: the DFlash export with the old ``sliding_window_non_causal: false`` (the
    causal-attention bug) and the eagle3-speculators export loaded as the model (vLLM then reads the target from
    its ``verifier.name_or_path``); the DSpark export once more in vLLM's V2 model runner (the only one that

