@@ -26,7 +26,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from data.chat_spans import ChatMaskError, char_spans, fold_system, has_generation_markers, template_kwargs
-from data.packaged import PACKAGE_SOURCES, end_note, iter_json_array, package_source  # noqa: F401 (re-exported)
+from data.packaged import PACKAGE_SOURCES, end_note, iter_json_array, package_source
 
 log = logging.getLogger(__name__)
 

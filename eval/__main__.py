@@ -18,9 +18,10 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from eval.bench.benchmark import BenchSettings, all_lossless, build_methods, load_prompts, run_benchmark, write_json
+from eval.bench.benchmark import all_lossless, run_benchmark, write_json
 from eval.bench.defaults import register
 from eval.bench.report import console_summary, write_report
+from eval.bench.setup import BenchSettings, build_methods, load_prompts
 from models.core.checkpoint import NoSpaceError, out_of_space_as_error
 
 log = logging.getLogger("eval")

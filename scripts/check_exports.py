@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from data.corpus import heldout_prompts
-from eval.decode.single import Sampling, accept_proposal, commit_kv, new_cache, prefill, verify_forward
+from eval.decode.ladder import accept_proposal, new_cache
+from eval.decode.single import commit_kv, prefill, verify_forward
 from models import registry
+from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
 from models.export.api import export, load_export
 from models.export.shared.common import ExportError

@@ -27,21 +27,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from eval.bench.benchmark import (
-    BenchSettings,
-    Method,
-    Prompt,
-    all_lossless,
-    build_methods,
-    choose_k,
-    crossover_batch_size,
-    draft_round_costs,
-    load_prompts,
-    predicted_speedup,
-    run_benchmark,
-    write_json,
-)
+from eval.bench.benchmark import all_lossless, run_benchmark, write_json
+from eval.bench.cost_model import choose_k, crossover_batch_size, draft_round_costs, predicted_speedup
 from eval.bench.report import console_summary, markdown, write_report
+from eval.bench.setup import BenchSettings, Method, Prompt, build_methods, load_prompts
 from eval.decode import ladder
 from eval.decode.single import speculative_decode
 from models import registry

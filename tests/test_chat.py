@@ -217,7 +217,7 @@ def test_truncation_keeps_a_prefix_and_reports_nothing_left(tiny_tokenizer):
 
 
 def test_template_that_rewrites_history_is_masked_and_one_that_drops_a_turn_is_refused(tiny_tokenizer):
-    from data.chat import ChatMaskError
+    from data.chat_spans import ChatMaskError
 
     tok = copy.deepcopy(tiny_tokenizer)
     # marks the last message: the render of a prefix is then not a prefix of the whole render (the old

@@ -21,18 +21,10 @@ import torch
 from scipy.stats import chisquare
 
 from eval.decode.batch import decode_ar_batch, speculative_decode_batch
-from eval.decode.single import (
-    Proposal,
-    Sampling,
-    commit_kv,
-    decode_ar,
-    new_cache,
-    prefill,
-    speculative_decode,
-    verify_forward,
-)
+from eval.decode.ladder import new_cache
+from eval.decode.single import commit_kv, decode_ar, prefill, speculative_decode, verify_forward
 from models import registry
-from models.core.proposal import batch_proposer
+from models.core.proposal import Proposal, Sampling, batch_proposer
 from models.core.target import FrozenTarget
 from models.core.vocab import build_draft_vocab
 from models.methods.draft_model import DraftModelProposer

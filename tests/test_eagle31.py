@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from eval.decode.single import Sampling
+from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
 from models.core.vocab import build_draft_vocab
 from models.export.api import export, load_export

@@ -298,7 +298,7 @@ def test_block_follows_the_target_family(family):
 def test_hidden_between_depths_cached_proposer_equals_reference(target, between):
     """Depth >= 2 reads shared_head.norm(h) (vLLM/SGLang) or h: the KV-cached proposer follows either exactly, and
     the option really changes the chain (non-unit norm gains, O(1) weights)."""
-    from eval.decode.single import Sampling
+    from models.core.proposal import Sampling
     from models.methods.mtp.proposers import MTPProposer
 
     torch.manual_seed(4)

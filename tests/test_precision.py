@@ -14,9 +14,10 @@ import json
 import pytest
 import torch
 
-from eval.bench.benchmark import BenchSettings, Method, Prompt, all_lossless, build_methods, run_benchmark, write_json
+from eval.bench.benchmark import all_lossless, run_benchmark, write_json
 from eval.bench.precision import measure_noise
 from eval.bench.report import console_summary, markdown
+from eval.bench.setup import BenchSettings, Method, Prompt, build_methods
 from eval.decode import ladder
 from eval.decode.single import decode_ar, speculative_decode
 from models.core.target import FrozenTarget

@@ -12,15 +12,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from data.chat import (
-    PACKAGE_SOURCES,
-    iter_json_array,
-    load_conversations,
-    load_rows,
-    normalize_conversation,
-    package_source,
-    render_chat,
-)
+from data.chat import load_conversations, load_rows, normalize_conversation, render_chat
+from data.packaged import PACKAGE_SOURCES, iter_json_array, package_source
 from data.sources import DataConfig, _regenerated_chat, chat_regen_count, first_exchanges
 from eval.bench.setup import PROMPTS_DIR, load_prompts, prompt_file
 from models.core.target import EMBEDDED_DIR

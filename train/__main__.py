@@ -13,7 +13,7 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
-from train.checkpoint import NoSpaceError
+from models.core.checkpoint import NoSpaceError
 from train.loop import run
 
 USER_ERRORS = (ValueError, FileNotFoundError, NoSpaceError)

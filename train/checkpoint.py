@@ -37,21 +37,12 @@ from models import registry
 from models.core.checkpoint import (
     CONFIG,
     WEIGHTS,
-    NoSpaceError,
     check_finite,
-    is_out_of_space,
-    load_trainable_state,
-    nonfinite_tensors,
     out_of_space_as_error,
-    read_meta,
     trainable_state,
 )
 
 TRAINER = "trainer.pt"
-__all__ = ["CONFIG", "WEIGHTS", "TRAINER", "trainable_state", "load_trainable_state", "read_meta", "rng_state",
-           "set_rng_state", "save_drafter", "save_checkpoint", "latest_checkpoint", "check_compatible",
-           "load_trainer_state", "check_finite", "nonfinite_tensors", "finite_or_none",
-           "NoSpaceError", "is_out_of_space", "out_of_space_as_error"]
 
 
 def finite_or_none(x: Any) -> Any:

@@ -102,8 +102,8 @@ def _check_out_not_source(out: Path, ckpt: Path) -> None:
 
 
 def _export(args: argparse.Namespace) -> str:
+    from models.core.checkpoint import read_meta
     from models.registry import load_drafter
-    from train.checkpoint import read_meta
 
     if not (args.checkpoint and args.format and args.out):
         raise ExportError("exporting needs CHECKPOINT, --format and --out (or use --check DIR)")

@@ -24,6 +24,7 @@ from data.features import FeatureCache
 from data.sources import build_rows
 from models import registry
 from models.core.acceptance import chain_tau
+from models.core.checkpoint import WEIGHTS, load_trainable_state, out_of_space_as_error, read_meta
 from models.core.target import FrozenTarget
 from models.export.serving import training_serving
 from train import checkpoint as ckpt
@@ -103,7 +104,7 @@ def run(cfg: DictConfig) -> dict:
     """Validate the config, hold the output directory's lock, train."""
     validate_train_config(cfg)
     # every writer names its own path on a full disk; this catches the rest (metrics, data stats) by the run's
-    with hold_output_dir(Path(cfg.output_dir)), ckpt.out_of_space_as_error(cfg.output_dir, "free space"):
+    with hold_output_dir(Path(cfg.output_dir)), out_of_space_as_error(cfg.output_dir, "free space"):
         return _train(cfg)
 
 
@@ -257,8 +258,8 @@ def resume(t: Training) -> int:
     last = ckpt.latest_checkpoint(t.ck_root) if cfg.train.resume else None
     if last is None:
         return 0
-    ckpt.check_compatible(ckpt.read_meta(last), t.meta, last)
-    ckpt.load_trainable_state(t.drafter, last / ckpt.WEIGHTS)
+    ckpt.check_compatible(read_meta(last), t.meta, last)
+    load_trainable_state(t.drafter, last / WEIGHTS)
     state = ckpt.load_trainer_state(last)
     if t.engine is not None:
         t.engine.load_checkpoint(str(last / "ds"), tag="ds", load_module_strict=False,
@@ -398,7 +399,7 @@ def keep_if_best(t: Training, step: int, ev: dict) -> None:
     if not ev["sim_tau"] > prev:
         return
     ckpt.save_final(best, t.drafter, {**t.meta, "step": step})
-    with ckpt.out_of_space_as_error(record, "free space"):
+    with out_of_space_as_error(record, "free space"):
         record.write_text(json.dumps({**ev, "step": step, "tokens_seen": t.tokens_before + t.tokens_run}, indent=1))
     t.log(f"held-out simulated tau {ev['sim_tau']:.3f} at step {step}: the best so far, kept in {best}")
 
@@ -455,14 +456,14 @@ def finish(t: Training) -> dict:
             t.tracker.log({f"val/{k}": v for k, v in ev.items()}, cfg.train.steps)
             log_val(t, cfg.train.steps, ev)
             keep_if_best(t, cfg.train.steps, ev)
-            with ckpt.out_of_space_as_error(out_dir / "final" / "eval.json", "free space"):
+            with out_of_space_as_error(out_dir / "final" / "eval.json", "free space"):
                 (out_dir / "final" / "eval.json").write_text(json.dumps(ev, indent=1))
             accs = [f"{ev[f'acc_{i}']:.3f}" for i in range(64) if f"acc_{i}" in ev]
             t.log(f"held-out top-1 agreement with the target by position: {' '.join(accs)}")
             t.log(f"held-out simulated tau (greedy chain): {ev['sim_tau']:.2f}")
             # e.g. Medusa builds its static draft tree from these held-out numbers
             after = registry.method(cfg.draft.method).after_training
-            with ckpt.out_of_space_as_error(out_dir / "final", "free space"):
+            with out_of_space_as_error(out_dir / "final", "free space"):
                 made = after(t.drafter, out_dir / "final", ev) if after is not None else None
             if made is not None:
                 t.log(f"{cfg.draft.method}: wrote {made} from the held-out metrics")

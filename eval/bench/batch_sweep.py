@@ -1,8 +1,5 @@
 """The batch sweep: ``speculative_decode_batch`` at the fixed K and at the dynamic policy's K*(B) against
 ``decode_ar_batch`` per batch size, with the crossover batch sizes and the batched lossless check.
-
-Split out of eval/bench/benchmark.py for readability (no behaviour change); eval/bench/benchmark.py re-exports
-every name.
 """
 
 from __future__ import annotations
@@ -15,9 +12,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from eval.bench.cost_model import crossover_batch_size
-from eval.bench.precision import Judge, failures
+from eval.bench.precision import Judge, failures, first_diff
 from eval.bench.setup import BenchSettings, Method
-from eval.bench.stats import Pooled, first_diff, stats_of
+from eval.bench.stats import Pooled, stats_of
 from eval.decode.batch import decode_ar_batch, speculative_decode_batch
 from eval.decode.result import DecodeResult
 from models.core.proposal import Sampling

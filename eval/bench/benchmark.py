@@ -64,10 +64,10 @@ Results schema (``run_benchmark``'s dict; ``write_json`` turns int keys into str
     recommended_num_speculative_tokens_by_batch {B: K*, 0 = off}, speculation_pays_at_batch_1,
     lossless (all methods).
 
-Layout (split for readability): eval/bench/setup.py (method kinds, prompts, methods, settings), eval/bench/cost_model.py
-(forward-cost microbenchmark, policy formulas), eval/bench/stats.py (pooled accounting, per-run summaries),
-eval/bench/peers.py (HF peers), eval/bench/batch_sweep.py (batch sweep). This module runs them (``run_benchmark``),
-writes the JSON and re-exports their names.
+Layout: eval/bench/setup.py (method kinds, prompts, methods, settings), eval/bench/cost_model.py (forward-cost
+microbenchmark, policy formulas), eval/bench/stats.py (pooled accounting, per-run summaries), eval/bench/peers.py
+(HF peers), eval/bench/batch_sweep.py (batch sweep). This module runs them (``run_benchmark``) and writes the
+JSON.
 """
 
 from __future__ import annotations
@@ -89,16 +89,13 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-# the split-out parts of the harness; the public names (``__all__``) still import from here
 from eval.bench.batch_sweep import batch_sweep, seeded_generator
 from eval.bench.cost_model import (
     choose_k,
-    crossover_batch_size,
     draft_round_costs,
     interp,
     measure_costs,
     measure_draft_costs,
-    predicted_speedup,
 )
 from eval.bench.peers import hf_generate, peer_runs, peer_summaries
 from eval.bench.precision import Judge, failures
@@ -106,31 +103,13 @@ from eval.bench.setup import (
     BenchSettings,
     Method,
     Prompt,
-    build_methods,
-    load_prompts,
 )
 from eval.bench.stats import Pooled, lossless_single, summaries
 from eval.bench.training import collect as collect_training
-from eval.decode.single import DecodeResult, decode_ar, speculative_decode
+from eval.decode.result import DecodeResult
+from eval.decode.single import decode_ar, speculative_decode
 from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
-
-__all__ = [
-    "Prompt",
-    "Method",
-    "BenchSettings",
-    "load_prompts",
-    "build_methods",
-    "measure_costs",
-    "measure_draft_costs",
-    "draft_round_costs",
-    "predicted_speedup",
-    "choose_k",
-    "crossover_batch_size",
-    "run_benchmark",
-    "all_lossless",
-    "write_json",
-]
 
 
 # --------------------------------------------------------------------------------------------- the run

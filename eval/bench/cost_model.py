@@ -7,7 +7,6 @@ eval/bench/benchmark.py's docstring). ``measure_draft_costs`` times one batched 
 all B rows, through the method's batched proposer) per B and K, so the policy uses the measured cost of drafting
 a batch instead of assuming B·K·c (B proposers one after another; a batched drafter such as DFlash costs about
 one forward).
-eval/bench/benchmark.py re-exports every name.
 """
 
 from __future__ import annotations

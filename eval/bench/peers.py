@@ -1,8 +1,5 @@
 """HF peers (T = 0): plain greedy ``generate``, prompt lookup with our n-gram settings and assisted generation
 with our draft model, run on the raw target, and their summaries against our AR.
-
-Split out of eval/bench/benchmark.py for readability (no behaviour change); eval/bench/benchmark.py re-exports
-every name.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from torch import Tensor
 
 from eval.bench.setup import BenchSettings, Method
 from eval.bench.stats import stats_of, tps_of
-from eval.decode.single import device_time
+from eval.decode.result import device_time
 from models import registry
 from models.core.target import FrozenTarget
 

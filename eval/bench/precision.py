@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from eval.decode.single import new_cache, prefill
+from eval.decode.ladder import new_cache
+from eval.decode.single import prefill
 from models.core.target import FrozenTarget
 
 EXACT_DTYPES = (torch.float32, torch.float64)

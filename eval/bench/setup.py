@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from eval.decode.single import DecodeResult
+from eval.decode.result import DecodeResult
 from models import registry
 from models.core import verify
 from models.core.proposal import batch_proposer

@@ -1,9 +1,6 @@
 """Benchmark accounting: per-round counts pooled over prompts and repetitions, repetition statistics, tokens/s,
 the T=0 lossless comparison (divergences judged by eval/bench/precision.py) and the per-(method, temperature)
 summaries of the single-sequence runs.
-
-Split out of eval/bench/benchmark.py for readability (no behaviour change); eval/bench/benchmark.py re-exports
-every name.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from typing import Any
 from eval.bench.cost_model import interp
 from eval.bench.precision import Judge, failures, first_diff
 from eval.bench.setup import BenchSettings, Method, Prompt
-from eval.decode.single import DecodeResult
+from eval.decode.result import DecodeResult
 
 log = logging.getLogger("eval")
 

@@ -18,8 +18,6 @@ from eval.decode.result import DecodeResult
 from models.core.proposal import MAX_TREE_NODES, BatchProposer, PerRowProposers, Proposer, Sampling
 from models.methods.ar import NoDrafts
 
-__all__ = ["NoDrafts", "speculative_decode_batch", "decode_ar_batch"]
-
 
 def speculative_decode_batch(
     target,

@@ -37,30 +37,10 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from eval.decode import ladder
-from eval.decode.ladder import accept_proposal, new_cache, sample_token
-from eval.decode.result import DecodeResult, check_prompt, check_proposal, device_time
+from eval.decode.ladder import new_cache, sample_token
+from eval.decode.result import DecodeResult, check_prompt, device_time
 from models.core.proposal import MAX_TREE_NODES, PerRowProposers, Proposal, Proposer, Sampling
 from models.core.target import FrozenTarget, TargetOutput
-
-__all__ = [
-    "Sampling",
-    "Proposal",
-    "Proposer",
-    "DecodeResult",
-    "new_cache",
-    "prefill",
-    "sample_token",
-    "decode_ar",
-    "verify_inputs",
-    "verify_forward",
-    "accept_proposal",
-    "commit_kv",
-    "speculative_decode",
-    "MAX_TREE_NODES",
-    "check_prompt",
-    "check_proposal",
-    "device_time",
-]
 
 
 # --------------------------------------------------------------------------------------------- B=1 steps

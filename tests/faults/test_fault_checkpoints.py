@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from models.core.checkpoint import CONFIG, WEIGHTS
 from tests.faults.fault_helpers import assert_same_weights, cfg_for, metrics_steps
 from train import checkpoint as ckpt
 from train.checks import ConfigError
@@ -84,7 +85,7 @@ def test_old_checkpoints_pruned_before_writing(target_dir, tmp_path, monkeypatch
 
 def test_truncated_checkpoint_weights_name_the_path(target_dir, tmp_path):
     run(cfg_for(target_dir, tmp_path, "train.stop_after=2"))
-    w = tmp_path / "checkpoints" / "step_0000002" / ckpt.WEIGHTS
+    w = tmp_path / "checkpoints" / "step_0000002" / WEIGHTS
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"step_0000002/model.safetensors: unreadable safetensors"):
         run(cfg_for(target_dir, tmp_path))
@@ -120,7 +121,7 @@ def test_checkpoint_symlinked_from_another_run_is_refused(target_dir, tmp_path):
     (out / "checkpoints" / "step_0000009").symlink_to(other / "checkpoints" / "step_0000004")
     with pytest.raises(ValueError, match=r"step_0000009 is a symlink .*resumes only from its own checkpoints"):
         run(cfg_for(target_dir, out, "train.steps=12"))
-    assert (other / "checkpoints" / "step_0000004" / ckpt.WEIGHTS).is_file()  # the other run is untouched
+    assert (other / "checkpoints" / "step_0000004" / WEIGHTS).is_file()  # the other run is untouched
     assert ckpt.latest_checkpoint(out / "checkpoints") == out / "checkpoints" / "step_0000002"
 
 
@@ -146,4 +147,4 @@ def test_final_files_include_what_methods_write_after_training():
     from models.methods.medusa import TREE_FILE
 
     assert registry.method("medusa").final_files == (TREE_FILE,)
-    assert {ckpt.CONFIG, ckpt.WEIGHTS, "eval.json", TREE_FILE} <= ckpt.final_files()
+    assert {CONFIG, WEIGHTS, "eval.json", TREE_FILE} <= ckpt.final_files()

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from models.core.checkpoint import NoSpaceError
+from models.core.checkpoint import WEIGHTS, NoSpaceError
 from tests.faults.fault_helpers import (
     PAGE,
     ROOT,
@@ -65,7 +65,7 @@ def test_full_disk_in_torch_save_of_the_trainer_state(target_dir, disk):
     out = disk / "run"
     run(cfg_for(target_dir, out, "train.stop_after=2"))
     step2 = out / "checkpoints" / "step_0000002"
-    w, t = (step2 / ckpt.WEIGHTS).stat().st_size, (step2 / ckpt.TRAINER).stat().st_size
+    w, t = (step2 / WEIGHTS).stat().st_size, (step2 / ckpt.TRAINER).stat().st_size
     leave = w + 4 * PAGE  # weights + config.json + metrics/data_stats growth
     assert t > 4 * PAGE + PAGE, "trainer.pt too small for this test to reach torch.save"
     fill_disk(disk, leave=leave)

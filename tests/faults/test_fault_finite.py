@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from models.core.checkpoint import nonfinite_tensors
 from models.core.target import FrozenTarget
 from models.registry import load_drafter
 from tests.faults.fault_helpers import cfg_for, metrics_steps, weights
@@ -24,7 +25,7 @@ def test_diverging_lr_stops_naming_the_step_and_writes_nothing_non_finite(target
         run(cfg_for(target_dir, out, f"optim.optimizer.lr={lr}", "train.ckpt_every=1", "train.steps=6"))
     assert not (out / "final").exists()
     for c in ckpt.complete_checkpoints(out / "checkpoints"):
-        assert not ckpt.nonfinite_tensors(weights(c)), c
+        assert not nonfinite_tensors(weights(c)), c
     metrics_steps(out)  # strict JSON, or this raises
 
 
