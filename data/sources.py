@@ -55,8 +55,8 @@ class DataConfig:
     extra_turn_share: float = 0.0
     # chat, with regenerate=N: train and validate only on the N conversations the target answered (on-policy data)
     regen_only: bool = False
-    # regenerated data shipped compressed (``<cache file name>.gz``, scripts/ship_regen.py): a cache file absent
-    # from cache_dir is first unpacked from here, so a fresh machine trains without regenerating
+    # regenerated data shipped compressed (``<cache file name>.gz``, python -m train.regenerate --ship): a cache file
+    # absent from cache_dir is first unpacked from here, so a fresh machine trains without regenerating
     shipped_dir: str | None = None
 
 
@@ -116,7 +116,8 @@ def pack_cache_file(path: Path, packed: Path) -> list[dict]:
 
 
 def unpack_shipped(packed: Path, path: Path) -> bool:
-    """``packed`` (gzip, from scripts/ship_regen.py) → ``path``, atomically; False when nothing is shipped."""
+    """``packed`` (gzip, from ``python -m train.regenerate --ship``) → ``path``, atomically; False when nothing
+    is shipped."""
     import gzip
     import os
 

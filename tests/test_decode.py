@@ -1,4 +1,5 @@
-"""The decoding engine (eval/decode/single.py) and every proposer (models/<method>.py) on tiny models built in code.
+"""The decoding engine (eval/decode/single.py) and every proposer (models/methods/<name>/) on tiny models built in
+code.
 
 What is checked:
 - the KV cache: cached greedy decoding equals a naive no-cache argmax loop;

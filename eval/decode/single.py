@@ -15,7 +15,7 @@ The single-sequence API over the batched ladder (eval/decode/ladder.py, gpt-fast
         commit_kv: keep only the accepted path's KV entries (chain: crop; tree: gather into place, crop)
         proposer.accept(new tokens, the target's hidden states for them)
 
-Context bookkeeping shared with the proposers (models/<method>.py): the context is x_0..x_m where x_m, the
+Context bookkeeping shared with the proposers (models/methods/<name>/): the context is x_0..x_m where x_m, the
 newest token, has not been through the target yet (it is the root of the next verification); the target's
 KV cache and hidden states cover x_0..x_{m-1}. ``begin`` receives the prompt plus the first generated token
 and the prompt's hidden states; each ``accept`` receives the round's r new tokens (accepted drafts + the

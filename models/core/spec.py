@@ -1,8 +1,8 @@
-"""What a draft method is, in one object: every method file (models/<method>.py) exports ``SPEC``.
+"""What a draft method is, in one object: every method package (models/methods/<name>/) exports ``SPEC``.
 
 train/, eval/ and export read methods only through these specs (collected in models/registry.py), so a
-new method is its file (module, loss, proposal, ``SPEC``), its ``conf/draft/<name>.yaml``, one registry
-line and, if engines serve it, its exporter in models/export/.
+new method is its package (network + loss, proposers, ``SPEC`` and, if engines serve it, the format rows of its
+``export.py``), its ``conf/draft/<name>.yaml`` and one registry line.
 
     MethodSpec     the drafter: its config dataclass, how to build it for a target (training) and how to
                    rebuild an empty one of a checkpoint's shapes (eval / export load the weights after);
