@@ -120,7 +120,7 @@ def _build(root: Path, runs_dir: Path) -> dict:
     first = [o[0] for o in E.ar_outputs(target, cands, 1)]
     prompts = L.aligned_prompts(tok, tgt_gguf, cands, first, N_PROMPTS)
     ids = [p["input_ids"] for p in prompts]
-    D.train_all(runs_dir)  # nothing left to train after the vLLM tier (same runs directory)
+    train_seconds = D.train_all(runs_dir)  # whichever tier runs first trains every drafter (same runs directory)
     ckpts = {n: D.final(runs_dir, n) for n in SERVED}
     runs = [{"name": "ar", "spec_type": None},
             L.ngram_run(K)]
@@ -149,6 +149,7 @@ def _build(root: Path, runs_dir: Path) -> dict:
                  "k": manifests["dspark_full"]["num_speculative_tokens"]})
     engine = L.serve(tgt_gguf, prompts, MAX_NEW, runs)
     return {"engine": engine, "harness": harness, "prompts": prompts, "manifests": manifests,
+            "train_seconds": train_seconds,
             "n_candidates": len(cands), "n_prompts": len(prompts)}
 
 
