@@ -119,8 +119,9 @@ def load_drafter(path: str | Path, target: FrozenTarget) -> tuple[nn.Module, dic
 
 def make_proposer_factory(name: str, drafter: Any, target: FrozenTarget, checkpoint: str | None = None,
                           options: dict | None = None) -> tuple[Any, dict]:
-    """(make, options) for eval method ``name``: ``make(k=None)`` → a fresh proposer (``k`` overrides the chain
-    length). The method's ``prepare`` step runs now and one proposer is built, so bad options fail here."""
+    """(make, options) for eval method ``name``: ``make(num_speculative_tokens=None)`` → a fresh proposer (a
+    number overrides the chain's length). The method's ``prepare`` step runs now and one proposer is built, so bad
+    options fail here."""
     _, p = proposer(name)
     o = p.options(options)
     if p.prepare is not None:
@@ -131,10 +132,10 @@ def make_proposer_factory(name: str, drafter: Any, target: FrozenTarget, checkpo
 
 
 def factory(p: ProposerSpec, drafter: Any, target: FrozenTarget, o: dict):
-    def make(k: int | None = None):
+    def make(num_speculative_tokens: int | None = None):
         kw = {key: v for key, v in o.items() if key in p.defaults}
-        if k is not None and p.k_option:
-            kw[p.k_option] = k
+        if num_speculative_tokens is not None and p.chain:
+            kw["num_speculative_tokens"] = num_speculative_tokens
         return p.make(drafter, target, **kw)
     return make
 

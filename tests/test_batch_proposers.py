@@ -40,7 +40,7 @@ def ragged_prompts(vocab: int) -> list[torch.Tensor]:
 
 
 def make(name: str, d: DFlashDrafter | None):
-    return DFlashProposer(d) if name == "dflash" else NGramProposer(k=3, max_ngram=3)
+    return DFlashProposer(d) if name == "dflash" else NGramProposer(num_speculative_tokens=3, max_ngram=3)
 
 
 def logged(propose, log: list):
@@ -101,8 +101,8 @@ def test_batched_greedy_equals_per_row_ar_and_per_row_drafts(target, name):  # n
 def test_ngram_batch_proposes_what_ngram_proposes():
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, 4, (n,), generator=g) for n in (1, 3, 8, 12)]  # tiny vocab: many matches
-    one = [NGramProposer(k=4, max_ngram=3, min_ngram=1) for _ in rows]
-    batch = NGramBatchProposer(k=4, max_ngram=3, min_ngram=1)
+    one = [NGramProposer(num_speculative_tokens=4, max_ngram=3, min_ngram=1) for _ in rows]
+    batch = NGramBatchProposer(num_speculative_tokens=4, max_ngram=3, min_ngram=1)
     for p, r in zip(one, rows):
         p.begin(r[None], {}, Sampling())
     batch.begin(rows, {}, Sampling())
@@ -146,7 +146,8 @@ def test_draft_cost_microbenchmark_times_one_batched_forward_per_round(target, m
     calls = []
     blocks = d.blocks
     monkeypatch.setattr(d, "blocks", lambda *a, **kw: (calls.append(a[0].shape[0]), blocks(*a, **kw))[1])
-    secs = measure_draft_costs(target, lambda k, b: batched("dflash", [DFlashProposer(d, k=k) for _ in range(b)]),
+    secs = measure_draft_costs(target, lambda n, b: batched("dflash", [DFlashProposer(d, num_speculative_tokens=n)
+                                                                       for _ in range(b)]),
                                ragged_prompts(target.vocab_size), [1, 3], [1, 2], reps=2)
     assert set(secs) == {1, 3} and all(set(v) == {1, 2} and min(v.values()) > 0 for v in secs.values())
     assert calls == [1] * 6 + [3] * 6  # (B=1: K=1, K=2) x 3 rounds, then B=3 likewise: one forward each
@@ -288,7 +289,7 @@ def test_eagle3_chains_draft_batched_one_pass_per_step(monkeypatch):
     dr = drafters.__wrapped__(tgt)["eagle"]
     ps = [p[0] for p in prompts(3)]
     ps[1] = ps[1][:5]  # ragged lengths
-    make = lambda: proposers.Eagle3ChainProposer(dr, k=4)  # noqa: E731
+    make = lambda: proposers.Eagle3ChainProposer(dr, num_speculative_tokens=4)  # noqa: E731
     bp = batched("eagle3", [make() for _ in ps])
     assert isinstance(bp, proposers.Eagle3ChainBatchProposer)
     calls = []
@@ -339,13 +340,14 @@ def test_sampled_batched_eagle3_chains_reproduce_target_distribution():
     sampling = Sampling(0.8, 1.0, 2)
     # row by row, the first draft's q is the B=1 proposer's (same context) and every draft has q > 0
     hid = small.forward(torch.stack([prompts[0], prompts[1][:3]]), layer_ids=d.layer_ids).hidden
-    one, bp = Eagle3ChainProposer(d, k=3), Eagle3ChainProposer.batched([Eagle3ChainProposer(d, k=3)] * 2)
+    one = Eagle3ChainProposer(d, num_speculative_tokens=3)
+    bp = Eagle3ChainProposer.batched([Eagle3ChainProposer(d, num_speculative_tokens=3)] * 2)
     bp.begin([torch.cat([p, p[:1]]) for p in (prompts[0], prompts[1][:3])], hid, sampling)
     got = bp.propose([3, 3])
     for a, p in enumerate((prompts[0], prompts[1][:3])):
         one.begin(torch.cat([p, p[:1]])[None], {k: v[a : a + 1] for k, v in hid.items()}, sampling)
         assert torch.allclose(got[a].q[0], one.propose(1).q[0], atol=1e-6)
         assert bool((got[a].q[torch.arange(3), got[a].tokens] > 0).all())
-    accepted, rounds = assert_batched_rows_follow_target(small, lambda: Eagle3ChainProposer(d, k=3), prompts,
-                                                         sampling, 12, "eagle3")
+    make = lambda: Eagle3ChainProposer(d, num_speculative_tokens=3)  # noqa: E731
+    accepted, rounds = assert_batched_rows_follow_target(small, make, prompts, sampling, 12, "eagle3")
     assert 0.05 * rounds < accepted < 2.5 * rounds  # drafts both accepted and rejected

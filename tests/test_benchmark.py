@@ -81,8 +81,9 @@ def env(tmp_path_factory, tiny_llama, tiny_tokenizer):
 
 
 # small CPU-sized trees: the engine's cost grows with nodes
-OPTIONS = {"eagle3": {"k": 3}, "eagle3_tree": {"depth": 3, "top_k": 3, "total_tokens": 8},
-           "medusa": {"top_k": 3, "num_nodes": "auto", "max_nodes": 8}, "ngram": {"k": 3}, "draft_model": {"k": 3}}
+OPTIONS = {"eagle3": {"num_speculative_tokens": 3}, "eagle3_tree": {"depth": 3, "top_k": 3, "total_tokens": 8},
+           "medusa": {"top_k": 3, "num_nodes": "auto", "max_nodes": 8}, "ngram": {"num_speculative_tokens": 3},
+           "draft_model": {"num_speculative_tokens": 3}}
 
 
 def settings(**kw) -> BenchSettings:
@@ -140,7 +141,7 @@ def test_end_to_end_results_have_every_measurement(full, env):
             assert e["tau"] == 1.0 and sp["values"] == [1.0, 1.0] and e["acceptance_by_pos"] == []
         else:
             assert e["tau"] >= 1.0 and e["draft_s"] > 0 and e["verify_s"] > 0 and e["k_mean"] > 0 and e["c"] > 0
-            k = r["methods"][e["method"]]["k"]
+            k = r["methods"][e["method"]]["num_speculative_tokens"]
             if k is not None:  # chains never try deeper than K
                 assert len(e["acceptance_by_pos"]) <= k and e["k_mean"] <= k
     cm = r["cost_model"]
@@ -163,42 +164,45 @@ def test_batch_sweep_and_recommendation(full):
         assert m["crossover_batch_size"] == crossover_batch_size([1, 2], [x["speedup"]["median"] for x in rows])
         pol = full["policy"][name]
         for x in rows:
-            kstar = x["dynamic"]["k"]
-            assert 0 <= kstar <= m["k_fixed"] == x["k"]
+            kstar = x["dynamic"]["num_speculative_tokens"]
+            assert 0 <= kstar <= m["num_speculative_tokens"] == x["num_speculative_tokens"]
             assert m["recommended_num_speculative_tokens"][x["batch_size"]] == kstar
             # K* really is the argmax of the policy's own predictions
             pred = pol["predicted_speedup"][x["batch_size"]]
             assert pred[kstar] == max(pred.values()) and pred[0] == 1.0
             # ...with the measured batched drafting cost per round, recorded with what the runs spent
             draft = pol["draft_per_round"][x["batch_size"]]
-            assert set(draft) == set(range(1, m["k_fixed"] + 1)) and all(v > 0 for v in draft.values())
+            assert set(draft) == set(range(1, m["num_speculative_tokens"] + 1)) and all(v > 0 for v in draft.values())
             w = full["cost_model"]["batch"][x["batch_size"]]
             assert pred == pytest.approx(choose_k(pol["acceptance_by_pos"], pol["c"], w, x["batch_size"],
-                                                  m["k_fixed"], draft=draft)[1])
+                                                  m["num_speculative_tokens"], draft=draft)[1])
             assert set(full["cost_model"]["draft_s_per_round"][name][x["batch_size"]]) == set(draft)
             assert x["draft_s_per_round"]["median"] > 0 and len(x["draft_s_per_round"]["values"]) == 2
-            assert x["dynamic"]["measured_as"] == ("ar" if kstar == 0 else "fixed" if kstar == x["k"] else "run")
+            fixed = x["num_speculative_tokens"]
+            assert x["dynamic"]["measured_as"] == ("ar" if kstar == 0 else "fixed" if kstar == fixed else "run")
             if kstar == 0:
                 assert x["dynamic"]["speedup"]["values"] == [1.0, 1.0]
     assert full["recommended_for"] == "eagle3"
     k = full["recommended_num_speculative_tokens"]
-    assert isinstance(k, int) and 0 <= k <= 3 and k == full["policy"]["eagle3"]["k_star"][1]  # 0: AR is faster
+    star = full["policy"]["eagle3"]["recommended_num_speculative_tokens"]
+    assert isinstance(k, int) and 0 <= k <= 3 and k == star[1]  # 0: AR is faster
     assert 1 <= full["best_positive_num_speculative_tokens"] <= 3
-    assert full["recommended_num_speculative_tokens_by_batch"] == full["policy"]["eagle3"]["k_star"]
-    assert full["speculation_pays_at_batch_1"] == (full["policy"]["eagle3"]["k_star"][1] > 0)
+    assert full["recommended_num_speculative_tokens_by_batch"] == star
+    assert full["speculation_pays_at_batch_1"] == (star[1] > 0)
 
 
 def test_json_report_and_plots_are_written(full, tmp_path):
-    from models.export.shared.common import recommended_k_from_results
+    from models.export.shared.common import num_speculative_tokens_from_results
 
     path = write_json(full, tmp_path / "results.json")
     on_disk = json.loads(path.read_text())  # strict JSON: write_json refuses NaN, so untried positions are null
     assert on_disk["recommended_num_speculative_tokens"] == full["recommended_num_speculative_tokens"]
     if full["recommended_num_speculative_tokens"]:
-        assert recommended_k_from_results(path) == full["recommended_num_speculative_tokens"]  # what the exporter reads
+        # what the exporter reads
+        assert num_speculative_tokens_from_results(path) == full["recommended_num_speculative_tokens"]
     else:  # speculation slower than AR: the exporter refuses to bake a slowdown into the serving snippet
         with pytest.raises(ValueError, match="is 0"):
-            recommended_k_from_results(path)
+            num_speculative_tokens_from_results(path)
     files = write_report(on_disk, tmp_path)
     assert set(files) == {"results.md", "tau_speedup.png", "acceptance.png", "batch_speedup.png", "learning_curve.png"}
     for name, f in files.items():
@@ -222,7 +226,8 @@ def _perturb_last(target, proposer, ids, max_new, **kw):
 def test_lossless_check_flags_perturbed_tokens(env):
     methods, _ = build_methods(env.target, ["ngram"], options=OPTIONS)
     ng = methods[1]
-    methods.append(Method("broken", "ngram", ng.make, k=ng.k, options=ng.options, decode=_perturb_last))
+    methods.append(Method("broken", "ngram", ng.make, num_speculative_tokens=ng.num_speculative_tokens,
+                          options=ng.options, decode=_perturb_last))
     r = run_benchmark(env.target, methods, env.prompts, settings(temperatures=[0], batch_sizes=[], peers=False))
     assert r["methods"]["ngram"]["lossless"] is True and r["methods"]["ar"]["lossless"] is True
     bad = r["methods"]["broken"]
@@ -263,7 +268,8 @@ def test_the_recommended_k_comes_from_the_spec_ranks():
     from eval.bench.benchmark import recommendation
 
     names = ("ngram", "mtp", "peagle")
-    pol = {n: {"k_star": {1: i + 1, 2: 0}, "k_star_positive_b1": i + 1} for i, n in enumerate(names)}
+    pol = {n: {"recommended_num_speculative_tokens": {1: i + 1, 2: 0}, "best_positive_num_speculative_tokens": i + 1}
+           for i, n in enumerate(names)}
     chains = [Method(n, n) for n in names]
     ranks = {m.name: m.proposer_spec().recommend_rank for m in chains}
     assert ranks == {"ngram": 4, "mtp": 2, "peagle": None}
@@ -473,7 +479,7 @@ def test_variants_run_a_method_with_other_options_as_its_own_row(env):
     by = {m.name: m for m in methods}
     assert by["eagle3_bf16"].kind == "eagle3" and by["eagle3_bf16"].variant_of == "eagle3"
     assert by["eagle3_bf16"].options == {**by["eagle3"].options, "weights": "bfloat16"}
-    assert by["eagle3_bf16"].k == 3  # the base method's options, then the variant's
+    assert by["eagle3_bf16"].num_speculative_tokens == 3  # the base method's options, then the variant's
     r = run_benchmark(env.target, methods, env.prompts, settings(temperatures=[0], repetitions=1, batch_sizes=[1],
                                                                  peers=False))
     assert r["methods"]["eagle3_bf16"]["lossless"] and r["methods"]["eagle3_bf16"]["variant_of"] == "eagle3"

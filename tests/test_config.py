@@ -95,11 +95,14 @@ def test_eval_config_command_line_overrides_and_unknown_options():
 
     from eval.bench.setup import build_methods
 
-    cfg = compose_eval("options.eagle3.k=3", "checkpoints.eagle3=runs/x/final", "methods=[ar,eagle3]",
-                       "draft_model=null", "+variants.fast={method: eagle3, k: 3}", "options.dflash.k=null")
-    assert cfg.options.eagle3 == {"k": 3, "weights": "float32"} and cfg.options.dflash.k is None
+    cfg = compose_eval("options.eagle3.num_speculative_tokens=4", "checkpoints.eagle3=runs/x/final",
+                       "methods=[ar,eagle3]", "draft_model=null",
+                       "+variants.fast={method: eagle3, num_speculative_tokens: 4}",
+                       "options.dflash.num_speculative_tokens=null")
+    assert cfg.options.eagle3 == {"num_speculative_tokens": 4, "weights": "float32"}
+    assert cfg.options.dflash.num_speculative_tokens is None
     assert cfg.checkpoints.eagle3 == "runs/x/final" and list(cfg.methods) == ["ar", "eagle3"]
-    assert cfg.draft_model is None and cfg.variants.fast == {"method": "eagle3", "k": 3}
+    assert cfg.draft_model is None and cfg.variants.fast == {"method": "eagle3", "num_speculative_tokens": 4}
     assert "eagle3_bf16" in cfg.variants  # the declared ones stay
     with pytest.raises(ConfigCompositionException, match="foo"):
         compose_eval("options.eagle3.foo=1")

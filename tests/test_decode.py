@@ -75,19 +75,19 @@ def drafters(target):
 
 def make_proposer(name: str, target: FrozenTarget, d: dict):
     if name == "ngram":
-        return NGramProposer(k=4, max_ngram=3)
+        return NGramProposer(num_speculative_tokens=4, max_ngram=3)
     if name == "draft_model":
-        return DraftModelProposer(d["draft_lm"], k=3, target=target)
+        return DraftModelProposer(d["draft_lm"], num_speculative_tokens=3, target=target)
     if name == "self_draft":  # the target drafting for itself: every draft is accepted
-        return DraftModelProposer(target.model, k=3, target=target)
+        return DraftModelProposer(target.model, num_speculative_tokens=3, target=target)
     if name == "eagle3_chain":
-        return Eagle3ChainProposer(d["eagle"], k=4)
+        return Eagle3ChainProposer(d["eagle"], num_speculative_tokens=4)
     if name == "eagle3_tree":
         return Eagle3TreeProposer(d["eagle"], depth=4, top_k=4, total_tokens=24)
     if name == "medusa_tree":
         return MedusaProposer(d["medusa"], choices=default_medusa_choices(3, top_k=4, num_nodes=20))
     if name == "mtp_chain":
-        return MTPProposer(d["mtp"], k=3)  # 3 > D = 2: the last module is reused
+        return MTPProposer(d["mtp"], num_speculative_tokens=3)  # 3 > D = 2: the last module is reused
     raise KeyError(name)
 
 
@@ -186,7 +186,7 @@ def test_eagle3_kv_chain_equals_draft_greedy(target, drafters):
     g = torch.Generator().manual_seed(3)
     ctx = torch.randint(3, V, (1, 12), generator=g)
     hid = target(ctx, layer_ids=dr.layer_ids).hidden
-    prop = Eagle3ChainProposer(dr, k=5)
+    prop = Eagle3ChainProposer(dr, num_speculative_tokens=5)
     n0 = 8  # begin: tokens x_0..x_8, states for x_0..x_7
     prop.begin(ctx[:, : n0 + 1], {k: v[:, :n0] for k, v in hid.items()}, Sampling())
     got = prop.propose(5).tokens
@@ -199,7 +199,7 @@ def test_eagle3_kv_chain_equals_draft_greedy(target, drafters):
     assert torch.equal(got, ref)
     assert prop.n_real == 11
     # sampled drafts: q over the target vocabulary is the drafter's distribution after the drafted tokens
-    prop = Eagle3ChainProposer(dr, k=4)
+    prop = Eagle3ChainProposer(dr, num_speculative_tokens=4)
     prop.begin(ctx, {k: v[:, :11] for k, v in hid.items()}, Sampling(1.0, generator=g))
     sampled = prop.propose(4)
     assert sampled.q.shape == (4, V) and torch.allclose(sampled.q.sum(-1), torch.ones(4))
@@ -225,7 +225,7 @@ def test_eagle3_kv_buffer_growth_keeps_the_cache(target, drafters):
     g = torch.Generator().manual_seed(4)
     ctx = torch.randint(3, V, (1, 140), generator=g)
     hid = target(ctx, layer_ids=dr.layer_ids).hidden
-    prop = Eagle3ChainProposer(dr, k=5)
+    prop = Eagle3ChainProposer(dr, num_speculative_tokens=5)
     n0 = 60
     prop.begin(ctx[:, : n0 + 1], {k: v[:, :n0] for k, v in hid.items()}, Sampling())
     prop.propose(5)  # drafted scratch entries are written after the real ones, then overwritten
@@ -310,7 +310,7 @@ def test_mtp_kv_chain_equals_propose_chain(target, drafters):
     ctx = torch.randint(3, V, (1, 14), generator=g)
     h = target(ctx, layer_ids=dr.layer_ids).hidden[L]
     for sampling in (Sampling(), Sampling(1.0, generator=g)):
-        prop = MTPProposer(dr, k=4)
+        prop = MTPProposer(dr, num_speculative_tokens=4)
         prop.begin(ctx[:, :7], {L: h[:, :6]}, sampling)
         end, k = 7, 4
         for nxt in (9, 10, 14, None):  # propose, then accept 2, 1, 4 tokens: the per-depth caches stay right
@@ -456,7 +456,7 @@ def test_sampled_draft_model_reproduces_target_distribution(small_target):
     gen = torch.Generator().manual_seed(321)
     samples, rounds, acc = [], 0, 0
     for _ in range(300):
-        prop = DraftModelProposer(draft, k=2, target=small_target)
+        prop = DraftModelProposer(draft, num_speculative_tokens=2, target=small_target)
         res = speculative_decode(small_target, prop, prompt, 4,
                                         sampling=Sampling(1.0, top_p=0.9, generator=gen))
         samples.append(tuple(res.tokens))
@@ -530,8 +530,8 @@ class ScriptedProposer:
 
     layer_ids: list[int] = []
 
-    def __init__(self, reference: list[int], k: int, wrong: bool = False):
-        self.ref, self.k, self.wrong = reference, k, wrong
+    def __init__(self, reference: list[int], num_speculative_tokens: int, wrong: bool = False):
+        self.ref, self.num_speculative_tokens, self.wrong = reference, num_speculative_tokens, wrong
 
     def begin(self, tokens, hidden, sampling):
         self.pos = 1  # generated tokens already in the context
@@ -540,7 +540,7 @@ class ScriptedProposer:
         self.pos += tokens.shape[1]
 
     def propose(self, max_depth: int) -> Proposal:
-        toks = torch.tensor(self.ref[self.pos : self.pos + min(self.k, max_depth)])
+        toks = torch.tensor(self.ref[self.pos : self.pos + min(self.num_speculative_tokens, max_depth)])
         return Proposal(tokens=(toks + 1) % V if self.wrong else toks)
 
 
@@ -597,12 +597,12 @@ def test_errors_are_one_line(target, drafters, tiny_tokenizer, tmp_path):
 def test_draft_model_proposer_when_new_tokens_match_all_its_drafts(target, drafters):
     """accept() of exactly the tokens it drafted (more than a verified round gives: the cache then holds the whole
     context) must not leave it with nothing to feed: the next proposal equals a fresh proposer's on that context."""
-    p = DraftModelProposer(drafters["draft_lm"], k=3, target=target)
+    p = DraftModelProposer(drafters["draft_lm"], num_speculative_tokens=3, target=target)
     ctx = prompts(1)[0][0]
     p.begin(ctx[None], {}, Sampling())
     drafts = p.propose(3).tokens
     p.accept(drafts[:2][None], {})  # both cached (the third draft was never fed): the cache covers the context
     assert p.seen.shape[0] == p.ctx.shape[0]
-    fresh = DraftModelProposer(drafters["draft_lm"], k=3, target=target)
+    fresh = DraftModelProposer(drafters["draft_lm"], num_speculative_tokens=3, target=target)
     fresh.begin(torch.cat([ctx, drafts[:2]])[None], {}, Sampling())
     assert p.propose(3).tokens.tolist() == fresh.propose(3).tokens.tolist()

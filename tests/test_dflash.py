@@ -188,7 +188,8 @@ def test_sampled_dflash_drafts_reproduce_the_target_distribution():
 
 
 def test_k_auto_is_sized_from_heldout_agreement_and_verify_cost(target, tmp_path):
-    """k: auto verifies the k maximising E(k)/v(k) with E from final/eval.json's conditional slot agreement."""
+    """num_speculative_tokens: auto verifies the k maximising E(k)/v(k) with E from final/eval.json's conditional
+    slot agreement."""
     import json
 
     from models.methods.dflash import SPEC
@@ -196,11 +197,13 @@ def test_k_auto_is_sized_from_heldout_agreement_and_verify_cost(target, tmp_path
     p = SPEC.proposers[0]
     d = drafter(target, block_size=4)
     (tmp_path / "eval.json").write_text(json.dumps({"acc_0": 0.9, "acc_1": 0.1, "acc_2": 0.0}))
-    o = p.prepare(d, str(tmp_path), p.options({"k": "auto"}))
-    assert o["k"] == 3 and o["auto_size"]
+    o = p.prepare(d, str(tmp_path), p.options({"num_speculative_tokens": "auto"}))
+    assert o["num_speculative_tokens"] == 3 and o["auto_size"]
     sized = p.size(d, str(tmp_path), o, lambda k: 1 + 0.1 * k)  # E(1)/v(1) = 1.9/1.1 beats 1.99/1.2
-    assert sized["k"] == 1 and sized["k_sized"]["predicted_bound"][2] == pytest.approx(1.99 / 1.2, abs=1e-3)
-    assert p.size(d, str(tmp_path), p.prepare(d, str(tmp_path), p.options({"k": None})), lambda k: 1.0) is None
+    assert sized["num_speculative_tokens"] == 1
+    assert sized["num_speculative_tokens_sized"]["predicted_bound"][2] == pytest.approx(1.99 / 1.2, abs=1e-3)
+    o = p.prepare(d, str(tmp_path), p.options({"num_speculative_tokens": None}))
+    assert p.size(d, str(tmp_path), o, lambda k: 1.0) is None
 
 
 def test_bad_settings_are_one_line_errors(target):
@@ -211,7 +214,7 @@ def test_bad_settings_are_one_line_errors(target):
     with pytest.raises(ValueError, match="post-norm"):
         drafter(target, layer_ids=[1, 4])
     with pytest.raises(ValueError, match="never trained"):
-        DFlashProposer(drafter(target, block_size=4), k=4)
+        DFlashProposer(drafter(target, block_size=4), num_speculative_tokens=4)
     with pytest.raises(ValueError, match="loss="):
         drafter(target, loss="mse")
 

@@ -100,7 +100,7 @@ def test_greedy_dspark_is_lossless_and_drafts_b_tokens(target, vocab):
         prompt = torch.randint(0, V - 1, (1, 6 + seed), generator=torch.Generator().manual_seed(seed))
         ref = decode_ar(target, prompt, 20)
         prop = DFlashProposer(d)
-        assert prop.k == 4
+        assert prop.num_speculative_tokens == 4
         assert speculative_decode(target, prop, prompt, 20).tokens == ref.tokens
 
 

@@ -423,11 +423,12 @@ def test_drafting_precision_switch_is_lossless_and_close(weights):
     ps = [p[0] for p in prompts(2)]
     for p in ps:
         ref = decode_ar(tgt, p, 16).tokens
-        assert speculative_decode(tgt, Eagle3ChainProposer(dr, k=4, weights=weights), p, 16).tokens == ref
+        chain = Eagle3ChainProposer(dr, num_speculative_tokens=4, weights=weights)
+        assert speculative_decode(tgt, chain, p, 16).tokens == ref
         tree = Eagle3TreeProposer(dr, depth=3, top_k=3, total_tokens=8, weights=weights)
         assert speculative_decode(tgt, tree, p, 16).tokens == ref
-    got = speculative_decode_batch(tgt, batched("eagle3", [Eagle3ChainProposer(dr, k=4, weights=weights)
-                                                                         for _ in ps]), ps, 16)
+    got = speculative_decode_batch(tgt, batched("eagle3", [Eagle3ChainProposer(dr, num_speculative_tokens=4,
+                                                                               weights=weights) for _ in ps]), ps, 16)
     assert [r.tokens for r in got] == [decode_ar(tgt, p, 16).tokens for p in ps]
     assert all(torch.equal(before[k], v) for k, v in dr.state_dict().items())  # the drafter itself is untouched
     low = inference_copy(dr, weights)

@@ -93,7 +93,7 @@ def test_training_and_both_proposers_compute_the_same_chain(tc, flags):
         steps = d.ttt_forward(torch.cat([prefix, drafts[:, : k - 1]], dim=1), hidden)
     for s in range(k):
         torch.testing.assert_close(steps[s][:, n], chain[:, s], atol=1e-5, rtol=1e-5)
-    prop = Eagle3ChainProposer(d, k=k)
+    prop = Eagle3ChainProposer(d, num_speculative_tokens=k)
     prop.begin(prefix[:1], {key: v[:1] for key, v in ph.items()}, Sampling())
     assert torch.equal(prop.propose(k).tokens, drafts[0])
 

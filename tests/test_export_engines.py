@@ -111,8 +111,9 @@ def test_out_of_order_layer_ids_export_sorted_with_fc_permuted(target, tmp_path,
         torch.testing.assert_close(_engine_fused(out, hidden), d.fuse(hidden), rtol=1e-5, atol=1e-5)
         back = load_export(out, target)
         assert back.layer_ids == [1, 2, 3]
-        outs[name] = back.draft_greedy(hidden, toks, k=3, return_logits=True)[1]
-        torch.testing.assert_close(outs[name], d.draft_greedy(hidden, toks, k=3, return_logits=True)[1],
+        outs[name] = back.draft_greedy(hidden, toks, num_speculative_tokens=3, return_logits=True)[1]
+        torch.testing.assert_close(outs[name],
+                                   d.draft_greedy(hidden, toks, num_speculative_tokens=3, return_logits=True)[1],
                                    rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs["sorted"], outs["shuffled"], rtol=1e-5, atol=1e-5)
     side = json.loads((tmp_path / "shuffled" / SIDECAR).read_text())

@@ -31,10 +31,11 @@ def test_gaps_are_refused_with_the_reason(method):
 
 def test_counts_stop_at_the_budget_and_count_like_vllm():
     # budget 6 tokens after t0: rounds (2,3)->3, (0,3)->1, (1,1)->2 fill it; (1,3) is the round past the budget
-    c = counts([(2, 3), (0, 3), (1, 1), (1, 3)], budget=6, k=3)
+    c = counts([(2, 3), (0, 3), (1, 1), (1, 3)], budget=6, num_speculative_tokens=3)
     assert c == {"num_drafts": 3, "num_accepted_tokens": 3, "accepted_per_pos": [2, 1, 0], "past_budget": 1,
                  "accepted_by_round": [2, 0, 1]}
-    assert counts([(0, 0), (3, 3)], budget=5, k=3)["num_drafts"] == 1  # a round that drafted nothing is no draft
+    # a round that drafted nothing is no draft
+    assert counts([(0, 0), (3, 3)], budget=5, num_speculative_tokens=3)["num_drafts"] == 1
     assert sum_counts([c, c])["accepted_per_pos"] == [4, 2, 0]
 
 

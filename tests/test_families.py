@@ -113,9 +113,9 @@ def test_eagle3_checkpoint_reloads_with_its_shapes(family, tmp_path):
 
 def _proposer(name: str, dr: dict):
     if name == "ngram":
-        return NGramProposer(k=4)
+        return NGramProposer(num_speculative_tokens=4)
     if name == "eagle3":
-        return Eagle3ChainProposer(dr["eagle3"], k=3)
+        return Eagle3ChainProposer(dr["eagle3"], num_speculative_tokens=3)
     if name == "eagle3_tree":
         return Eagle3TreeProposer(dr["eagle3"], depth=3, top_k=3, total_tokens=10)
     if name == "medusa":
@@ -124,7 +124,7 @@ def _proposer(name: str, dr: dict):
         return DFlashProposer(dr["dspark"])
     if name == "peagle":
         return PEagleProposer(dr["peagle"])
-    return MTPProposer(dr["mtp"], k=2)
+    return MTPProposer(dr["mtp"], num_speculative_tokens=2)
 
 
 METHODS = ("ngram", "eagle3", "eagle3_tree", "medusa", "mtp", "dspark", "peagle")
@@ -274,12 +274,12 @@ def test_gpu_recipe_is_a_file_with_the_gpu_settings():
 def test_exporter_refuses_k_zero_from_results(tmp_path):
     import json
 
-    from models.export.shared.common import ExportError, recommended_k_from_results
+    from models.export.shared.common import ExportError, num_speculative_tokens_from_results
 
     p = tmp_path / "r.json"
     p.write_text(json.dumps({"recommended_num_speculative_tokens": 0, "best_positive_num_speculative_tokens": 2}))
     with pytest.raises(ExportError, match="slower than plain decoding"):
-        recommended_k_from_results(p)
+        num_speculative_tokens_from_results(p)
 
 
 def test_fingerprint_does_not_depend_on_the_load_dtype(tmp_path):

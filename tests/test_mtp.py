@@ -190,7 +190,7 @@ def test_chain_matches_teacher_forcing_and_reuses_the_last_module(target):
     h = target(ids[:, :n], layer_ids=[2]).hidden[2]  # [2, n, H] for x_0..x_{n-1}; x_n = the target's token
     calls = [0, 0]
     hooks = [dr.mtp[d].register_forward_hook(lambda *a, d=d: calls.__setitem__(d, calls[d] + 1)) for d in range(2)]
-    drafts = propose_chain(dr, ids, h, k=4)
+    drafts = propose_chain(dr, ids, h, num_speculative_tokens=4)
     for hk in hooks:
         hk.remove()
     assert drafts.shape == (2, 4)
@@ -207,9 +207,9 @@ def test_chain_matches_teacher_forcing_and_reuses_the_last_module(target):
         per_depth = dr4(ext, hid)
     for d in range(4):  # depth d+1 at position n-1 drafts token n+1+d
         assert torch.equal(per_depth[d][:, n - 1].argmax(-1), drafts[:, d])
-    assert torch.equal(propose_chain(dr4, ids, h, k=4), drafts)
+    assert torch.equal(propose_chain(dr4, ids, h, num_speculative_tokens=4), drafts)
     with pytest.raises(ValueError, match="hidden covers"):
-        propose_chain(dr, ids, h[:, :-1], k=2)
+        propose_chain(dr, ids, h[:, :-1], num_speculative_tokens=2)
 
 
 def test_native_round_trip_and_refusals(target):
@@ -284,7 +284,7 @@ def test_block_follows_the_target_family(family):
     out = t(ids, layer_ids=[2])
     loss, _ = dr.training_loss(ids, torch.ones_like(ids), out.hidden, out.logits)
     assert torch.isfinite(loss)
-    assert propose_chain(dr, ids, out.hidden[2][:, :9], k=3).shape == (2, 3)
+    assert propose_chain(dr, ids, out.hidden[2][:, :9], num_speculative_tokens=3).shape == (2, 3)
     sd = to_native_state_dict(dr)
     assert f"model.layers.2.{key}" in sd
     layer_types = getattr(t.model.config, "layer_types", None)
@@ -313,7 +313,7 @@ def test_hidden_between_depths_cached_proposer_equals_reference(target, between)
     dr, L = drs[between], target.num_layers
     ctx = torch.randint(3, V, (1, 12), generator=torch.Generator().manual_seed(5))
     h = target(ctx, layer_ids=[L]).hidden[L]
-    prop = MTPProposer(dr, k=4)
+    prop = MTPProposer(dr, num_speculative_tokens=4)
     prop.begin(ctx[:, :8], {L: h[:, :7]}, Sampling())
     assert torch.equal(prop.propose(4).tokens, propose_chain(dr, ctx[:, :8], h[:, :7], 4)[0])
     prop.accept(ctx[:, 8:11], {L: h[:, 7:10]})

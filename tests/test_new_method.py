@@ -95,7 +95,8 @@ def test_the_toy_trains_benchmarks_and_exports_through_the_real_clis(target_path
          f"out_dir={bench}")
     res = json.loads((bench / "results.json").read_text())
     assert res["lossless"] and {"toy", "toy_k1"} <= set(res["methods"])
-    assert res["methods"]["toy"]["options"] == {"k": 3} and res["methods"]["toy_k1"]["options"] == {"k": 1}
+    assert res["methods"]["toy"]["options"] == {"num_speculative_tokens": 3}
+    assert res["methods"]["toy_k1"]["options"] == {"num_speculative_tokens": 1}
     assert all(m["lossless"] for m in res["methods"].values())
     toy_runs = [r for r in res["runs"] if r["method"] == "toy"]
     assert toy_runs and toy_runs[0]["tau"] >= 1.0
@@ -119,7 +120,7 @@ def test_toy_decodes_losslessly_and_really_drafts(tiny_llama, tiny_tokenizer):
     drafted = 0
     for text in ["def add(a, b):\n    return", "for i in range(10):\n"]:
         p = torch.tensor([tiny_tokenizer(text, add_special_tokens=False)["input_ids"]])
-        spec = speculative_decode(target, toy.BigramChainProposer(head, k=3), p, 24)
+        spec = speculative_decode(target, toy.BigramChainProposer(head, num_speculative_tokens=3), p, 24)
         assert spec.tokens == decode_ar(target, p, 24).tokens
         drafted += sum(spec.drafted)
     assert drafted > 0

@@ -157,7 +157,7 @@ def test_loss_trains_mask_hidden_and_the_embedding(target):
     assert not d.lm_head.requires_grad and {"acc_0", "acc_3", "n_3", "sim_tau"} <= set(m)
     assert m["n_1"] <= 2 * 18 and m["n_3"] <= m["n_1"]
     with pytest.raises(ValueError, match="trained for 4 parallel depths"):
-        PEagleProposer(d, k=5)
+        PEagleProposer(d, num_speculative_tokens=5)
 
 
 # ----------------------------------------------------------------------------------------- recipe + export

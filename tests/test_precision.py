@@ -63,9 +63,10 @@ def _swap(a: int, twin: int):
 
 def _methods(t: FrozenTarget, a: int, twin: int) -> list[Method]:
     # K = 15: verify forwards 16 tokens wide, where CPU bf16 kernels differ from the one-token step (noise > 0)
-    methods, _ = build_methods(t, ["ngram"], options={"ngram": {"k": 15}})
+    methods, _ = build_methods(t, ["ngram"], options={"ngram": {"num_speculative_tokens": 15}})
     ng = methods[1]
-    return [*methods, Method("near_tie", "ngram", ng.make, k=ng.k, options=ng.options, decode=_swap(a, twin))]
+    return [*methods, Method("near_tie", "ngram", ng.make, num_speculative_tokens=ng.num_speculative_tokens,
+                             options=ng.options, decode=_swap(a, twin))]
 
 
 def test_noise_is_measured_per_dtype(tiny_tokenizer):
@@ -121,7 +122,8 @@ def test_bf16_still_flags_a_broken_verifier_and_a_wrong_token(tiny_tokenizer, mo
     t, prompts, a, twin, _ = _build(tiny_tokenizer, torch.bfloat16)
     methods = _methods(t, a, twin)[:2]
     ng = methods[1]
-    methods.append(Method("perturbed", "ngram", ng.make, k=ng.k, options=ng.options, decode=_perturb_last))
+    methods.append(Method("perturbed", "ngram", ng.make, num_speculative_tokens=ng.num_speculative_tokens,
+                          options=ng.options, decode=_perturb_last))
     monkeypatch.setattr(ladder, "accept_proposal", _accept_everything)
     r = run_benchmark(t, methods, prompts, _settings())
     assert r["methods"]["ar"]["lossless"] is True  # AR never verifies

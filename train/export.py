@@ -28,7 +28,7 @@ from models.core.target_view import TargetView
 from models.export import llamacpp
 from models.export.api import export
 from models.export.formats import cli_formats
-from models.export.shared.common import ExportError, recommended_k_from_results
+from models.export.shared.common import ExportError, num_speculative_tokens_from_results
 from models.export.validate import validate
 
 GGUF = "gguf"
@@ -68,8 +68,8 @@ def _check(args: argparse.Namespace) -> str:
         llamacpp.check_gguf(args.check)
         fmt, inner = _check_dir(argparse.Namespace(**{**vars(args), "check": str(Path(args.check) / "hf")}))
         m = llamacpp.check_manifest(args.check, fmt)  # gguf.json's claims recomputed from that layout
-        return (f"{args.check}: valid GGUF export ({m['spec_type']}, K={m['num_speculative_tokens']}, draft.gguf "
-                f"sha256 matches); {inner}")
+        return (f"{args.check}: valid GGUF export ({m['spec_type']}, num_speculative_tokens="
+                f"{m['num_speculative_tokens']}, draft.gguf sha256 matches); {inner}")
     return _check_dir(args)[1]
 
 
@@ -117,7 +117,8 @@ def _export(args: argparse.Namespace) -> str:
     if not (ckpt / "config.json").exists():
         raise ExportError(f"{ckpt} is not a drafter checkpoint (no config.json); pass OUTPUT_DIR/final")
     _check_out_not_source(Path(args.out), ckpt)
-    k = recommended_k_from_results(args.results) if args.results else None  # a bad file fails before any loading
+    # a bad file fails before any loading
+    num_speculative_tokens = num_speculative_tokens_from_results(args.results) if args.results else None
     try:
         meta = read_meta(ckpt)
     except ValueError as e:
@@ -129,19 +130,24 @@ def _export(args: argparse.Namespace) -> str:
     except ValueError as e:
         raise ExportError(str(e)) from None
     if args.format == GGUF:
-        out = llamacpp.export_gguf(drafter, args.out, target, target_name=name, recommended_k=k, meta=meta,
-                                   dtype=dtype, overwrite=args.force, serve_name=args.serve_name)
+        out = llamacpp.export_gguf(drafter, args.out, target, target_name=name,
+                                   num_speculative_tokens=num_speculative_tokens, meta=meta, dtype=dtype,
+                                   overwrite=args.force, serve_name=args.serve_name)
         m = llamacpp.check_gguf(out)
         size = (out / llamacpp.DRAFT).stat().st_size / 2**20
         return (f"exported {meta['method']} checkpoint {ckpt} -> {out}/{llamacpp.DRAFT} ({size:.1f} MiB, llama.cpp "
-                f"--spec-type {m['spec_type']}, K={m['num_speculative_tokens']}) via {m['source_format']} in {out}/hf")
-    out = export(drafter, args.format, args.out, target, target_name=name, recommended_k=k, meta=meta, dtype=dtype,
-                 overwrite=args.force, serve_name=args.serve_name)
+                f"--spec-type {m['spec_type']}, num_speculative_tokens={m['num_speculative_tokens']}) via "
+                f"{m['source_format']} in {out}/hf")
+    out = export(drafter, args.format, args.out, target, target_name=name,
+                 num_speculative_tokens=num_speculative_tokens, meta=meta, dtype=dtype, overwrite=args.force,
+                 serve_name=args.serve_name)
     fmt = cli_formats()[args.format]
     n_files = sum(1 for _ in out.iterdir())
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     return (f"exported {meta['method']} checkpoint {ckpt} -> {out} as {fmt} ({n_files} files, {size:.1f} MiB), "
-            f"validated against {name}" + (f", num_speculative_tokens={k} from {args.results}" if k else ""))
+            f"validated against {name}"
+            + (f", num_speculative_tokens={num_speculative_tokens} from {args.results}"
+               if num_speculative_tokens else ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

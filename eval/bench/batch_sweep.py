@@ -57,17 +57,17 @@ def configs(b: int, base: Method, chains: Sequence[Method], policy: Mapping[str,
     differs (K* = 0 is the baseline, K* = K the fixed run: neither is run twice)."""
     out: list[Run] = [(base, None, base.name)]
     for m in chains:
-        out.append((m, int(m.k), "fixed"))
-        ks = policy[m.name]["k_star"][b]
-        if ks not in (0, m.k):
-            out.append((m, ks, "dynamic"))
+        out.append((m, int(m.num_speculative_tokens), "fixed"))
+        star = policy[m.name]["recommended_num_speculative_tokens"][b]
+        if star not in (0, m.num_speculative_tokens):
+            out.append((m, star, "dynamic"))
     return out
 
 
 def run_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings, b: int, m: Method,
-              k: int | None, rep: int | None, eos: int | None) -> list[DecodeResult]:
-    """One batched run: b rows cycling through the prompts, method m at K = k (the baseline: plain batched
-    decoding)."""
+              num_speculative_tokens: int | None, rep: int | None, eos: int | None) -> list[DecodeResult]:
+    """One batched run: b rows cycling through the prompts, method m drafting num_speculative_tokens (the baseline:
+    plain batched decoding)."""
     device = ids[0].device
     rows = [ids[i % len(ids)][0] for i in range(b)]
     gen = None if s.batch_temperature == 0 else seeded_generator(device, s.seed + 104729 * (rep or 0) + b)
@@ -75,7 +75,7 @@ def run_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings, b: 
     if m.baseline:
         return decode_ar_batch(target, rows, s.max_new_tokens, eos_id=eos, sampling=sampling)
     # one batched proposer for the b rows (a batched drafter drafts them all in one forward per round)
-    return speculative_decode_batch(target, m.make_batch(k, b), rows, s.max_new_tokens, eos_id=eos,
+    return speculative_decode_batch(target, m.make_batch(num_speculative_tokens, b), rows, s.max_new_tokens, eos_id=eos,
                                     sampling=sampling)
 
 
@@ -93,14 +93,14 @@ def measure_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings,
     """Warm up, then every repetition of every run at batch size b (``runs[0]``: the baseline) → {baseline name:
     [tokens/s per rep], (name, tag): [tokens/s per rep], ("draft", name): [fixed-K draft s per round], ("pool",
     name): Pooled}; T=0 runs that differ from batched AR are appended to ``mismatches``."""
-    for m, k, _ in runs:
+    for m, num_speculative_tokens, _ in runs:
         for _ in range(s.warmup):
-            run_batch(target, ids, s, b, m, k, None, eos)
+            run_batch(target, ids, s, b, m, num_speculative_tokens, None, eos)
     got: dict[Any, Any] = {runs[0][0].name: []}
     for rep in range(s.repetitions):
         ar_res = None
-        for m, k, tag in runs:
-            res = run_batch(target, ids, s, b, m, k, rep, eos)
+        for m, num_speculative_tokens, tag in runs:
+            res = run_batch(target, ids, s, b, m, num_speculative_tokens, rep, eos)
             bar.update()
             if m.baseline:
                 ar_res = res
@@ -116,7 +116,8 @@ def measure_batch(target: FrozenTarget, ids: Sequence[Tensor], s: BenchSettings,
                     if a.tokens != r.tokens:  # judged against the dtype's noise (eval/bench/precision.py)
                         d = (judge.divergence(row % len(ids), a.tokens, r.tokens) if judge is not None
                              else {"first_diff": first_diff(a.tokens, r.tokens)})
-                        mismatches[m.name].append({"where": "batch", "batch_size": b, "k": k, "rep": rep,
+                        mismatches[m.name].append({"where": "batch", "batch_size": b,
+                                                   "num_speculative_tokens": num_speculative_tokens, "rep": rep,
                                                    "row": row, **d})
     return got
 
@@ -125,16 +126,17 @@ def by_batch_row(m: Method, b: int, pol: dict, got: dict, base: str) -> dict:
     """Method m's results at batch size b: fixed K measured, and the dynamic K* (measured as its own run, as
     the baseline ``base`` when K* = 0 — ``measured_as`` its name, "ar" — or as the fixed run when K* = K)."""
     ar_b = got[base]
-    ks = pol["k_star"][b]
+    star = pol["recommended_num_speculative_tokens"][b]
     fixed = got[(m.name, "fixed")]
-    dyn_src = "run" if ks not in (0, m.k) else (base if ks == 0 else "fixed")
+    dyn_src = "run" if star not in (0, m.num_speculative_tokens) else (base if star == 0 else "fixed")
     dyn = {"run": got.get((m.name, "dynamic")), base: ar_b, "fixed": fixed}[dyn_src]
     return {
-        "batch_size": b, "k": int(m.k), "tokens_per_s": stats_of(fixed),
+        "batch_size": b, "num_speculative_tokens": int(m.num_speculative_tokens), "tokens_per_s": stats_of(fixed),
         "speedup": stats_of([f / a for f, a in zip(fixed, ar_b)]), "tau": got[("pool", m.name)].tau,
-        "predicted_speedup": pol["predicted_speedup"][b][int(m.k)],
+        "predicted_speedup": pol["predicted_speedup"][b][int(m.num_speculative_tokens)],
         "draft_s_per_round": stats_of(got[("draft", m.name)]),
-        "dynamic": {"k": ks, "predicted_speedup": pol["predicted_speedup"][b][ks], "measured_as": dyn_src,
+        "dynamic": {"num_speculative_tokens": star, "predicted_speedup": pol["predicted_speedup"][b][star],
+                    "measured_as": dyn_src,
                     "tokens_per_s": stats_of(dyn), "speedup": stats_of([d / a for d, a in zip(dyn, ar_b)])},
     }
 
@@ -143,10 +145,11 @@ def method_summary(m: Method, rows: list[dict], pol: dict, mismatches: list) -> 
     """Method m over the batch sizes: crossovers (fixed and dynamic), where the policy turns speculation off."""
     sizes = [r["batch_size"] for r in rows]
     return {
-        "k_fixed": int(m.k), "by_batch": rows,
+        "num_speculative_tokens": int(m.num_speculative_tokens), "by_batch": rows,
         "crossover_batch_size": crossover_batch_size(sizes, [r["speedup"]["median"] for r in rows]),
         "dynamic_crossover_batch_size": crossover_batch_size(sizes, [r["dynamic"]["speedup"]["median"] for r in rows]),
-        "speculation_off_from_batch_size": next((b for b in sizes if pol["k_star"][b] == 0), None),
-        "recommended_num_speculative_tokens": {b: pol["k_star"][b] for b in sizes},
+        "speculation_off_from_batch_size": next((b for b in sizes
+                                                 if pol["recommended_num_speculative_tokens"][b] == 0), None),
+        "recommended_num_speculative_tokens": {b: pol["recommended_num_speculative_tokens"][b] for b in sizes},
         "lossless": not any(x["where"] == "batch" for x in failures(mismatches)),
     }

@@ -40,9 +40,9 @@ Results schema (``run_benchmark``'s dict; ``write_json`` turns int keys into str
     cost_model {prefix_len, reps, t_target_s, t_ar_step_s {T: s}, verify {K: v(K)}, batch {B: {K: w_B(K)}},
         draft_s_per_round {chain method: {B: {K: s}}}},
     precision {dtype, exact, noise, threshold, slack, noise_positions, noise_width} (eval/bench/precision.py),
-    methods {name: {kind, k, chain, checkpoint, options, lossless, mismatches [..20], n_mismatches, n_tolerated,
-        divergences [{where, rep, prompt|row.., first_diff, ar_token, token, gap, top2_gap, noise, threshold,
-        tolerated}]}},
+    methods {name: {kind, num_speculative_tokens, chain, checkpoint, options, lossless, mismatches [..20],
+        n_mismatches, n_tolerated, divergences [{where, rep, prompt|row.., first_diff, ar_token, token, gap, top2_gap,
+        noise, threshold, tolerated}]}},
         lossless = single-sequence AND batch-sweep T=0 runs reproduced AR (AR: reproduced itself) — exactly in
         fp32; in fp16/bf16 up to divergences at near-ties within the measured noise (tolerated, still listed),
     skipped {name: reason},
@@ -52,12 +52,14 @@ Results schema (``run_benchmark``'s dict; ``write_json`` turns int keys into str
         vs_hf_prompt_lookup (T=0), by_category {cat: {n_prompts, tau, acceptance_by_pos, tokens_per_s, speedup}}}],
     peers {hf_greedy | hf_prompt_lookup | hf_assisted: {temperature 0, settings, tokens_per_s, speedup_vs_ar,
         matches_ar}},
-    policy {chain method: {acceptance_by_pos, c, k_max, draft_per_round {B: {K: d_B(K)}}, k_star {B: K*},
-        predicted_speedup {B: {K: s}}, k_star_positive_b1}},
-    batch null | {temperature, batch_sizes, ar_tokens_per_s {B: stats}, methods {name: {k_fixed,
-        by_batch [{batch_size, k, tokens_per_s, speedup, tau, predicted_speedup, draft_s_per_round (stats over
-        repetitions of the fixed-K runs' drafting seconds per batch round), dynamic {k, predicted_speedup,
-        measured_as run|fixed|ar, tokens_per_s, speedup}}], crossover_batch_size, dynamic_crossover_batch_size,
+    policy {chain method: {acceptance_by_pos, c, num_speculative_tokens (the fixed K, the largest tried),
+        draft_per_round {B: {K: d_B(K)}}, recommended_num_speculative_tokens {B: K*}, predicted_speedup {B: {K: s}},
+        best_positive_num_speculative_tokens (best K >= 1 at batch 1)}},
+    batch null | {temperature, batch_sizes, ar_tokens_per_s {B: stats}, methods {name: {num_speculative_tokens,
+        by_batch [{batch_size, num_speculative_tokens, tokens_per_s, speedup, tau, predicted_speedup,
+        draft_s_per_round (stats over repetitions of the fixed-K runs' drafting seconds per batch round), dynamic
+        {num_speculative_tokens (K*), predicted_speedup, measured_as run|fixed|ar, tokens_per_s, speedup}}],
+        crossover_batch_size, dynamic_crossover_batch_size,
         speculation_off_from_batch_size, recommended_num_speculative_tokens {B: K*}, lossless}}},
     recommended_for, recommended_num_speculative_tokens (K* at batch 1, 0 = AR is faster; for the exporter),
     best_positive_num_speculative_tokens (best K >= 1 at batch 1),
@@ -187,15 +189,16 @@ def dynamic_policy(target: FrozenTarget, chains: Sequence[Method], ids: Sequence
         pool = single["pools"][(m.name, s.batch_temperature)]
         c = pool.draft_s / costs["t_ar_step_s"][s.batch_temperature] / pool.drafted if pool.drafted else 0.0
         acc = pool.acceptance
-        seconds = measure_draft_costs(target, m.make_batch, ids, sizes, range(1, int(m.k) + 1), s.cost_reps)
+        n = int(m.num_speculative_tokens)
+        seconds = measure_draft_costs(target, m.make_batch, ids, sizes, range(1, n + 1), s.cost_reps)
         costs["draft_s_per_round"][m.name] = seconds
-        draft = draft_round_costs(c, int(m.k), seconds)
-        by_b = {b: choose_k(acc, c, costs["batch"][b], b, int(m.k), draft=draft[b]) for b in sizes}
-        policy[m.name] = {"acceptance_by_pos": acc, "c": c, "k_max": int(m.k), "draft_per_round": draft,
-                          "k_star": {b: k for b, (k, _) in by_b.items()},
+        draft = draft_round_costs(c, n, seconds)
+        by_b = {b: choose_k(acc, c, costs["batch"][b], b, n, draft=draft[b]) for b in sizes}
+        policy[m.name] = {"acceptance_by_pos": acc, "c": c, "num_speculative_tokens": n, "draft_per_round": draft,
+                          "recommended_num_speculative_tokens": {b: k for b, (k, _) in by_b.items()},
                           "predicted_speedup": {b: pred for b, (_, pred) in by_b.items()},
-                          "k_star_positive_b1": choose_k(acc, c, costs["batch"][1], 1, int(m.k), k_min=1,
-                                                         draft=draft[1])[0]}
+                          "best_positive_num_speculative_tokens": choose_k(acc, c, costs["batch"][1], 1, n, k_min=1,
+                                                                           draft=draft[1])[0]}
     return policy
 
 
@@ -241,12 +244,12 @@ def _cost_tables(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
     the cost model sizes (e.g. Medusa num_nodes: auto), before any decoding."""
     drafting = [m for m in methods if not m.baseline]
     chains = [m for m in drafting if m.chain]
-    k_chain = max([int(m.k) for m in chains] or [0])
+    longest = max([int(m.num_speculative_tokens) for m in chains] or [0])
     trees = [m.nodes for m in drafting if not m.chain]
-    widths = [*range(1, k_chain + 2), *(n + 1 for n in trees),
+    widths = [*range(1, longest + 2), *(n + 1 for n in trees),
               *(w for w in (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if w <= max(trees or [0]))]
     prefix_len = round(statistics.mean(len(p.ids) for p in prompts)) + s.max_new_tokens // 2  # mid-generation
-    costs = measure_costs(target, prefix_len, widths, sorted({1, *s.batch_sizes}), k_chain, s.cost_reps, s.seed)
+    costs = measure_costs(target, prefix_len, widths, sorted({1, *s.batch_sizes}), longest, s.cost_reps, s.seed)
     # the dtype's numeric noise between a verification-width forward and AR's one-token step: the T=0 check is
     # exact in fp32, in fp16/bf16 a divergence fails only where the target's own gap exceeds it
     # (eval/bench/precision.py)
@@ -292,17 +295,18 @@ def recommendation(swept: Sequence[Method], policy: Mapping[str, dict]) -> dict[
     pol = policy[pick.name]
     # K* at batch 1; 0 where the cost model says speculation is slower than AR (the exporter then refuses
     # --results rather than ship a slowdown); the best K >= 1 is kept alongside for whoever wants it anyway
-    return {"recommended_for": pick.name, "recommended_num_speculative_tokens": int(pol["k_star"][1]),
-            "best_positive_num_speculative_tokens": int(pol["k_star_positive_b1"]),
-            "recommended_num_speculative_tokens_by_batch": dict(pol["k_star"]),
-            "speculation_pays_at_batch_1": pol["k_star"][1] > 0}
+    star = pol["recommended_num_speculative_tokens"]
+    return {"recommended_for": pick.name, "recommended_num_speculative_tokens": int(star[1]),
+            "best_positive_num_speculative_tokens": int(pol["best_positive_num_speculative_tokens"]),
+            "recommended_num_speculative_tokens_by_batch": dict(star),
+            "speculation_pays_at_batch_1": star[1] > 0}
 
 
 def _lossless_entry(m: Method, divergences: list[dict]) -> dict:
     """mismatches: the failing divergences (first 20); divergences: every one, tolerated or not, with its gap."""
     bad = failures(divergences)
-    return {"kind": m.kind, "k": m.k, "chain": m.chain, "checkpoint": m.checkpoint, "options": m.options,
-            "variant_of": m.variant_of,
+    return {"kind": m.kind, "num_speculative_tokens": m.num_speculative_tokens, "chain": m.chain,
+            "checkpoint": m.checkpoint, "options": m.options, "variant_of": m.variant_of,
             "lossless": not bad, "mismatches": bad[:20], "n_mismatches": len(bad),
             "n_tolerated": len(divergences) - len(bad), "divergences": divergences}
 

@@ -10,9 +10,9 @@
     variants     {name: {method: proposer, option: value}} (``ProposerSpec.variants``)
 
 The keys exist in the composed config, so the command line overrides them like any other key
-(``options.eagle3.k=3``, ``checkpoints.eagle3=runs/x/final``, ``methods=[ar,eagle3]``, ``draft_model=null``,
-``+variants.fast={method: eagle3, k: 3}``); a key no spec declares needs ``+`` and then fails in the harness as a
-one-line error naming the known options.
+(``options.eagle3.num_speculative_tokens=4``, ``checkpoints.eagle3=runs/x/final``, ``methods=[ar,eagle3]``,
+``draft_model=null``, ``+variants.fast={method: eagle3, num_speculative_tokens: 2}``); a key no spec declares needs
+``+`` and then fails in the harness as a one-line error naming the known options.
 """
 
 from __future__ import annotations

@@ -190,12 +190,18 @@ def _divergences_md(r: dict) -> list[str]:
                   "| method | where | rep | prompt/row | position | AR token | token | gap | top-1 − top-2 | "
                   "threshold | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for n, d in rows:
-            where = d["where"] + (f" B={d['batch_size']} K={d['k']}" if d["where"] == "batch" else "")
+            where = d["where"] + (f" B={d['batch_size']} K={_num_spec(d)}" if d["where"] == "batch" else "")
             verdict = "tolerated (near-tie)" if d.get("tolerated") else "**FAIL**"
             lines.append(f"| {n} | {where} | {d['rep']} | {d.get('prompt', d.get('row'))} | {d['first_diff']} | "
                          f"{d.get('ar_token')} | {d.get('token')} | {_g(d.get('gap'))} | {_g(d.get('top2_gap'))} | "
                          f"{_g(d.get('threshold'))} | {verdict} |")
     return lines
+
+
+def _num_spec(d: dict, old: str = "k") -> Any:
+    """K where results.json records it: ``num_speculative_tokens``; a results file written before K had that name
+    (bench/ keeps such records) says ``old`` (``k``; a batch-sweep method's ``k_fixed``)."""
+    return d["num_speculative_tokens"] if "num_speculative_tokens" in d else d.get(old)
 
 
 def _g(x: Any) -> str:
@@ -217,9 +223,10 @@ def _batch_md(r: dict) -> list[str]:
         for name, m in b["methods"].items():
             rows = {row["batch_size"]: row for row in m["by_batch"]}
             fixed = [f"{_f(rows[x]['speedup']['median'])} ± {_f(rows[x]['speedup']['spread'])}" for x in sizes]
-            dyn = [f"{_f(rows[x]['dynamic']['speedup']['median'])} (K*={rows[x]['dynamic']['k']})" for x in sizes]
+            dyn = [f"{_f(rows[x]['dynamic']['speedup']['median'])} (K*={_num_spec(rows[x]['dynamic'])})"
+                   for x in sizes]
             cross = m["crossover_batch_size"]
-            lines.append(f"| {name} fixed | {m['k_fixed']} | " + " | ".join(fixed)
+            lines.append(f"| {name} fixed | {_num_spec(m, 'k_fixed')} | " + " | ".join(fixed)
                          + f" | {'none' if cross is None else f'B={cross}'} |")
             dcross = m["dynamic_crossover_batch_size"]
             lines.append(f"| {name} dynamic | K* | " + " | ".join(dyn)
@@ -352,7 +359,8 @@ def _plot_batch(b: dict, path: Path, plt) -> Path:
         med = [row["speedup"]["median"] for row in rows]
         err = [[md - row["speedup"]["min"] for md, row in zip(med, rows)],
                [row["speedup"]["max"] - md for md, row in zip(med, rows)]]
-        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, color=f"C{i}", label=f"{name} K={m['k_fixed']}")
+        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, color=f"C{i}",
+                    label=f"{name} K={_num_spec(m, 'k_fixed')}")
         ax.plot(xs, [row["dynamic"]["speedup"]["median"] for row in rows], "--", marker="x", color=f"C{i}",
                 label=f"{name} dynamic K*")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")

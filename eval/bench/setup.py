@@ -38,8 +38,8 @@ class Prompt:
 class Method:
     """A method under test.
 
-    ``make(k)`` returns a fresh proposer (``k`` overrides the chain length; None = the method's own) — the
-    batch engine needs one per row, and the dynamic policy other K. ``decode`` replaces
+    ``make(num_speculative_tokens)`` returns a fresh proposer (a number overrides the chain's length; None = the
+    method's own) — the batch engine needs one per row, and the dynamic policy other K. ``decode`` replaces
     ``speculative_decode`` for one sequence, called as (target, proposer, ids, max_new_tokens, eos_id=...,
     sampling=...) (another engine measured by the same harness; the tests use it to break a method on purpose).
     ``model`` is the module the proposer wraps (the HF draft model is also the assisted-generation peer's
@@ -49,7 +49,7 @@ class Method:
     name: str
     kind: str
     make: Callable[[int | None], Any] | None = None
-    k: int | None = None  # chain length; None for AR and trees
+    num_speculative_tokens: int | None = None  # chain length; None for AR and trees
     checkpoint: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     decode: Callable[..., DecodeResult] | None = None
@@ -71,17 +71,18 @@ class Method:
         p = self.proposer_spec()
         return p is not None and p.baseline
 
-    def make_batch(self, k: int | None, b: int) -> Any:
-        """One ``BatchProposer`` for b rows at chain length k: the spec's batched form (one drafter call per round
+    def make_batch(self, num_speculative_tokens: int | None, b: int) -> Any:
+        """One ``BatchProposer`` for b rows at that chain length: the spec's batched form (one drafter call per round
         for all rows) where it declares one, else the rows drafting one after another."""
         p = self.proposer_spec()
-        return batch_proposer([self.make(k) for _ in range(b)], p.batched if p is not None else None)
+        rows = [self.make(num_speculative_tokens) for _ in range(b)]
+        return batch_proposer(rows, p.batched if p is not None else None)
 
     @property
     def nodes(self) -> int:
         """Drafted nodes per round (cost tables): the tree's size, or the chain length."""
         p = self.proposer_spec()
-        return p.nodes(self.options) if p is not None and p.nodes is not None else int(self.k or 1)
+        return p.nodes(self.options) if p is not None and p.nodes is not None else int(self.num_speculative_tokens or 1)
 
     def size_tree(self, target: FrozenTarget, verify_cost: Callable[[float], float], t1_s: float | None = None
                   ) -> None:
@@ -95,8 +96,8 @@ class Method:
         if sized is not None:
             self.options = sized
             self.make = registry.factory(p, self.model, target, sized)
-            if p.k_option:  # a sized chain length (DFlash k: auto)
-                self.k = int(sized[p.k_option])
+            if p.chain:  # a sized chain length (DFlash num_speculative_tokens: auto)
+                self.num_speculative_tokens = int(sized["num_speculative_tokens"])
 
 
 @dataclass
@@ -371,8 +372,9 @@ def build_methods(
             where = f"variants.{name}" if name in variants else f"options.{base}"
             msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(msg if msg.startswith(f"{where}:") else f"{where}: {msg}") from None
-        methods.append(Method(name, base, make, k=int(o[p.k_option]) if p.k_option else None, checkpoint=path,
-                              options=o, model=drafter, spec=p, variant_of=base if name in variants else None))
+        methods.append(Method(name, base, make, checkpoint=path, options=o, model=drafter, spec=p,
+                              num_speculative_tokens=int(o["num_speculative_tokens"]) if p.chain else None,
+                              variant_of=base if name in variants else None))
     for name, why in skipped.items():
         log.warning("skipping %s: %s", name, why)
     return methods, skipped

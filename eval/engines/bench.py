@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from eval.engines import serving as E
+from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
 def vllm_format(method: str) -> str | None:
@@ -38,17 +39,19 @@ def served_methods() -> list[str]:
     return [m for m in registry.trainable_methods() if vllm_format(m)]
 
 
-def _k(method: str, drafter, k: int) -> int:
-    """The drafter's own K (its spec's ``default_k``: Medusa its heads, DFlash its block's slots), else ``k``."""
+def _num_speculative_tokens(method: str, drafter, num_speculative_tokens: int) -> int:
+    """The drafter's own K (its spec's ``default_num_speculative_tokens``: Medusa its heads, DFlash its block's
+    slots), else ``num_speculative_tokens``."""
     from models import registry
 
     spec = registry.method(method)
-    return int(spec.default_k(drafter)) if spec.default_k else k
+    own = spec.default_num_speculative_tokens
+    return int(own(drafter)) if own else num_speculative_tokens
 
 
 def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int, batch_sizes: list[int],
-            k: int = 3, target_name: str = "tiny-code", prompts_from: str | None = None,
-            prompt_tokens: int = 64) -> dict:
+            num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, target_name: str = "tiny-code",
+            prompts_from: str | None = None, prompt_tokens: int = 64) -> dict:
     from eval.bench.setup import load_prompts
     from models.core.target import FrozenTarget, resolve_name
     from models.export.api import export
@@ -58,17 +61,19 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
     prompts = [p.ids for p in load_prompts(target.tokenizer, n_prompts, prompt_tokens, prompts_from)]
     plain = baseline().name  # the engine without speculation: the row every speedup is over ("ar")
     runs = [{"name": plain, "speculative_config": None},
-            {"name": "ngram", "speculative_config": {"method": "ngram", "num_speculative_tokens": k,
+            {"name": "ngram", "speculative_config": {"method": "ngram",
+                                                     "num_speculative_tokens": num_speculative_tokens,
                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}}]
-    harness, ks = {}, {"ngram": k}
+    harness, per_row = {}, {"ngram": num_speculative_tokens}  # each row's num_speculative_tokens
     for name, ckpt in checkpoints.items():  # name: the row's label (a method, or e.g. dspark for a dflash drafter)
         d, meta = load_drafter(Path(ckpt), target)
         method = meta["method"]
-        ks[name] = _k(method, d, k)
+        per_row[name] = _num_speculative_tokens(method, d, num_speculative_tokens)
         fmt = vllm_format(method)
-        path = export(d, fmt, out / "exports" / name, target, meta=meta, recommended_k=ks[name], overwrite=True)
-        runs.append({"name": name, "speculative_config": E.speculative_config(fmt, path, ks[name])})
-        harness[name] = E.harness_counts(target, method, d, ckpt, prompts, max_new, ks[name])
+        path = export(d, fmt, out / "exports" / name, target, meta=meta, num_speculative_tokens=per_row[name],
+                      overwrite=True)
+        runs.append({"name": name, "speculative_config": E.speculative_config(fmt, path, per_row[name])})
+        harness[name] = E.harness_counts(target, method, d, ckpt, prompts, max_new, per_row[name])
     ar = E.ar_outputs(target, prompts, max_new)
     engine = E.run_vllm({"target": resolve_name(target_name), "prompts": prompts, "max_new_tokens": max_new,
                          "runs": runs, "batch_sizes": batch_sizes, "max_num_seqs": max(batch_sizes)})
@@ -77,7 +82,7 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
     base = {b: x["tokens_per_s"] for b, x in (ar_run or {}).get("by_batch", {}).items()}
     for r in engine["runs"]:
         same = r["ok"] and r["outputs"] == ar and all(x["same_outputs"] for x in r["by_batch"].values())
-        row = {"ok": r["ok"], "error": r["error"], "lossless": same, "k": ks.get(r["name"])}
+        row = {"ok": r["ok"], "error": r["error"], "lossless": same, "num_speculative_tokens": per_row.get(r["name"])}
         if r["ok"]:
             row["tokens_per_s"] = {b: x["tokens_per_s"] for b, x in r["by_batch"].items()}
             row["speedup_vs_engine_ar"] = {b: x["tokens_per_s"] / base[b] for b, x in r["by_batch"].items()
@@ -102,9 +107,9 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
     return res
 
 
-def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int, k: int = 3,
-                     target_name: str = "tiny-code", threads: int = 1, prompts_from: str | None = None,
-                     prompt_tokens: int = 64) -> dict:
+def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int,
+                     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, target_name: str = "tiny-code",
+                     threads: int = 1, prompts_from: str | None = None, prompt_tokens: int = 64) -> dict:
     from eval.bench.setup import load_prompts
     from eval.engines import llamacpp as L
     from models.core.target import FrozenTarget
@@ -122,14 +127,14 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
     first = [o[0] for o in E.ar_outputs(target, cands, 1)]
     prompts = L.aligned_prompts(target.tokenizer, tgt, cands, first, n_prompts)
     ids = [p["input_ids"] for p in prompts]
-    runs = [{"name": "ar", "spec_type": None}, L.ngram_run(k)]
+    runs = [{"name": "ar", "spec_type": None}, L.ngram_run(num_speculative_tokens)]
     harness = {}
     for name, ckpt in checkpoints.items():  # name: the row's label (a method, or e.g. dspark for a dflash drafter)
         d, meta = load_drafter(Path(ckpt), target)
         g = G.export_gguf(d, out / "exports" / name, target, target_name=target_name, meta=meta, overwrite=True)
         m = G.check_gguf(g)
         runs.append({"name": name, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
-                     "k": m["num_speculative_tokens"]})
+                     "num_speculative_tokens": m["num_speculative_tokens"]})
         harness[name] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, m["num_speculative_tokens"])
     ar = E.ar_outputs(target, ids, max_new)
     engine = L.serve(tgt, prompts, max_new, runs, threads)
@@ -138,7 +143,8 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
     for r in runs:
         e = engine[r["name"]]
         bad = L.matches_harness(target.tokenizer, prompts, ar, e["texts"]) if e["ok"] else []
-        row = {"ok": e["ok"], "error": e["error"], "k": r.get("k"), "spec_type": r["spec_type"],
+        row = {"ok": e["ok"], "error": e["error"], "num_speculative_tokens": r.get("num_speculative_tokens"),
+               "spec_type": r["spec_type"],
                "lossless": e["ok"] and not bad,
                "near_ties": [tie_gap(target, prompts[i], ar[i], e["texts"][i]) for i in bad]}
         if e["ok"]:
@@ -189,8 +195,10 @@ def render(res: dict) -> str:
              + " | tokens/round engine | tau harness | acceptance by position (engine / harness) |",
              "|---|---|---|" + "---|---|" * len(bs) + "---|---|---|"]
     for name, r in res["methods"].items():
+        # K: results written before K was named num_speculative_tokens (bench/engines/) say "k"
+        k = r["num_speculative_tokens"] if "num_speculative_tokens" in r else r.get("k")
         if not r["ok"]:
-            lines.append(f"| {name} | {r['k']} | refused: {r['error'][:120]} |")
+            lines.append(f"| {name} | {k} | refused: {r['error'][:120]} |")
             continue
         tps = " | ".join(f"{f(r['tokens_per_s'].get(b), 1)} | {f(r['speedup_vs_engine_ar'].get(b))}" for b in bs)
         acc = "-"
@@ -200,7 +208,7 @@ def render(res: dict) -> str:
         ties = "".join(f" (near tie at token {t['position']}: top-2 logit gap {t['top2_logit_gap']:.4f})"
                        for t in r.get("near_ties", []))
         ok = "yes" if r["lossless"] else "NO" + ties
-        lines.append(f"| {name} | {r['k'] or '-'} | {ok} | {tps} | "
+        lines.append(f"| {name} | {k or '-'} | {ok} | {tps} | "
                      f"{f(r.get('engine_tokens_per_round'))} | {f(r.get('harness_tau'))} | {acc} |")
     return "\n".join(lines) + "\n"
 
@@ -224,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens for EAGLE-3 and n-gram")
+    p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+                   help="n-gram's K (a drafter drafts its method's export default, MethodSpec."
+                        "default_num_speculative_tokens)")
     p.add_argument("--prompts", help="a prompt file or shipped name (mt_bench, humaneval); default held-out stdlib")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (vLLM runs 1 OpenMP thread)")
@@ -249,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for method in methods.values():  # up front: a method llama.cpp cannot draft for costs no checkpoint load
                 require_rows(method)
-            res = measure_llamacpp(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.k, a.target, a.threads,
-                                   a.prompts, a.prompt_tokens)
+            res = measure_llamacpp(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.num_speculative_tokens,
+                                   a.target, a.threads, a.prompts, a.prompt_tokens)
         except ExportError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -260,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: no vLLM format for {bad}; use {served_methods()}", file=sys.stderr)
         return 2
-    res = measure(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.batch_sizes, a.k, a.target, a.prompts,
-                  a.prompt_tokens)
+    res = measure(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.batch_sizes, a.num_speculative_tokens,
+                  a.target, a.prompts, a.prompt_tokens)
     print(render(res))
     return 0 if all(r["lossless"] for r in res["methods"].values() if r["ok"]) else 1
 

@@ -76,11 +76,12 @@ def run_ar(model: str | Path, text: str, n: int, threads: int = 1, timeout: floa
             "decoded": int(m[-1][1]), "decode_s": float(m[-1][0]) / 1000}
 
 
-def run_spec(model: str | Path, text: str, n: int, spec_type: str, k: int, draft: str | Path | None = None,
-             threads: int = 1, extra: Sequence[str] = (), timeout: float = 600) -> dict:
+def run_spec(model: str | Path, text: str, n: int, spec_type: str, num_speculative_tokens: int,
+             draft: str | Path | None = None, threads: int = 1, extra: Sequence[str] = (),
+             timeout: float = 600) -> dict:
     """Speculative decoding by the engine. ``rounds``: (accepted, drafted) per verification round, in order."""
     cmd = [str(binary("llama-speculative-simple")), *_common(model, text, n, threads), "--spec-type", spec_type,
-           "--spec-draft-n-max", str(k), "-v", *extra]
+           "--spec-draft-n-max", str(num_speculative_tokens), "-v", *extra]
     if draft is not None:
         cmd += ["-md", str(draft), "-td", str(threads)]
     proc = _run(cmd, timeout)
@@ -99,7 +100,7 @@ def _strip_trailer(s: str) -> str:
     return s[:-len(TRAILER)] if s.endswith(TRAILER) else s
 
 
-def counts(rounds: Sequence[tuple[int, int]], budget: int, k: int) -> dict:
+def counts(rounds: Sequence[tuple[int, int]], budget: int, num_speculative_tokens: int) -> dict:
     """vLLM's counter definitions over the rounds that start within ``budget`` generated tokens (after t0):
     drafts = rounds that drafted, accepted per position unconditional (rounds accepting > j drafted tokens)."""
     done, live, past = 0, [], 0
@@ -111,7 +112,8 @@ def counts(rounds: Sequence[tuple[int, int]], budget: int, k: int) -> dict:
         if d > 0:
             live.append(a)
     return {"num_drafts": len(live), "num_accepted_tokens": sum(live),
-            "accepted_per_pos": [sum(1 for a in live if a > j) for j in range(k)], "past_budget": past,
+            "accepted_per_pos": [sum(1 for a in live if a > j) for j in range(num_speculative_tokens)],
+            "past_budget": past,
             "accepted_by_round": live}
 
 
@@ -131,11 +133,12 @@ def aligned_prompts(tokenizer, model_gguf: str | Path, candidates: Sequence[Sequ
     return out
 
 
-def ngram_run(k: int, n: int = 3) -> dict:
+def ngram_run(num_speculative_tokens: int, n: int = 3) -> dict:
     """llama.cpp's prompt lookup (``ngram-simple``) as vLLM's ngram runs it: match the last ``n`` tokens, draft
-    ``k`` (its defaults, a 12-token match and 48 drafts, almost never fire on a short request)."""
-    return {"name": "ngram", "spec_type": "ngram-simple", "k": k,
-            "extra": ["--spec-ngram-simple-size-n", str(n), "--spec-ngram-simple-size-m", str(k)]}
+    ``num_speculative_tokens`` (its defaults, a 12-token match and 48 drafts, almost never fire on a short
+    request)."""
+    return {"name": "ngram", "spec_type": "ngram-simple", "num_speculative_tokens": num_speculative_tokens,
+            "extra": ["--spec-ngram-simple-size-n", str(n), "--spec-ngram-simple-size-m", str(num_speculative_tokens)]}
 
 
 def sum_counts(parts: Sequence[dict]) -> dict:
@@ -149,22 +152,24 @@ def sum_counts(parts: Sequence[dict]) -> dict:
 def serve(target_gguf: str | Path, prompts: Sequence[dict], max_new: int, runs: Sequence[dict],
           threads: int = 1) -> dict:
     """Every run on every aligned prompt (``aligned_prompts``), ``max_new`` tokens counted from t0 as the harness
-    counts them. A run: ``name``, ``spec_type`` (None: the engine's AR), ``draft`` (a GGUF or None), ``k``.
+    counts them. A run: ``name``, ``spec_type`` (None: the engine's AR), ``draft`` (a GGUF or None),
+    ``num_speculative_tokens``.
     Returns {name: {ok, error, texts, tokens_per_s, counts}}; a run the engine refuses is ok=false with its reason
     (the tool's last stderr lines), not an exception."""
     out = {}
     for r in runs:
         try:
-            res = [run_spec(target_gguf, p["text"], max_new - 1, r["spec_type"], r["k"], r.get("draft"), threads,
-                            r.get("extra", ()))
+            res = [run_spec(target_gguf, p["text"], max_new - 1, r["spec_type"], r["num_speculative_tokens"],
+                            r.get("draft"), threads, r.get("extra", ()))
                    if r.get("spec_type") else run_ar(target_gguf, p["text"], max_new - 1, threads) for p in prompts]
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             out[r["name"]] = {"ok": False, "error": str(e)}
             continue
-        row = {"ok": True, "error": None, "texts": [x["text"] for x in res], "k": r.get("k"),
+        row = {"ok": True, "error": None, "texts": [x["text"] for x in res],
+               "num_speculative_tokens": r.get("num_speculative_tokens"),
                "tokens_per_s": sum(x["decoded"] for x in res) / max(sum(x["decode_s"] for x in res), 1e-9)}
         if r.get("spec_type"):
-            per = [counts(x["rounds"], max_new - 1, r["k"]) for x in res]
+            per = [counts(x["rounds"], max_new - 1, r["num_speculative_tokens"]) for x in res]
             row["counts"] = sum_counts(per)
             row["accepted_by_round"] = [c["accepted_by_round"] for c in per]  # per prompt, rounds that drafted
         out[r["name"]] = row

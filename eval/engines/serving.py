@@ -2,7 +2,7 @@
 
 - ``vllm_python()``: the interpreter of the vLLM venv (``.venv-vllm``, scripts/install_vllm_cpu.sh; override with
   ``DRAFTSMITH_VLLM_VENV``); ``run_vllm(job)`` runs eval/engines/vllm_runner.py there and returns its JSON.
-- ``speculative_config(fmt, export_dir, k)``: what the export README tells a vLLM user to pass.
+- ``speculative_config(fmt, export_dir, num_speculative_tokens)``: what the export README tells a vLLM user to pass.
 - ``harness_counts(...)``: the same prompts through draftsmith's own decoder at the same K, with the counters in
   vLLM's definitions (drafts = verification rounds that drafted; per-position counts are unconditional: rounds
   whose first k drafted tokens were all accepted), so the two are compared number for number.
@@ -69,7 +69,7 @@ def _run_vllm_once(job: dict, timeout: float, nice: int) -> dict:
         return out
 
 
-def speculative_config(fmt: str, export_dir: str | Path, k: int) -> dict:
+def speculative_config(fmt: str, export_dir: str | Path, num_speculative_tokens: int) -> dict:
     """vLLM's speculative_config for an export: the method its format row names (``ExportFormat.vllm_method``)
     and the row's other keys (``vllm_options``, e.g. P-EAGLE's ``parallel_drafting``)."""
     from models.export.formats import export_format
@@ -77,44 +77,47 @@ def speculative_config(fmt: str, export_dir: str | Path, k: int) -> dict:
     f = export_format(fmt)
     if f.vllm_method is None:
         raise ValueError(f"vLLM does not serve the {fmt} layout (its format row names no vllm_method)")
-    return {"method": f.vllm_method, "model": str(export_dir), "num_speculative_tokens": int(k), **dict(f.vllm_options)}
+    return {"method": f.vllm_method, "model": str(export_dir), "num_speculative_tokens": int(num_speculative_tokens),
+            **dict(f.vllm_options)}
 
 
 # ============================================================================================ the harness side
-def chain_proposer(method: str, drafter: Any, target: Any, checkpoint: str | None, k: int):
+def chain_proposer(method: str, drafter: Any, target: Any, checkpoint: str | None, num_speculative_tokens: int):
     """draftsmith's proposer drafting the chain vLLM drafts: K tokens per round, greedy (Medusa: the top-1 of
     each of its first K heads, as vLLM's medusa proposer)."""
     from models import registry
 
     p = registry.method(method).proposers[0]  # the method's chain (EAGLE-3's, not its tree)
-    options = p.engine_options(k) if p.engine_options else {p.k_option: k}
+    options = (p.engine_options(num_speculative_tokens) if p.engine_options
+               else {"num_speculative_tokens": num_speculative_tokens})
     return registry.make_proposer_factory(p.name, drafter, target, checkpoint, options)[0](None)
 
 
-def per_position(accepted: Sequence[int], k: int) -> list[int]:
-    """Unconditional per-position counts (vLLM's): rounds that accepted at least j+1 drafted tokens, j < k."""
-    return [sum(1 for a in accepted if a > j) for j in range(k)]
+def per_position(accepted: Sequence[int], num_speculative_tokens: int) -> list[int]:
+    """Unconditional per-position counts (vLLM's): rounds that accepted at least j+1 drafted tokens, j < K."""
+    return [sum(1 for a in accepted if a > j) for j in range(num_speculative_tokens)]
 
 
 def harness_counts(target: Any, method: str, drafter: Any, checkpoint: str | None, prompts: Sequence[Sequence[int]],
-                   max_new_tokens: int, k: int) -> dict:
-    """Greedy speculative decoding of every prompt by draftsmith at chain length ``k``: outputs and counters in
+                   max_new_tokens: int, num_speculative_tokens: int) -> dict:
+    """Greedy speculative decoding of every prompt by draftsmith at chain length K: outputs and counters in
     vLLM's definitions (see the module docstring)."""
     import torch
 
     from eval.decode.single import speculative_decode
 
-    outs, rounds, pos, acc, drafted, by_round = [], 0, [0] * k, 0, 0, []
+    outs, rounds, pos, acc, drafted, by_round = [], 0, [0] * num_speculative_tokens, 0, 0, []
     for p in prompts:
         ids = torch.tensor([list(p)], device=_device(target))
-        r = speculative_decode(target, chain_proposer(method, drafter, target, checkpoint, k), ids, max_new_tokens)
+        proposer = chain_proposer(method, drafter, target, checkpoint, num_speculative_tokens)
+        r = speculative_decode(target, proposer, ids, max_new_tokens)
         outs.append(list(r.tokens))
         live = [a for a, d in zip(r.accepted, r.drafted) if d > 0]
         by_round.append(live)
         rounds += len(live)
         acc += sum(live)
         drafted += sum(d for d in r.drafted if d > 0)
-        pos = [a + b for a, b in zip(pos, per_position(live, k))]
+        pos = [a + b for a, b in zip(pos, per_position(live, num_speculative_tokens))]
     return {"outputs": outs, "num_drafts": rounds, "num_accepted_tokens": acc, "num_draft_tokens": drafted,
             "accepted_per_pos": pos, "generated": sum(len(o) for o in outs), "accepted_by_round": by_round}
 

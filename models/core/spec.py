@@ -24,13 +24,19 @@ from typing import Any
 # what eval loads before it can build a method's proposers
 SOURCES = ("checkpoint", "model", "none")
 
+# K, the tokens drafted per verification round, where nothing else sets it: eval's chain proposers (their
+# ``num_speculative_tokens`` option), an EAGLE-3 export without eval results, the engine benchmarks. 3 is
+# llama-server's default and what measured best on CPU. Methods whose K is fixed by their shape (Medusa's heads,
+# MTP's modules, DFlash's block, P-EAGLE's depths) default to that instead.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+
 
 @dataclass(frozen=True)
 class ProposerSpec:
     """``make(drafter, target, **options)`` → a fresh proposer (drafter: the loaded checkpoint module, the
     separate draft model, or None for model-free methods; target: the FrozenTarget it drafts for).
-    ``defaults``: every option ``make`` takes, with its default.
-    ``k_option``: the option that is the chain length (the dynamic-K policy varies it); None for trees.
+    ``defaults``: every option ``make`` takes, with its default; a chain's (``chain=True``) include
+    ``num_speculative_tokens``, its length (the dynamic-K policy varies it).
     ``prepare(drafter, checkpoint_dir, options) → options``: once, when the method is set up (e.g. read the
     tree saved with the checkpoint). ``size(drafter, checkpoint_dir, options, v, t1_s=) → options``: the cost-model
     step, given v(n) = measured verification cost of n drafted nodes in target steps; it returns the options
@@ -40,7 +46,6 @@ class ProposerSpec:
     make: Callable[..., Any]
     defaults: Mapping[str, Any] = field(default_factory=dict)
     chain: bool = True
-    k_option: str | None = "k"
     prepare: Callable[[Any, str | None, dict], dict] | None = None
     size: Callable[..., dict | None] | None = None  # (drafter, checkpoint_dir, options, v, t1_s=) → options
     nodes: Callable[[dict], int] | None = None
@@ -58,9 +63,13 @@ class ProposerSpec:
     # hf_peer(options, model) → (peer name, transformers generate() kwargs): the HF twin eval also runs at T=0
     # (n-gram → prompt lookup, draft model → assisted generation); None → no HF twin
     hf_peer: Callable[[Mapping[str, Any], Any], tuple[str, dict]] | None = None
-    # engine_options(k) → this proposer's options for the K-token chain an engine drafts (the harness side of an
-    # in-engine comparison, eval/engines/serving.py); None → {k_option: k}
+    # engine_options(num_speculative_tokens) → this proposer's options for the chain an engine drafts (the harness
+    # side of an in-engine comparison, eval/engines/serving.py); None → {"num_speculative_tokens": ...}
     engine_options: Callable[[int], dict] | None = None
+
+    def __post_init__(self) -> None:
+        if self.chain and "num_speculative_tokens" not in self.defaults:
+            raise ValueError(f"proposer {self.name}: a chain needs the option num_speculative_tokens (its length)")
 
     def options(self, overrides: Mapping[str, Any] | None = None) -> dict:
         """The defaults with ``overrides`` applied; an unknown key is a one-line error listing the known ones."""
@@ -74,11 +83,12 @@ class ProposerSpec:
 @dataclass(frozen=True)
 class ExportFormat:
     """One checkpoint format an engine loads, declared by the method whose drafters it holds (its
-    ``export.py``; ``MethodSpec.export_formats``). ``build(drafter, target, target_name, k, meta) → Bundle``;
-    ``check(cfg, tensors, sidecar, target, where) → (expected shapes, target dims)``; ``load(cfg, state_dict,
-    target) → module``; ``detect(cfg, dir)`` → bool (tried in registry order, so a more specific format comes
-    first within a method). ``k`` is the recommended num_speculative_tokens or, without one, the method's
-    ``MethodSpec.default_k`` (None where it declares none).
+    ``export.py``; ``MethodSpec.export_formats``). ``build(drafter, target, target_name, num_speculative_tokens,
+    meta) → Bundle``; ``check(cfg, tensors, sidecar, target, where) → (expected shapes, target dims)``;
+    ``load(cfg, state_dict, target) → module``; ``detect(cfg, dir)`` → bool (tried in registry order, so a more
+    specific format comes first within a method). ``num_speculative_tokens`` is the recommended one (eval
+    results) or, without one, the method's ``MethodSpec.default_num_speculative_tokens`` (None where it declares
+    none).
 
     The format's own facts, so that models/export/ never asks which format it holds:
     ``readme(cfg, sidecar, serve) → lines``: its sections of the exported README.md after the common frame
@@ -118,8 +128,9 @@ class MethodSpec:
     rank accuracies; returns what it wrote (or None).
 
     The method's facts train/ and models/export/ read instead of naming methods:
-    ``default_k(drafter) → int``: num_speculative_tokens an export serves without eval results (EAGLE-3: 3,
-    Medusa: its heads, MTP: its modules, DFlash: the block's drafted slots, P-EAGLE: its parallel depths).
+    ``default_num_speculative_tokens(drafter) → int``: the K an export serves without eval results (EAGLE-3:
+    ``DEFAULT_NUM_SPECULATIVE_TOKENS``, Medusa: its heads, MTP: its modules, DFlash: the block's drafted slots,
+    P-EAGLE: its parallel depths).
     ``check_config(config, max_len)``: the up-front checks of a draft config (its fields as
     ``conf/draft/<name>.yaml`` gives them, before anything loads; ``max_len``: data.max_len or None), each bad
     value a one-line ValueError naming the key as ``draft.config.<field>`` (models/core/config_checks.py); the
@@ -137,7 +148,7 @@ class MethodSpec:
     load: Callable[..., Any] | None = None
     # values for config fields a checkpoint written before they existed does not store (what it was trained with)
     checkpoint_defaults: Mapping[str, Any] = field(default_factory=dict)
-    default_k: Callable[[Any], int] | None = None
+    default_num_speculative_tokens: Callable[[Any], int] | None = None
     check_config: Callable[[Mapping[str, Any], int | None], None] | None = None
     final_files: tuple[str, ...] = ()
     # --- where eval finds it: the checkpoint dir (None → runs/<name>/final, what

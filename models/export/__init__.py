@@ -22,7 +22,7 @@ So the two fields hold different numbers for the same tensors; the validator che
 Modules: api (export, load_export), validate (detect_format, validate), formats (the table: export_format,
 export_formats, cli_formats), readme (the README frame), serving (the serving-mode manifest), llamacpp (GGUF);
 the helpers the methods' exporters share are in models/export/shared/ (common: file names, ``ExportError``,
-``recommended_k_from_results``; identity; snippets), a layer below the methods (tests/test_layers.py).
+``num_speculative_tokens_from_results``; identity; snippets), a layer below the methods (tests/test_layers.py).
 
 This file imports nothing: a method's export.py imports models/export/shared/, which runs this file first, and
 the modules here import the registry, which imports the methods.

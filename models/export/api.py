@@ -37,13 +37,13 @@ from .validate import check_export, validate
 
 # ============================================================================================ writing
 def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, *, target_name: str | None = None,
-           recommended_k: int | None = None, meta: dict | None = None, dtype: torch.dtype | None = None,
+           num_speculative_tokens: int | None = None, meta: dict | None = None, dtype: torch.dtype | None = None,
            overwrite: bool = False, serve_name: str | None = None) -> Path:
     """Write ``drafter`` (trained for ``target``) to ``out`` in ``fmt`` (one of FORMATS or a CLI name).
 
     ``target_name``: how engines should find the target (default: the target config's name_or_path).
-    ``recommended_k``: num_speculative_tokens for the serving snippets (e.g. from an eval results JSON); default:
-    the method's ``default_k`` (models/core/spec.py).
+    ``num_speculative_tokens``: K for the engine configs and serving snippets (e.g. an eval results JSON's
+    recommended one); default: the method's ``default_num_speculative_tokens`` (models/core/spec.py).
     ``dtype``: cast float weights (default: keep the trained dtype; d2t/t2d are never cast).
     ``serve_name``: the target as the engine-read fields (speculators ``verifier.name_or_path``, Medusa's
     ``base_model_name_or_path``) and the README's serve commands name it (default: ``engine_target_name`` of the
@@ -55,14 +55,15 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
     method = drafter.config_dict().get("method")
     if method != spec.method:
         raise ExportError(f"format {fmt} is for {spec.method} drafters, this one is {method}")
-    if recommended_k is not None and (not isinstance(recommended_k, int) or recommended_k < 1):
-        raise ExportError(f"recommended_k must be a positive integer, got {recommended_k!r}")
+    if num_speculative_tokens is not None and (not isinstance(num_speculative_tokens, int)
+                                               or num_speculative_tokens < 1):
+        raise ExportError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
     name = target_name or getattr(target.model.config, "_name_or_path", "") or "UNKNOWN-TARGET"
-    k, default_k = recommended_k, registry.method(spec.method).default_k
-    if k is None and default_k is not None:  # no eval results: the method's own default
-        k = default_k(drafter)
-    bundle = spec.build(drafter, target, name, k, meta)
-    bundle.sidecar["k_from_results"] = recommended_k is not None
+    n, default = num_speculative_tokens, registry.method(spec.method).default_num_speculative_tokens
+    if n is None and default is not None:  # no eval results: the method's own default
+        n = default(drafter)
+    bundle = spec.build(drafter, target, name, n, meta)
+    bundle.sidecar["k_from_results"] = num_speculative_tokens is not None
     _set_serve_name(bundle, serve_name or engine_target_name(name))
     bundle.sidecar["serve_name_from_user"] = serve_name is not None  # a path set on purpose is not warned about
     bundle.sidecar[SERVING_KEY] = serving_manifest(target, meta)  # target revision, chat template, thinking mode

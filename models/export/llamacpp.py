@@ -125,7 +125,7 @@ def _build_hf(drafter: nn.Module, out: Path, target, **kw):
 def export_gguf(drafter: nn.Module, out: str | Path, target, *, target_name: str, overwrite: bool = False,
                 outtype: str = "f32", **kw) -> Path:
     """Write OUT/{hf/, draft.gguf, gguf.json, README.md} (module docstring). ``kw``: models.export.export's
-    recommended_k, meta, dtype, serve_name."""
+    num_speculative_tokens, meta, dtype, serve_name."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -139,8 +139,8 @@ def export_gguf(drafter: nn.Module, out: str | Path, target, *, target_name: str
         row, hf = _build_hf(drafter, tmp / "hf", target, target_name=target_name, **kw)
         gguf = convert(hf, tmp / DRAFT, tdir, outtype)
         side = json.loads((hf / "draftsmith.json").read_text())
-        k = side.get("num_speculative_tokens")
-        manifest = {"source_format": row.name, "spec_type": row.llamacpp, "num_speculative_tokens": k,
+        manifest = {"source_format": row.name, "spec_type": row.llamacpp,
+                    "num_speculative_tokens": side.get("num_speculative_tokens"),
                     "outtype": outtype, "llama_cpp_python_sources": LLAMA_CPP_PYTHON_VERSION,
                     "draft_sha256": sha256(gguf), "serve_name": side.get("serve_name"),
                     "serving": side.get("serving")}
@@ -183,9 +183,9 @@ def check_manifest(path: str | Path, fmt: str) -> dict:
         if m.get(key) != want:
             raise ExportError(f"{marker} says {key} {m.get(key)!r}, but hf/ holds the {fmt} layout, whose {key} is "
                               f"{want!r}; export again with --force")
-    k = m.get("num_speculative_tokens")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ExportError(f"{marker} says num_speculative_tokens {k!r}, but llama.cpp's --spec-draft-n-max needs an "
+    n = m.get("num_speculative_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ExportError(f"{marker} says num_speculative_tokens {n!r}, but llama.cpp's --spec-draft-n-max needs an "
                           "integer >= 1; export again with --force (--results sets K)")
     side = load_json(path / "hf" / SIDECAR) if (path / "hf" / SIDECAR).is_file() else {}
     for key in ("num_speculative_tokens", "serve_name", "serving"):  # copied from hf/draftsmith.json at export

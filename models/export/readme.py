@@ -17,9 +17,8 @@ PATH = "/path/to/this/export"  # the export directory as the snippets name it
 
 
 def render_readme(fmt: str, cfg: dict, side: dict) -> str:
-    k = side["num_speculative_tokens"]
     tname = side.get("serve_name") or engine_target_name(side["target_name"])
-    serve = Serve(PATH, tname, k)
+    serve = Serve(PATH, tname, side["num_speculative_tokens"])
     row = export_format(fmt)
     return "\n".join(_frame(row.name, side, serve) + (row.readme(cfg, side, serve) if row.readme else []))
 
@@ -35,6 +34,6 @@ def _frame(fmt: str, side: dict, s: Serve) -> list[str]:
             + (": its directory in a draftsmith checkout" if s.target == EMBEDDED_SERVE_PATH else "")
             + "); serve from wherever the target lives on the serving machine, or re-export with "
             "`--serve-name`.", "",
-            f"num_speculative_tokens below: {s.k}"
+            f"num_speculative_tokens below: {s.num_speculative_tokens}"
             + (" (from the eval results)." if side.get("k_from_results") else " (default; pass --results eval.json "
                "with `recommended_num_speculative_tokens` to use the measured best)."), ""]

@@ -31,9 +31,10 @@ from pathlib import Path
 import pytest
 
 from eval.engines import serving as E
+from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS
 from tests.engines import drafters as D
 
-K = 3  # num_speculative_tokens for EAGLE-3 (the README's default); Medusa: its 3 heads; DFlash: its block - 1
+K = DEFAULT_NUM_SPECULATIVE_TOKENS  # num_speculative_tokens for EAGLE-3; Medusa: its 3 heads; DFlash: its block - 1
 N_PROMPTS, PROMPT_TOKENS, MAX_NEW = 4, 64, 48
 SERVED = ["eagle3", "medusa", "mtp", "dflash", "dspark", "peagle"]  # of tests/engines/drafters.py
 METHOD = {"dspark": "dflash"}  # a recipe's registry method where it is not the recipe's name
@@ -102,7 +103,8 @@ def _build(root: Path) -> dict:
     exports = {}
     for fmt, m in FORMATS.items():
         d, meta = drafters[m]
-        out = export(d, fmt, root / "exports" / fmt, target, meta=meta, recommended_k=k_of[m], overwrite=True)
+        out = export(d, fmt, root / "exports" / fmt, target, meta=meta, num_speculative_tokens=k_of[m],
+                     overwrite=True)
         validate(out, None, target, enable_thinking=False)  # the serving mode of these runs (manifest check)
         exports[fmt] = str(out)
         runs.append({"name": fmt, "speculative_config": E.speculative_config(fmt, out, k_of[m]),

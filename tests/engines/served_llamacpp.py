@@ -27,11 +27,12 @@ from pathlib import Path
 
 from eval.engines import llamacpp as L
 from eval.engines import serving as E
+from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS
 from models.export import llamacpp as G
 from tests.engines import drafters as D
 from tests.engines.served import _root, _runs_dir, build_once, require_engine
 
-K = 3
+K = DEFAULT_NUM_SPECULATIVE_TOKENS
 N_PROMPTS, PROMPT_TOKENS, MAX_NEW, CANDIDATES = 4, 64, 48, 16
 # served through --format gguf (the results' names); plus the eagle3-speculators layout of the EAGLE-3 drafter
 SERVED = ["eagle3", "dflash_full", "dspark_full", "dspark"]
@@ -132,21 +133,23 @@ def _build(root: Path, runs_dir: Path) -> dict:
         manifests[n] = G.check_gguf(out)
         validate(out / "hf", None, target, enable_thinking=False)  # the serving mode of these runs (manifest)
         k = manifests[n]["num_speculative_tokens"]
-        runs.append({"name": n, "spec_type": manifests[n]["spec_type"], "draft": str(out / G.DRAFT), "k": k})
+        runs.append({"name": n, "spec_type": manifests[n]["spec_type"], "draft": str(out / G.DRAFT),
+                     "num_speculative_tokens": k})
         d, _ = load_drafter(ck, target)
         harness[n] = E.harness_counts(target, d.config_dict()["method"], d, str(ck), ids, MAX_NEW, k)
         if d.config_dict()["method"] == "dflash":
             harness[n]["tie_gaps"] = draft_tie_gaps(target, d, ck, ids, k)
     ctrl = shifted_control(root / "exports" / "eagle3", root / "exports" / "eagle3_shifted")
     runs.append({"name": "eagle3_shifted_control", "spec_type": "draft-eagle3", "draft": str(ctrl),
-                 "k": manifests["eagle3"]["num_speculative_tokens"]})
+                 "num_speculative_tokens": manifests["eagle3"]["num_speculative_tokens"]})
     for fmt, n in LAYOUTS.items():
-        runs.append({"name": fmt, "spec_type": manifests[n]["spec_type"], "k": manifests[n]["num_speculative_tokens"],
+        runs.append({"name": fmt, "spec_type": manifests[n]["spec_type"],
+                     "num_speculative_tokens": manifests[n]["num_speculative_tokens"],
                      "draft": str(converted(ckpts[n], fmt, target, root / "exports" / fmt))})
     runs.append({"name": "dspark_speculators_control", "spec_type": "draft-dspark",
                  "draft": str(converted(ckpts["dspark_full"], "dspark_speculators", target,
                                         root / "exports" / "dspark_spec")),
-                 "k": manifests["dspark_full"]["num_speculative_tokens"]})
+                 "num_speculative_tokens": manifests["dspark_full"]["num_speculative_tokens"]})
     engine = L.serve(tgt_gguf, prompts, MAX_NEW, runs)
     return {"engine": engine, "harness": harness, "prompts": prompts, "manifests": manifests,
             "train_seconds": train_seconds,

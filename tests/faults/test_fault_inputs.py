@@ -159,10 +159,10 @@ def test_batched_decode_rows_all_finished_at_prefill(tiny_llama, n, eos_first):
     if eos_first:
         prompts = [prompts[0], prompts[0].clone()]  # both rows' first token is eos
     got = decode_ar_batch(target, prompts, n, eos_id=eos)
-    spec = speculative_decode_batch(target, batched("ngram", [NGramProposer(k=2) for _ in prompts]), prompts, n,
-                                    eos_id=eos)
+    rows = [NGramProposer(num_speculative_tokens=2) for _ in prompts]
+    spec = speculative_decode_batch(target, batched("ngram", rows), prompts, n, eos_id=eos)
     for p, a, s in zip(prompts, got, spec):
-        ref = speculative_decode(target, NGramProposer(k=2), p, n, eos_id=eos).tokens
+        ref = speculative_decode(target, NGramProposer(num_speculative_tokens=2), p, n, eos_id=eos).tokens
         assert a.tokens == ref == s.tokens and len(ref) == 1
 
 
@@ -343,8 +343,9 @@ def test_eval_variant_with_a_bad_option_names_the_variant(target_dir, trained, t
     from eval.__main__ import run as eval_run
 
     cfg = _eval_cfg(target_dir, tmp_path, "methods=[ar,fast]", f"checkpoints.eagle3={trained}/final",
-                    "+variants.fast={method: eagle3, k: abc}")
-    with pytest.raises(ValueError, match=r"^variants.fast: k must be a positive integer, got 'abc'"):
+                    "+variants.fast={method: eagle3, num_speculative_tokens: abc}")
+    with pytest.raises(ValueError,
+                       match=r"^variants.fast: num_speculative_tokens must be a positive integer, got 'abc'"):
         eval_run(cfg)
 
 

@@ -130,20 +130,20 @@ def load_json(path: Path) -> dict:
         raise ExportError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def recommended_k_from_results(path: str | Path) -> int:
+def num_speculative_tokens_from_results(path: str | Path) -> int:
     """``recommended_num_speculative_tokens`` from an eval results JSON (eval/ writes it)."""
     if not Path(path).is_file():  # load_json's "not an export directory" would blame the wrong file
         raise ExportError(f"--results {path}: no such file; pass the results.json that `python -m eval` wrote in its "
                           "out_dir, or export without --results (the method's default K)")
     data = load_json(Path(path))
-    k = data.get("recommended_num_speculative_tokens")
-    if k == 0 and not isinstance(k, bool):
+    n = data.get("recommended_num_speculative_tokens")
+    if n == 0 and not isinstance(n, bool):
         raise ExportError(f"{path}: recommended_num_speculative_tokens is 0 — speculation measured slower than plain "
                           "decoding at batch 1 for this target; serve without a drafter, or export without --results "
                           f"(best K >= 1 was {data.get('best_positive_num_speculative_tokens')})")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ExportError(f"{path}: needs a positive integer 'recommended_num_speculative_tokens', got {k!r}")
-    return k
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ExportError(f"{path}: needs a positive integer 'recommended_num_speculative_tokens', got {n!r}")
+    return n
 
 
 # ============================================================================================ the bundle
@@ -158,12 +158,12 @@ class Bundle:
     weights_file: str = WEIGHTS
 
 
-def make_sidecar(fmt: str, drafter: nn.Module, target: FrozenTarget, target_name: str, k: int,
-             meta: dict | None) -> dict:
+def make_sidecar(fmt: str, drafter: nn.Module, target: FrozenTarget, target_name: str, num_speculative_tokens: int,
+                 meta: dict | None) -> dict:
     return {"format": fmt, "method": drafter.config_dict().get("method"), "target_name": target_name,
             "target": target.identity(),
             "layer_ids": list(drafter.layer_ids), "layer_id_convention": LAYER_ID_CONVENTION,
-            "draft": drafter.config_dict(), "num_speculative_tokens": k,
+            "draft": drafter.config_dict(), "num_speculative_tokens": num_speculative_tokens,
             "trained_step": (meta or {}).get("step")}
 
 

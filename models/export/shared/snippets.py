@@ -22,11 +22,11 @@ class Serve:
 
     path: str
     target: str
-    k: int
+    num_speculative_tokens: int
 
     def speculative_config(self, method: str, **extra) -> dict:
         """vLLM's ``--speculative-config`` for this export, the engine method first."""
-        return {"method": method, "model": self.path, "num_speculative_tokens": self.k,
+        return {"method": method, "model": self.path, "num_speculative_tokens": self.num_speculative_tokens,
                 "draft_tensor_parallel_size": 1, **extra}
 
 
@@ -44,7 +44,8 @@ def sglang_chain_section(s: Serve, algorithm: str) -> list[str]:
     return [f"## SGLang (checked against {SGLANG_CHECKED})", "", "```bash",
             f"python -m sglang.launch_server --model-path {s.target} \\",
             f"  --speculative-algorithm {algorithm} --speculative-draft-model-path {s.path} \\",
-            f"  --speculative-num-steps {s.k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {s.k + 1}",
+            f"  --speculative-num-steps {s.num_speculative_tokens} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {s.num_speculative_tokens + 1}",
             "```", "",
             "(chain drafting; for tree drafting raise --speculative-eagle-topk and "
             "--speculative-num-draft-tokens)", ""]

@@ -51,6 +51,6 @@ class NoDrafts:
 
 SPEC = MethodSpec(
     name="ar", source="none",
-    proposers=(ProposerSpec("ar", lambda _model, _target: NoDraftProposer(), {}, chain=False, k_option=None,
+    proposers=(ProposerSpec("ar", lambda _model, _target: NoDraftProposer(), {}, chain=False,
                             batched=lambda rows: NoDrafts(), baseline=True),),
 )

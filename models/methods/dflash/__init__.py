@@ -118,18 +118,20 @@ def _lm_head(target: FrozenTarget) -> Tensor:
     return target.model.get_output_embeddings().weight
 
 
-def _prepare_k(d: DFlashDrafter, _ckpt_dir: str | None, o: dict) -> dict:
-    auto = o["k"] in (None, "auto")
+def _prepare_num_speculative_tokens(d: DFlashDrafter, _ckpt_dir: str | None, o: dict) -> dict:
+    n = o["num_speculative_tokens"]
+    auto = n in (None, "auto")
     if o.get("verify_costs") == "auto" and getattr(d.block_head, "confidence_head", None) is None:
         raise ValueError("options.dflash.verify_costs=auto schedules K from a confidence head; this drafter has none "
                          "(train with draft.config.block_head=markov, confidence_head=true)")
-    return {**o, "k": d.num_spec if auto else int(o["k"]), "auto_size": o["k"] == "auto"}
+    return {**o, "num_speculative_tokens": d.num_spec if auto else int(n), "auto_size": n == "auto"}
 
 
-def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: float | None = None) -> dict | None:
-    """``k: auto``: verify the k <= B-1 slots that maximise E(k) / v(k) — E from the held-out conditional slot
-    agreement saved with the checkpoint (final/eval.json, acc_0..), v the measured verify cost of k drafted
-    tokens. One draft forward writes every slot, so the draft cost does not grow with k.
+def _size_num_speculative_tokens(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost,
+                                 t1_s: float | None = None) -> dict | None:
+    """``num_speculative_tokens: auto``: verify the k <= B-1 slots that maximise E(k) / v(k) — E from the held-out
+    conditional slot agreement saved with the checkpoint (final/eval.json, acc_0..), v the measured verify cost of
+    k drafted tokens. One draft forward writes every slot, so the draft cost does not grow with k.
     ``verify_costs: auto`` (a confidence head): v(1..S) measured here, and every round verifies the K the head's
     own acceptance estimates make best (models/methods/dflash/heads.py ``draft_block``), up to k."""
     import json
@@ -149,20 +151,25 @@ def _size_k(d: DFlashDrafter, ckpt_dir: str | None, o: dict, verify_cost, t1_s: 
     best, pred = best_by_cost(range(1, len(acc) + 1), tau.__getitem__, verify_cost)
     if o.get("verify_costs"):  # the head schedules each round's K: the block is its cap
         best = d.num_spec
-    return {**o, "k": best, "k_sized": {"k": best, "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
+    return {**o, "num_speculative_tokens": best,
+            "num_speculative_tokens_sized": {"num_speculative_tokens": best,
+                                             "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
 
 
 SPEC = MethodSpec(
     name="dflash", config=DFlashConfig, build=build, rebuild=rebuild,
-    export_formats=export.FORMATS, default_k=lambda d: d.num_spec, check_config=check_config,
-    # k: null → the whole block (B-1; DSpark: B); auto → sized by the cost model from the held-out slot agreement.
+    export_formats=export.FORMATS, default_num_speculative_tokens=lambda d: d.num_spec, check_config=check_config,
+    # num_speculative_tokens: null → the whole block (B-1; DSpark: B); auto → sized by the cost model from the
+    # held-out slot agreement.
     # DSpark's confidence head: min_confidence stops a block where the running acceptance estimate drops below it;
     # verify_costs: auto → each round verifies the K maximising the head's expected tokens / measured v(K)
     proposers=(ProposerSpec("dflash", lambda d, _t, **o: DFlashProposer(d, **o),
-                            {"k": "auto", "min_confidence": 0.0, "verify_costs": None},
-                            prepare=_prepare_k, size=_size_k, batched=DFlashProposer.batched, recommend_rank=1,
+                            {"num_speculative_tokens": "auto", "min_confidence": 0.0, "verify_costs": None},
+                            prepare=_prepare_num_speculative_tokens, size=_size_num_speculative_tokens,
+                            batched=DFlashProposer.batched, recommend_rank=1,
                             # what vLLM drafts (eval/engines/serving.py): K slots every round, DSpark's Markov head
                             # on, no confidence-scheduled K (vLLM 0.32 runs that head only with
                             # enable_adaptive_verification)
-                            engine_options=lambda k: {"k": int(k), "min_confidence": 0.0, "verify_costs": None}),),
+                            engine_options=lambda n: {"num_speculative_tokens": int(n), "min_confidence": 0.0,
+                                                      "verify_costs": None}),),
 )

@@ -115,14 +115,14 @@ def _check_ids_servable(d: nn.Module, target: FrozenTarget) -> list[int]:
     return list(d.layer_ids)
 
 
-def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int,
+def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, num_speculative_tokens: int,
                               meta: dict | None, dspark: bool = False) -> Bundle:
     _check_kind(d, dspark)
     ids = _check_ids_servable(d, target)
     B, S = d.block_size, d.num_spec
-    if k > S:
-        raise ExportError(f"num_speculative_tokens={k} exceeds the {S} drafts of a block of {B}: slots past the block "
-                          "were never trained")
+    if num_speculative_tokens > S:
+        raise ExportError(f"num_speculative_tokens={num_speculative_tokens} exceeds the {S} drafts of a block of {B}: "
+                          "slots past the block were never trained")
     layer = _layer_config(d, target)
     layer.pop("torch_dtype")
     cfg = {
@@ -141,7 +141,8 @@ def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
         "sample_from_anchor": dspark,  # DFlash: slot 0 is the anchor, B-1 speculative tokens; DSpark: B
         "speculators_config": {
             "algorithm": "dspark" if dspark else "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                  "verifier_accept_k": 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": engine_target_name(name),
                          "architectures": list(getattr(target.model.config, "architectures", None) or [])},
@@ -160,10 +161,10 @@ def build_dflash_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
     if d.draft_vocab_size < d.vocab_size:
         tensors["d2t"], tensors["t2d"] = d.d2t.clone(), d.t2d.clone()
     fmt = "dspark_speculators" if dspark else "dflash_speculators"
-    return Bundle(fmt, cfg, tensors, make_sidecar(fmt, d, target, name, k, meta))
+    return Bundle(fmt, cfg, tensors, make_sidecar(fmt, d, target, name, num_speculative_tokens, meta))
 
 
-def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None,
+def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, num_speculative_tokens: int, meta: dict | None,
                       dspark: bool = False) -> Bundle:
     _check_kind(d, dspark)
     if dspark and d.draft_vocab_size < d.vocab_size:
@@ -190,15 +191,17 @@ def build_dflash_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int, met
         cfg["dflash_config"].update(projector_type="dspark", confidence_head_alpha=d.cfg.confidence_alpha,
                                     **_dspark_fields(d))
     fmt = "dspark_zlab" if dspark else "dflash_zlab"
-    return Bundle(fmt, cfg, _body(d), make_sidecar(fmt, d, target, name, k, meta))
+    return Bundle(fmt, cfg, _body(d), make_sidecar(fmt, d, target, name, num_speculative_tokens, meta))
 
 
-def build_dspark_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
-    return build_dflash_speculators(d, target, name, k, meta, dspark=True)
+def build_dspark_speculators(d: nn.Module, target: FrozenTarget, name: str,
+                             num_speculative_tokens: int, meta: dict | None) -> Bundle:
+    return build_dflash_speculators(d, target, name, num_speculative_tokens, meta, dspark=True)
 
 
-def build_dspark_zlab(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
-    return build_dflash_zlab(d, target, name, k, meta, dspark=True)
+def build_dspark_zlab(d: nn.Module, target: FrozenTarget, name: str,
+                      num_speculative_tokens: int, meta: dict | None) -> Bundle:
+    return build_dflash_zlab(d, target, name, num_speculative_tokens, meta, dspark=True)
 
 
 # ============================================================================================ load back

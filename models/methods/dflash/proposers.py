@@ -27,14 +27,16 @@ class DFlashProposer:
     is sampled from its own distribution q_k, verified with the residual rule (the slots are drafted in
     parallel, so q_k does not depend on the earlier slots' samples — any q is lossless)."""
 
-    def __init__(self, drafter: Any, k: int | None = None, sample_drafts: bool = True,
+    def __init__(self, drafter: Any, num_speculative_tokens: int | None = None, sample_drafts: bool = True,
                  min_confidence: float = 0.0, verify_costs: list[float] | None = None):
         self.drafter = drafter.eval()
         self.layer_ids = list(drafter.layer_ids)
-        self.k = check_k("k", k if k is not None else drafter.num_spec)
-        if self.k > drafter.num_spec:
-            raise ValueError(f"k={k}: a block of {drafter.block_size} drafts at most {drafter.num_spec} "
-                             "tokens (slots past the block were never trained); lower k or retrain a larger block")
+        n = drafter.num_spec if num_speculative_tokens is None else num_speculative_tokens  # None → the whole block
+        self.num_speculative_tokens = check_k("num_speculative_tokens", n)
+        if self.num_speculative_tokens > drafter.num_spec:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: a block of {drafter.block_size} drafts "
+                             f"at most {drafter.num_spec} tokens (slots past the block were never trained); lower "
+                             "num_speculative_tokens or retrain a larger block")
         self.min_confidence = _check_confidence(drafter, min_confidence)
         self.verify_costs = _check_costs(drafter, verify_costs)
         self.sample_drafts = sample_drafts
@@ -46,10 +48,12 @@ class DFlashProposer:
         """One proposer for a batch of these (``DFlashBatchProposer``: one block forward per round for all rows);
         rows with different drafters or settings draft one after another instead."""
         p0 = rows[0]
-        key = lambda p: (p.drafter, p.k, p.sample_drafts, p.min_confidence, p.verify_costs)  # noqa: E731
+        key = lambda p: (p.drafter, p.num_speculative_tokens, p.sample_drafts, p.min_confidence,  # noqa: E731
+                         p.verify_costs)
         if any(key(p) != key(p0) for p in rows):
             return PerRowProposers(rows)
-        return DFlashBatchProposer(p0.drafter, p0.k, p0.sample_drafts, p0.min_confidence, p0.verify_costs)
+        return DFlashBatchProposer(p0.drafter, p0.num_speculative_tokens, p0.sample_drafts, p0.min_confidence,
+                                   p0.verify_costs)
 
     @torch.no_grad()
     def begin(self, tokens: Tensor, hidden: dict[int, Tensor], sampling: Sampling) -> None:
@@ -80,7 +84,7 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, max_depth: int) -> Proposal:
         dr = self.drafter
-        k = min(self.k, max_depth)
+        k = min(self.num_speculative_tokens, max_depth)
         pos = torch.arange(self.n, self.n + dr.block_size, device=self.anchor.device)[None]
         off = dr.slot_offset
         out = dr.blocks(self.anchor, self.kv, pos, None)[:, off : off + k]  # [1, k, H]; no mask: context < anchor
@@ -105,7 +109,7 @@ def _check_confidence(drafter: Any, min_confidence: float) -> float:
 
 
 def _check_costs(drafter: Any, verify_costs: list[float] | str | None) -> list[float] | None:
-    if not verify_costs or verify_costs == "auto":  # auto: filled in by the cost model (models/methods/dflash _size_k)
+    if not verify_costs or verify_costs == "auto":  # auto: filled in by the cost model (models/methods/dflash)
         return None
     if getattr(drafter.block_head, "confidence_head", None) is None:
         raise ValueError("verify_costs schedule the verified length from a confidence head; this drafter has none")
@@ -123,11 +127,11 @@ class DFlashBatchProposer:
     padding (none when all rows have the same length); ``accept`` projects all rows' new context features in
     one ``context`` / ``context_kv`` call. Drafts equal the B=1 ``DFlashProposer``'s up to float rounding."""
 
-    def __init__(self, drafter: Any, k: int, sample_drafts: bool = True, min_confidence: float = 0.0,
-                 verify_costs: list[float] | None = None):
+    def __init__(self, drafter: Any, num_speculative_tokens: int, sample_drafts: bool = True,
+                 min_confidence: float = 0.0, verify_costs: list[float] | None = None):
         self.drafter = drafter.eval()
         self.layer_ids = list(drafter.layer_ids)
-        self.k, self.sample_drafts = int(k), sample_drafts
+        self.num_speculative_tokens, self.sample_drafts = int(num_speculative_tokens), sample_drafts
         self.min_confidence = _check_confidence(drafter, min_confidence)
         self.verify_costs = _check_costs(drafter, verify_costs)
         self.vocab_ids, self.vocab_size = drafter.draft_ids, drafter.vocab_size
@@ -155,7 +159,7 @@ class DFlashBatchProposer:
     @torch.no_grad()
     def propose(self, max_depth: list[int]) -> list[Proposal]:
         dr, device = self.drafter, self.anchor.device
-        ks = [min(self.k, d) for d in max_depth]
+        ks = [min(self.num_speculative_tokens, d) for d in max_depth]
         kmax, blk = max(ks, default=0), dr.block_size
         if kmax == 0:
             return [Proposal.empty(device) for _ in ks]

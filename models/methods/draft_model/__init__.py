@@ -15,7 +15,8 @@ from models.core.target import FrozenTarget
 
 
 class DraftModelProposer:
-    """A separate small causal LM (same tokenizer) drafting a chain of k tokens with its own KV cache.
+    """A separate small causal LM (same tokenizer) drafting a chain of num_speculative_tokens tokens with its own KV
+    cache.
 
     Its cache keeps the longest prefix of (context + drafts) that is still the context after acceptance, so
     each round feeds only the tokens it has not seen. A draft vocabulary larger than the target's (padded
@@ -24,10 +25,11 @@ class DraftModelProposer:
 
     layer_ids: list[int] = []
 
-    def __init__(self, model: PreTrainedModel, k: int = 4, target: FrozenTarget | None = None,
-                 tokenizer: PreTrainedTokenizerBase | None = None, sample_drafts: bool = True):
+    def __init__(self, model: PreTrainedModel, num_speculative_tokens: int = 4,
+                 target: FrozenTarget | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 sample_drafts: bool = True):
         self.model = model.eval()
-        self.k = check_k("k", k)
+        self.num_speculative_tokens = check_k("num_speculative_tokens", num_speculative_tokens)
         self.sample_drafts = sample_drafts
         dv = int(model.config.vocab_size)
         self.vocab_size = dv if target is None else target.vocab_size
@@ -57,7 +59,7 @@ class DraftModelProposer:
 
     @torch.no_grad()
     def propose(self, max_depth: int) -> Proposal:
-        k = min(self.k, max_depth)
+        k = min(self.num_speculative_tokens, max_depth)
         if self.seen.shape[0] >= self.ctx.shape[0]:
             # every context token is cached (the new tokens matched its drafts all the way, which a verified
             # round never gives but a caller may): drop the newest entry and re-feed it for its logits
@@ -99,6 +101,6 @@ SPEC = MethodSpec(
     # tiny-code's small draft LM (python -m train.build_tiny_code --draft); also the HF assisted-generation peer
     name="draft_model", source="model", load=load_draft_model, default_path="runs/tiny_code_draft",
     proposers=(ProposerSpec("draft_model", lambda model, target, **o: DraftModelProposer(model, target=target, **o),
-                            {"k": 4}, recommend_rank=3,
+                            {"num_speculative_tokens": 4}, recommend_rank=3,
                             hf_peer=lambda _o, model: ("hf_assisted", {"assistant_model": model})),),
 )

@@ -43,7 +43,7 @@ from torch import Tensor
 from models.core.acceptance import best_by_cost, rank_accuracy
 from models.core.config_checks import depth_check
 from models.core.proposal import MAX_TREE_NODES
-from models.core.spec import MethodSpec, ProposerSpec
+from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS, MethodSpec, ProposerSpec
 from models.core.target import FrozenTarget
 from models.core.vocab import build_draft_vocab, count_tokens
 from models.methods.eagle3 import export
@@ -168,12 +168,13 @@ def _tree(d, _t, max_nodes: int = MAX_TREE_NODES, size_for: float = 0, **o) -> E
 SPEC = MethodSpec(
     name="eagle3", config=Eagle3Config, build=build, rebuild=rebuild,
     export_formats=export.FORMATS,
-    default_k=lambda _d: 3,  # an export's num_speculative_tokens without eval results
+    default_num_speculative_tokens=lambda _d: DEFAULT_NUM_SPECULATIVE_TOKENS,  # an export's K without eval results
     check_config=depth_check("ttt_steps", "step_weight"),  # ttt_steps: the chain trained (training-time test)
     proposers=(
         # weights: the drafting precision (float32 | bfloat16 | int8, ``inference_copy``)
         # eval's variants: the same chain drafting in bf16 / int8, benchmarked side by side (what the switch buys)
-        ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o), {"k": 5, "weights": "float32"},
+        ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o),
+                     {"num_speculative_tokens": 5, "weights": "float32"},
                      batched=Eagle3ChainProposer.batched, recommend_rank=0,
                      variants={"eagle3_bf16": {"weights": "bfloat16"}, "eagle3_int8": {"weights": "int8"}}),
         # EAGLE-2 dynamic tree, sized for CPU (verify cost grows with nodes there; GPU: depth 6, top_k 10, 60)
@@ -181,7 +182,7 @@ SPEC = MethodSpec(
         # acceptance at T=0 (size_for 0) or at T=1 (size_for 1)
         ProposerSpec("eagle3_tree", _tree,
                      {"depth": 5, "top_k": 4, "total_tokens": "auto", "max_nodes": 32, "size_for": 0,
-                      "weights": "float32"}, chain=False, k_option=None, prepare=_prepare_tree, size=_size_tree,
+                      "weights": "float32"}, chain=False, prepare=_prepare_tree, size=_size_tree,
                      nodes=lambda o: int(o["total_tokens"]),
                      variants={"eagle3_tree_t1": {"size_for": 1}}),  # the tree sized for T=1 acceptance
     ),

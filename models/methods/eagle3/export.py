@@ -116,7 +116,8 @@ def _engine_sidecar(side: dict, ids: list[int], d: nn.Module) -> dict:
     return side
 
 
-def build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
+def build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str,
+                        num_speculative_tokens: int, meta: dict | None) -> Bundle:
     if d.cfg.norm_before_residual:
         # SGLang's LlamaDecoderLayer (llama_eagle3.py) always uses residual = g; only vLLM reads the flag.
         raise ExportError("norm_before_residual=True cannot be expressed in the native EAGLE-3 format (SGLang's "
@@ -151,11 +152,12 @@ def build_eagle3_native(d: nn.Module, target: FrozenTarget, name: str, k: int, m
         STAMP_KEY: target_stamp(target, layer_ids=vllm_ids, draft_vocab=vocab_hash(d.d2t)),
     }
     tensors = _eagle3_tensors(d, "midlayer.")
-    side = _engine_sidecar(make_sidecar("eagle3_native", d, target, name, k, meta), vllm_ids, d)
+    side = _engine_sidecar(make_sidecar("eagle3_native", d, target, name, num_speculative_tokens, meta), vllm_ids, d)
     return Bundle("eagle3_native", cfg, tensors, side)
 
 
-def build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
+def build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str,
+                             num_speculative_tokens: int, meta: dict | None) -> Bundle:
     vllm_ids, _ = _engine_aux_ids(d, target)
     layer = _eagle3_decoder_fields(d, target)
     layer.pop("torch_dtype")
@@ -168,8 +170,8 @@ def build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
         "speculators_config": {
             "algorithm": "eagle3",
             # vLLM takes num_speculative_tokens from proposal_methods[0].speculative_tokens (base.py).
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
-                                  "accept_tolerance": 0.0}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": engine_target_name(name),
                          "architectures": list(getattr(target.model.config, "architectures", None) or [])},
@@ -192,7 +194,8 @@ def build_eagle3_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
     # (its verifier-copy fallback never fires) — the draft then runs on a wrong embedding without a word. vLLM
     # drops it when it equals the target's (llama_eagle3.py load_weights), SGLang always takes the target's.
     tensors = _eagle3_tensors(d, "layers.0.", with_embedding=True)
-    side = _engine_sidecar(make_sidecar("eagle3_speculators", d, target, name, k, meta), vllm_ids, d)
+    side = _engine_sidecar(make_sidecar("eagle3_speculators", d, target, name, num_speculative_tokens, meta),
+                           vllm_ids, d)
     return Bundle("eagle3_speculators", cfg, tensors, side)
 
 

@@ -341,19 +341,21 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ proposal
     @torch.no_grad()
-    def draft_greedy(self, hidden: dict[int, torch.Tensor] | torch.Tensor, prefix_tokens: torch.Tensor, k: int,
-                     return_logits: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """k greedy draft tokens (target ids, [B, k]) after a verified prefix, without a KV cache.
+    def draft_greedy(self, hidden: dict[int, torch.Tensor] | torch.Tensor, prefix_tokens: torch.Tensor,
+                     num_speculative_tokens: int, return_logits: bool = False
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """K = num_speculative_tokens greedy draft tokens (target ids, [B, K]) after a verified prefix, without a
+        KV cache.
 
         ``hidden``: the target's states for tokens t_0..t_n (dict, [B, n+1, 3H] or fused [B, n+1, H]);
         ``prefix_tokens``: t_0..t_{n+1} [B, n+2] (includes the target's newest token t_{n+1}).
         The prefix entries are (emb(t_{i+1}), g_i) at positions 0..n; draft s >= 1 enters at position
         n+s as (emb(d_s), a of the previous entry). Every step recomputes the layer with plain causal
         attention over [prefix; drafts] — the inference view that TTT's mask reproduces.
-        With ``return_logits`` also returns the draft-vocab logits [B, k, Vd].
+        With ``return_logits`` also returns the draft-vocab logits [B, K, Vd].
         """
-        if k <= 0:
-            raise ValueError(f"draft_greedy needs k >= 1 draft tokens, got k={k}")
+        if num_speculative_tokens <= 0:
+            raise ValueError(f"draft_greedy needs num_speculative_tokens >= 1, got {num_speculative_tokens}")
         g = self.fuse(hidden)
         B, P = g.shape[:2]
         if tuple(prefix_tokens.shape) != (B, P + 1):
@@ -363,7 +365,7 @@ class Eagle3Drafter(nn.Module):
         emb = self.embed_tokens(prefix_tokens[:, 1:]).to(g.dtype)
         h = g
         ids, all_logits = [], []
-        for _ in range(k):
+        for _ in range(num_speculative_tokens):
             T = emb.shape[1]
             x, residual = layer.pre(emb, h)
             cos, sin = self.rope(T, offset=0)

@@ -59,12 +59,14 @@ class _Eagle3Base:
 
 
 class Eagle3ChainProposer(_Eagle3Base):
-    """EAGLE-3 chain of k drafts: draft s (1-based) enters as (emb(d_s), a of the previous entry) at RoPE
-    position n + s (n = the last real entry's position) and attends to every real entry and earlier draft."""
+    """EAGLE-3 chain of num_speculative_tokens drafts: draft s (1-based) enters as (emb(d_s), a of the previous
+    entry) at RoPE position n + s (n = the last real entry's position) and attends to every real entry and earlier
+    draft."""
 
-    def __init__(self, drafter, k: int = 5, sample_drafts: bool = True, weights: str = "float32"):
+    def __init__(self, drafter, num_speculative_tokens: int = 5,
+                 sample_drafts: bool = True, weights: str = "float32"):
         super().__init__(drafter, weights)
-        self.k = check_k("k", k)
+        self.num_speculative_tokens = check_k("num_speculative_tokens", num_speculative_tokens)
         self.sample_drafts = sample_drafts
 
     @classmethod
@@ -72,13 +74,14 @@ class Eagle3ChainProposer(_Eagle3Base):
         """One proposer for a batch of these (one midlayer pass per drafting step for all rows); rows with
         different drafters or settings draft one after another instead."""
         p0 = rows[0]
-        if any((p.drafter, p.k, p.sample_drafts) != (p0.drafter, p0.k, p0.sample_drafts) for p in rows):
+        key = lambda p: (p.drafter, p.num_speculative_tokens, p.sample_drafts)  # noqa: E731
+        if any(key(p) != key(p0) for p in rows):
             return PerRowProposers(rows)
-        return Eagle3ChainBatchProposer(p0.drafter, p0.k, p0.sample_drafts)
+        return Eagle3ChainBatchProposer(p0.drafter, p0.num_speculative_tokens, p0.sample_drafts)
 
     @torch.no_grad()
     def propose(self, max_depth: int) -> Proposal:
-        k = min(self.k, max_depth)
+        k = min(self.num_speculative_tokens, max_depth)
         a = self._extend()  # [1, H]
         last = self.n_real - 1
         toks, qs = [], []
@@ -95,7 +98,7 @@ class Eagle3ChainProposer(_Eagle3Base):
 
 class Eagle3ChainBatchProposer:
     """``BatchProposer`` (models/core/proposal.py) for EAGLE-3 chains: each drafting step is ONE midlayer pass for
-    every active row (k+1 passes a round for the whole batch, instead of k+1 per row).
+    every active row (K+1 passes a round for the whole batch, instead of K+1 per row).
 
     Rows sit at different lengths n_a, so the real entries live in a ragged cache (models/core/ragged.py): a round
     first adds every row's pending real entries in one pass (row a's new entry j at RoPE position n_a + j sees
@@ -104,10 +107,11 @@ class Eagle3ChainBatchProposer:
     are scratch K/V appended after the cache and dropped with the round. Drafts equal the B=1
     ``Eagle3ChainProposer``'s up to float rounding (greedy: the same tokens, tested)."""
 
-    def __init__(self, drafter: Eagle3Drafter, k: int, sample_drafts: bool = True):
+    def __init__(self, drafter: Eagle3Drafter, num_speculative_tokens: int, sample_drafts: bool = True):
         self.drafter = drafter.eval()
         self.layer_ids = list(drafter.layer_ids)
-        self.k, self.sample_drafts = check_k("k", k), sample_drafts
+        self.num_speculative_tokens = check_k("num_speculative_tokens", num_speculative_tokens)
+        self.sample_drafts = sample_drafts
         self.vocab_ids, self.vocab_size = drafter.draft_ids, drafter.vocab_size
 
     @torch.no_grad()
@@ -160,7 +164,7 @@ class Eagle3ChainBatchProposer:
     @torch.no_grad()
     def propose(self, max_depth: list[int]) -> list[Proposal]:
         dr = self.drafter
-        ks = [min(self.k, d) for d in max_depth]
+        ks = [min(self.num_speculative_tokens, d) for d in max_depth]
         kmax = max(ks, default=0)
         device = self.cache.n.device
         if kmax == 0:

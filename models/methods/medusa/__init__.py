@@ -72,13 +72,13 @@ def _size_tree(heads: MedusaHeads, ckpt_dir: str | None, o: dict, verify_cost, t
 
 SPEC = MethodSpec(
     name="medusa", config=MedusaConfig, build=build, rebuild=build,
-    export_formats=export.FORMATS, default_k=lambda heads: heads.cfg.num_heads,
+    export_formats=export.FORMATS, default_num_speculative_tokens=lambda heads: heads.cfg.num_heads,
     check_config=check_config,
     after_training=lambda heads, out_dir, metrics: heads.save_static_tree(out_dir, metrics), final_files=(TREE_FILE,),
     proposers=(ProposerSpec(
         "medusa", lambda heads, _t, **o: MedusaProposer(heads, choices=o["choices"]),
         {"top_k": 4, "num_nodes": "auto", "max_nodes": 24, "choices": None},
-        chain=False, k_option=None, prepare=_prepare_tree, size=_size_tree, nodes=lambda o: int(o["num_nodes"]),
+        chain=False, prepare=_prepare_tree, size=_size_tree, nodes=lambda o: int(o["num_nodes"]),
         # an engine's Medusa chain of K: the top-1 of each of the first K heads (vLLM's medusa proposer)
-        engine_options=lambda k: {"choices": [[0] * i for i in range(1, k + 1)], "num_nodes": k}),),
+        engine_options=lambda n: {"choices": [[0] * i for i in range(1, n + 1)], "num_nodes": n}),),
 )

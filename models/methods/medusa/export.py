@@ -33,17 +33,17 @@ MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 
 
 # ============================================================================================ build
-def _medusa_k(d: nn.Module, k: int) -> int:
+def _check_heads(d: nn.Module, num_speculative_tokens: int) -> int:
     K = d.cfg.num_heads
-    if k > K:
-        raise ExportError(f"recommended num_speculative_tokens={k} exceeds the drafter's {K} Medusa heads "
-                          "(head k drafts token k+1; vLLM proposes at most num_heads)")
-    return k
+    if num_speculative_tokens > K:
+        raise ExportError(f"recommended num_speculative_tokens={num_speculative_tokens} exceeds the drafter's {K} "
+                          "Medusa heads (head k drafts token k+1; vLLM proposes at most num_heads)")
+    return num_speculative_tokens
 
 
-def build_medusa_fasterdecoding(d: nn.Module, target: FrozenTarget, name: str, k: int,
+def build_medusa_fasterdecoding(d: nn.Module, target: FrozenTarget, name: str, num_speculative_tokens: int,
                                  meta: dict | None) -> Bundle:
-    k = _medusa_k(d, k)
+    num_speculative_tokens = _check_heads(d, num_speculative_tokens)
     cfg = {
         # FasterDecoding/Medusa medusa/model/medusa_model.py MedusaConfig: these three fields.
         "medusa_num_heads": d.cfg.num_heads, "medusa_num_layers": d.cfg.num_layers,
@@ -56,13 +56,14 @@ def build_medusa_fasterdecoding(d: nn.Module, target: FrozenTarget, name: str, k
     # {h}.{l}.linear.{weight,bias} and {h}.{n}.weight: MedusaModel.medusa_head state dict (nn.Sequential of
     # ResBlocks + Linear) and TensorRT-LLM's load_medusa_hf (tensorrt_llm/models/medusa/weight.py).
     tensors = d.to_fasterdecoding_state_dict()
-    side = make_sidecar("medusa_fasterdecoding", d, target, name, k, meta)
+    side = make_sidecar("medusa_fasterdecoding", d, target, name, num_speculative_tokens, meta)
     return Bundle("medusa_fasterdecoding", cfg, tensors, side,
                    weights_file=MEDUSA_WEIGHTS)
 
 
-def build_medusa_vllm(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
-    k = _medusa_k(d, k)
+def build_medusa_vllm(d: nn.Module, target: FrozenTarget, name: str,
+                      num_speculative_tokens: int, meta: dict | None) -> Bundle:
+    num_speculative_tokens = _check_heads(d, num_speculative_tokens)
     K, n = d.cfg.num_heads, d.cfg.num_layers
     shared = d.shared_lm_head is not None
     # vllm/transformers_utils/configs/medusa.py MedusaConfig. Its from_pretrained renames EVERY key containing
@@ -88,7 +89,7 @@ def build_medusa_vllm(d: nn.Module, target: FrozenTarget, name: str, k: int, met
             tensors[f"blocks.{h}.layers.{j}.bias"] = fd[f"{h}.{j}.linear.bias"]
         if not shared or h == 0:
             tensors[f"lm_heads.{h}.weight"] = fd[f"{h}.{n}.weight"]
-    side = make_sidecar("medusa_vllm", d, target, name, k, meta)
+    side = make_sidecar("medusa_vllm", d, target, name, num_speculative_tokens, meta)
     return Bundle("medusa_vllm", cfg, tensors, side)
 
 

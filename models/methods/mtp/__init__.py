@@ -7,7 +7,7 @@ The package, one seam per module:
     native.py     the DeepSeek-V3 checkpoint layout of the weights (a target's own MTP layers load from it)
     proposers.py  the greedy chain and the KV-cached ``MTPProposer``
     export.py     the mtp_deepseek (vLLM) and mtp_sglang_nextn (SGLang) formats
-    here          the default K and ``SPEC``
+    here          its K (one draft per module unless told) and ``SPEC``
 """
 
 from __future__ import annotations
@@ -19,16 +19,18 @@ from models.methods.mtp.net import MTPDrafter
 from models.methods.mtp.proposers import MTPProposer
 
 
-def _default_k(drafter: MTPDrafter, _ckpt_dir: str | None, o: dict) -> dict:
-    return {**o, "k": int(o["k"] or drafter.cfg.num_modules)}  # None → one draft per module
+def _prepare_num_speculative_tokens(drafter: MTPDrafter, _ckpt_dir: str | None, o: dict) -> dict:
+    n = o["num_speculative_tokens"]
+    return {**o, "num_speculative_tokens": int(n or drafter.cfg.num_modules)}  # None → one draft per module
 
 
 SPEC = MethodSpec(
     name="mtp", config=MTPConfig, build=lambda cfg, target, rows=None: MTPDrafter.from_target(cfg, target),
-    rebuild=MTPDrafter.from_target, export_formats=export.FORMATS, default_k=lambda d: d.cfg.num_modules,
+    rebuild=MTPDrafter.from_target, export_formats=export.FORMATS,
+    default_num_speculative_tokens=lambda d: d.cfg.num_modules,
     check_config=check_config,
     # checkpoints written before hidden_between_depths existed chained the pre-norm state
     checkpoint_defaults={"hidden_between_depths": "pre_norm"},
-    proposers=(ProposerSpec("mtp", lambda d, _t, **o: MTPProposer(d, **o), {"k": None}, prepare=_default_k,
-                            recommend_rank=2),),
+    proposers=(ProposerSpec("mtp", lambda d, _t, **o: MTPProposer(d, **o), {"num_speculative_tokens": None},
+                            prepare=_prepare_num_speculative_tokens, recommend_rank=2),),
 )

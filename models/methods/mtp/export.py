@@ -117,18 +117,20 @@ def _mtp_native(d: nn.Module, target: FrozenTarget) -> tuple[dict, str]:
     return unfuse_experts(to_native_state_dict(d, include_shared=True), mt), mt
 
 
-def build_mtp_deepseek(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
+def build_mtp_deepseek(d: nn.Module, target: FrozenTarget, name: str,
+                       num_speculative_tokens: int, meta: dict | None) -> Bundle:
     sd, _ = _mtp_native(d, target)
     D = d.cfg.num_modules
     # vllm/model_executor/models/deepseek_mtp.py: layers num_hidden_layers..+num_nextn_predict_layers-1, each with
     # enorm/hnorm/eh_proj/shared_head.{norm,head} and its own embed_tokens copy (only the first is loaded).
     cfg = {**_target_config_dict(target), "num_nextn_predict_layers": D,
            "torch_dtype": DTYPE_NAMES.get(d._dtype(), "float32"), STAMP_KEY: _stamp(d, target)}
-    side = make_sidecar("mtp_deepseek", d, target, name, k, meta)
+    side = make_sidecar("mtp_deepseek", d, target, name, num_speculative_tokens, meta)
     return Bundle("mtp_deepseek", cfg, sd, side)
 
 
-def build_mtp_sglang_nextn(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
+def build_mtp_sglang_nextn(d: nn.Module, target: FrozenTarget, name: str,
+                           num_speculative_tokens: int, meta: dict | None) -> Bundle:
     tc = target.model.config
     mt = getattr(tc, "model_type", "")
     if mt != "deepseek_v3":
@@ -156,7 +158,7 @@ def build_mtp_sglang_nextn(d: nn.Module, target: FrozenTarget, name: str, k: int
     cfg = {**_target_config_dict(target), "num_hidden_layers": 1, "architectures": ["DeepseekV3ForCausalLMNextN"],
            "num_nextn_predict_layers": 1, "torch_dtype": DTYPE_NAMES.get(d._dtype(), "float32"),
            STAMP_KEY: _stamp(d, target)}
-    side = make_sidecar("mtp_sglang_nextn", d, target, name, k, meta)
+    side = make_sidecar("mtp_sglang_nextn", d, target, name, num_speculative_tokens, meta)
     return Bundle("mtp_sglang_nextn", cfg, tensors, side)
 
 

@@ -13,8 +13,9 @@ from models.methods.mtp.net import MTPDrafter, run_module_cached
 
 
 @torch.no_grad()
-def propose_chain(drafter: MTPDrafter, input_ids: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
-    """Greedy chain of k draft tokens.
+def propose_chain(drafter: MTPDrafter, input_ids: torch.Tensor, hidden: torch.Tensor,
+                  num_speculative_tokens: int) -> torch.Tensor:
+    """Greedy chain of k = num_speculative_tokens draft tokens.
 
     input_ids [B, n+1] = x_0..x_n: the verified prefix plus the target's own next token x_n;
     hidden [B, n, H] = the target's id-L hidden states for x_0..x_{n-1} → drafts [B, k] = x_{n+1}..x_{n+k}.
@@ -30,7 +31,7 @@ def propose_chain(drafter: MTPDrafter, input_ids: torch.Tensor, hidden: torch.Te
     D = drafter.cfg.num_modules
     tokens, prev = input_ids, hidden
     drafts = []
-    for j in range(k):
+    for j in range(num_speculative_tokens):
         d = min(j, D - 1)
         h = drafter.run_module(d, prev, tokens[:, j + 1 : j + 1 + n])  # [B, n, H]
         nxt = drafter.logits(d, h[:, -1]).argmax(-1)  # [B]
@@ -56,10 +57,11 @@ class MTPProposer:
     """MTP chain with a KV cache per depth, identical to ``propose_chain`` above (each step j runs
     module min(j, D-1) over the whole context; entries that read a drafted token are recomputed each round)."""
 
-    def __init__(self, drafter, k: int | None = None, sample_drafts: bool = True):
+    def __init__(self, drafter, num_speculative_tokens: int | None = None, sample_drafts: bool = True):
         self.drafter = drafter.eval()
         self.layer_ids = list(drafter.layer_ids)
-        self.k = check_k("k", drafter.cfg.num_modules if k is None else k)
+        n = drafter.cfg.num_modules if num_speculative_tokens is None else num_speculative_tokens  # None → 1 per module
+        self.num_speculative_tokens = check_k("num_speculative_tokens", n)
         self.sample_drafts = sample_drafts
 
     @torch.no_grad()
@@ -69,7 +71,7 @@ class MTPProposer:
         h0 = hidden[self.layer_ids[0]]
         self.h0, self.h0_start = h0, 0  # target states for positions h0_start..m-1
         empty = h0[:, :0]
-        self.streams = [_Stream(DynamicCache(), 0, empty, 0) for _ in range(self.k)]
+        self.streams = [_Stream(DynamicCache(), 0, empty, 0) for _ in range(self.num_speculative_tokens)]
 
     @torch.no_grad()
     def accept(self, tokens: Tensor, hidden: dict[int, Tensor]) -> None:
@@ -79,7 +81,7 @@ class MTPProposer:
     @torch.no_grad()
     def propose(self, max_depth: int) -> Proposal:
         dr = self.drafter
-        k = min(self.k, max_depth)
+        k = min(self.num_speculative_tokens, max_depth)
         m = self.ctx.shape[0] - 1  # positions 0..m-1 have target states; x_m is the newest token
         ext = self.ctx
         prev, prev_start = self.h0, self.h0_start  # the previous stream's outputs for prev_start..m-1
@@ -109,7 +111,7 @@ class MTPProposer:
         """Drop stored outputs no later stream needs (stream j+1 restarts at its own confirmed count)."""
         need = self.streams[0].n
         self.h0, self.h0_start = self.h0[:, need - self.h0_start:], need
-        for j in range(self.k - 1):
+        for j in range(self.num_speculative_tokens - 1):
             st, nxt = self.streams[j], self.streams[j + 1]
             cut = max(nxt.n - st.out_start, 0)
             st.out, st.out_start = st.out[:, cut:], st.out_start + cut

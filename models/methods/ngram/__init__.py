@@ -14,12 +14,14 @@ from models.core.spec import MethodSpec, ProposerSpec
 
 class NGramProposer:
     """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens (n = max_ngram
-    down to min_ngram) and propose the (up to) k tokens that followed it. No model; q = point masses."""
+    down to min_ngram) and propose the (up to) num_speculative_tokens tokens that followed it. No model; q = point
+    masses."""
 
     layer_ids: list[int] = []
 
-    def __init__(self, k: int = 5, max_ngram: int = 3, min_ngram: int = 1):
-        self.k = check_k("k", k)
+    def __init__(self, num_speculative_tokens: int = 5, max_ngram: int = 3,
+                 min_ngram: int = 1):
+        self.num_speculative_tokens = check_k("num_speculative_tokens", num_speculative_tokens)
         self.max_ngram = check_k("max_ngram", max_ngram)
         self.min_ngram = check_k("min_ngram", min_ngram)
         if self.min_ngram > self.max_ngram:
@@ -36,7 +38,7 @@ class NGramProposer:
 
     @torch.no_grad()
     def propose(self, max_depth: int) -> Proposal:
-        k = min(self.k, max_depth)
+        k = min(self.num_speculative_tokens, max_depth)
         c = self.ctx
         length = c.shape[0]
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
@@ -57,9 +59,10 @@ class NGramProposer:
     def batched(cls, rows: list[NGramProposer]) -> NGramBatchProposer:
         """One proposer for a batch of these (the settings of the first row; all rows must share them)."""
         p0 = rows[0]
-        if any((p.k, p.max_ngram, p.min_ngram) != (p0.k, p0.max_ngram, p0.min_ngram) for p in rows):
-            raise ValueError("batched n-gram rows must share k, max_ngram and min_ngram")
-        return NGramBatchProposer(p0.k, p0.max_ngram, p0.min_ngram)
+        key = lambda p: (p.num_speculative_tokens, p.max_ngram, p.min_ngram)  # noqa: E731
+        if any(key(p) != key(p0) for p in rows):
+            raise ValueError("batched n-gram rows must share num_speculative_tokens, max_ngram and min_ngram")
+        return NGramBatchProposer(p0.num_speculative_tokens, p0.max_ngram, p0.min_ngram)
 
 
 class NGramBatchProposer:
@@ -69,9 +72,11 @@ class NGramBatchProposer:
 
     layer_ids: list[int] = []
 
-    def __init__(self, k: int = 5, max_ngram: int = 3, min_ngram: int = 1):
-        self.one = NGramProposer(k, max_ngram, min_ngram)  # validates the settings
-        self.k, self.max_ngram, self.min_ngram = self.one.k, self.one.max_ngram, self.one.min_ngram
+    def __init__(self, num_speculative_tokens: int = 5, max_ngram: int = 3,
+                 min_ngram: int = 1):
+        self.one = NGramProposer(num_speculative_tokens, max_ngram, min_ngram)  # validates the settings
+        self.num_speculative_tokens = self.one.num_speculative_tokens
+        self.max_ngram, self.min_ngram = self.one.max_ngram, self.one.min_ngram
 
     @torch.no_grad()
     def begin(self, tokens: list[Tensor], hidden: dict[int, Tensor], sampling: Sampling) -> None:
@@ -95,7 +100,7 @@ class NGramBatchProposer:
     def propose(self, max_depth: list[int]) -> list[Proposal]:
         c, length = self.ctx, self.len
         device = c.device
-        k = torch.tensor([min(self.k, d) for d in max_depth], dtype=torch.long, device=device)
+        k = torch.tensor([min(self.num_speculative_tokens, d) for d in max_depth], dtype=torch.long, device=device)
         t = c.shape[1]
         start = torch.full_like(length, -1)
         for n in range(min(self.max_ngram, t - 1), self.min_ngram - 1, -1):
@@ -121,12 +126,14 @@ class NGramBatchProposer:
 
 def _prompt_lookup(o: dict, _model) -> tuple[str, dict]:
     """HF transformers' twin of this method: prompt-lookup decoding with the same K and longest n-gram."""
-    return "hf_prompt_lookup", {"prompt_lookup_num_tokens": int(o["k"]), "max_matching_ngram_size": int(o["max_ngram"])}
+    return "hf_prompt_lookup", {"prompt_lookup_num_tokens": int(o["num_speculative_tokens"]),
+                                "max_matching_ngram_size": int(o["max_ngram"])}
 
 
 SPEC = MethodSpec(
     name="ngram", source="none",
     proposers=(ProposerSpec("ngram", lambda _model, _target, **o: NGramProposer(**o),
-                            {"k": 5, "max_ngram": 3, "min_ngram": 1}, batched=NGramProposer.batched,
+                            {"num_speculative_tokens": 5, "max_ngram": 3, "min_ngram": 1},
+                            batched=NGramProposer.batched,
                             recommend_rank=4, hf_peer=_prompt_lookup),),
 )

@@ -59,9 +59,14 @@ def rebuild(cfg: PEagleConfig, target: FrozenTarget) -> PEagleDrafter:
     return PEagleDrafter(cfg, target.model.config, target.embed.weight, target.model.get_output_embeddings().weight)
 
 
+def _prepare_num_speculative_tokens(d: PEagleDrafter, _ckpt_dir: str | None, o: dict) -> dict:
+    n = o["num_speculative_tokens"]
+    return {**o, "num_speculative_tokens": d.cfg.num_depths if n is None else int(n)}  # None → every depth
+
+
 SPEC = MethodSpec(
     name="peagle", config=PEagleConfig, build=build, rebuild=rebuild, export_formats=export.FORMATS,
-    default_k=lambda d: d.cfg.num_depths, check_config=check_config,
-    proposers=(ProposerSpec("peagle", lambda d, _t, **o: PEagleProposer(d, **o), {"k": None},
-                            prepare=lambda d, _c, o: {**o, "k": d.cfg.num_depths if o["k"] is None else int(o["k"])}),),
+    default_num_speculative_tokens=lambda d: d.cfg.num_depths, check_config=check_config,
+    proposers=(ProposerSpec("peagle", lambda d, _t, **o: PEagleProposer(d, **o), {"num_speculative_tokens": None},
+                            prepare=_prepare_num_speculative_tokens),),
 )

@@ -65,7 +65,8 @@ def _layer_config(d: nn.Module, target: FrozenTarget) -> dict:
     }
 
 
-def build_peagle_speculators(d: nn.Module, target: FrozenTarget, name: str, k: int, meta: dict | None) -> Bundle:
+def build_peagle_speculators(d: nn.Module, target: FrozenTarget, name: str,
+                             num_speculative_tokens: int, meta: dict | None) -> Bundle:
     L = target.num_layers
     ids = list(d.layer_ids)
     bad = [i for i in ids if not 1 <= i <= L - 1]
@@ -73,16 +74,17 @@ def build_peagle_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
         raise ExportError(f"P-EAGLE layer ids {bad} cannot be served: vLLM captures the input of decoder layers "
                           f"1..{L - 1} of this {L}-layer target; retrain with other layer_ids")
     K = d.cfg.num_depths
-    if k > K:
-        raise ExportError(f"num_speculative_tokens={k} exceeds the {K} parallel depths the drafter was trained for")
+    if num_speculative_tokens > K:
+        raise ExportError(f"num_speculative_tokens={num_speculative_tokens} exceeds the {K} parallel depths the "
+                          "drafter was trained for")
     c = d.cfg
     cfg = {
         "architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
         "transformer_layer_config": _layer_config(d, target),
         "speculators_config": {
             "algorithm": "peagle",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
-                                  "accept_tolerance": 0.0}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": engine_target_name(name),
                          "architectures": list(getattr(target.model.config, "architectures", None) or [])},
@@ -99,7 +101,7 @@ def build_peagle_speculators(d: nn.Module, target: FrozenTarget, name: str, k: i
                for key, v in d.state_dict().items() if key not in ("d2t", "t2d")}
     if d.draft_vocab_size < d.vocab_size:
         tensors["d2t"], tensors["t2d"] = d.d2t.clone(), d.t2d.clone()
-    side = make_sidecar("peagle_speculators", d, target, name, k, meta)
+    side = make_sidecar("peagle_speculators", d, target, name, num_speculative_tokens, meta)
     return Bundle("peagle_speculators", cfg, tensors, side)
 
 

@@ -12,14 +12,16 @@ from models.methods.peagle.net import PEagleDrafter
 class PEagleProposer:
     """One drafter forward per round drafts min(K, max_depth) tokens (package docstring: the cache)."""
 
-    def __init__(self, drafter: PEagleDrafter, k: int | None = None, sample_drafts: bool = True):
+    def __init__(self, drafter: PEagleDrafter, num_speculative_tokens: int | None = None, sample_drafts: bool = True):
         self.drafter = drafter.eval()
         self.layer_ids = list(drafter.layer_ids)
         K = drafter.cfg.num_depths
-        self.k = check_k("k", k if k is not None else K)
-        if self.k > K:
-            raise ValueError(f"k={k}: this drafter was trained for {K} parallel depths; lower k or retrain with "
-                             "draft.config.num_depths >= k")
+        self.num_speculative_tokens = check_k("num_speculative_tokens",
+                                              num_speculative_tokens if num_speculative_tokens is not None else K)
+        if self.num_speculative_tokens > K:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: this drafter was trained for {K} "
+                             "parallel depths; lower num_speculative_tokens or retrain with "
+                             "draft.config.num_depths >= num_speculative_tokens")
         self.sample_drafts = sample_drafts
         self.vocab_ids, self.vocab_size = drafter.draft_ids, drafter.vocab_size
 
@@ -47,7 +49,7 @@ class PEagleProposer:
     @torch.no_grad()
     def propose(self, max_depth: int) -> Proposal:
         dr = self.drafter
-        k = min(self.k, max_depth)
+        k = min(self.num_speculative_tokens, max_depth)
         e, g = self.pending
         r = e.shape[1]
         em, gm = dr.mask_entry(1, k - 1)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from models.core.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
-from models.core.spec import ExportFormat, MethodSpec, ProposerSpec
+from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS, ExportFormat, MethodSpec, ProposerSpec
 from models.core.target import FrozenTarget, validate_layer_ids
 from models.export.shared.common import (
     WEIGHTS,
@@ -79,12 +79,13 @@ class BigramHead(nn.Module):
 
 
 class BigramChainProposer:
-    """Chain of k drafts (models/core/proposal.py protocol)."""
+    """Chain of num_speculative_tokens drafts (models/core/proposal.py protocol)."""
 
-    def __init__(self, head: BigramHead, k: int = 3, sample_drafts: bool = True):
+    def __init__(self, head: BigramHead, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+                 sample_drafts: bool = True):
         self.head = head.eval()
         self.layer_ids = list(head.layer_ids)
-        self.k = check_k("k", k)
+        self.num_speculative_tokens = check_k("num_speculative_tokens", num_speculative_tokens)
         self.sample_drafts = sample_drafts
 
     @torch.no_grad()
@@ -100,7 +101,7 @@ class BigramChainProposer:
     @torch.no_grad()
     def propose(self, max_depth: int) -> Proposal:
         tok, toks, qs = self.newest, [], []
-        for _ in range(min(self.k, max_depth)):
+        for _ in range(min(self.num_speculative_tokens, max_depth)):
             tok, q = pick_token(self.head.logits(tok[0], self.h), self.sampling, self.sample_drafts, None,
                                 self.head.vocab_size)
             toks.append(tok)
@@ -114,11 +115,13 @@ def build(cfg: ToyConfig, target: FrozenTarget, train_rows: list[dict] | None = 
 
 
 # --------------------------------------------------------------------------------------------- its exporter
-def export_build(d: BigramHead, target: FrozenTarget, name: str, k: int | None, meta: dict | None) -> Bundle:
+def export_build(d: BigramHead, target: FrozenTarget, name: str, num_speculative_tokens: int | None,
+                 meta: dict | None) -> Bundle:
     cfg = {"architectures": [ARCH], "base_model_name_or_path": engine_target_name(name), "rank": d.cfg.rank,
            "layer_id": d.cfg.layer_id, "hidden_size": d.hidden_size, "vocab_size": d.vocab_size}
-    tensors = {k_: v.detach() for k_, v in d.state_dict().items()}
-    return Bundle("toy_native", cfg, tensors, make_sidecar("toy_native", d, target, name, k or 3, meta))
+    tensors = {k: v.detach() for k, v in d.state_dict().items()}
+    side = make_sidecar("toy_native", d, target, name, num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS, meta)
+    return Bundle("toy_native", cfg, tensors, side)
 
 
 def export_check(cfg: dict, t: Tensors, side: dict | None, target: TargetInfo | None,
@@ -150,7 +153,9 @@ EXPORT_FORMAT = ExportFormat("toy_native", "toy", "toy", "nothing (a test format
 
 SPEC = MethodSpec(
     name="toy", config=ToyConfig, build=build, rebuild=build, export_formats=(EXPORT_FORMAT,),
-    proposers=(ProposerSpec("toy", lambda head, _t, **o: BigramChainProposer(head, **o), {"k": 3},
-                            variants={"toy_k1": {"k": 1}}),),  # eval benchmarks it at K=1 too, as its own row
+    proposers=(ProposerSpec("toy", lambda head, _t, **o: BigramChainProposer(head, **o),
+                            {"num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS},
+                            # eval benchmarks it at K=1 too, as its own row
+                            variants={"toy_k1": {"num_speculative_tokens": 1}}),),
 )
 
