@@ -144,7 +144,8 @@ smollm2-drafters: install
 # DFlash and DSpark with K sized by the cost model (tokens/s), with the whole block verified (*_block: every slot's
 # acceptance measured, the equal-cost comparison of slots 3+), and DSpark with each round's K scheduled by its
 # confidence head against the measured v(K) (dspark_conf)
-BLOCK_ROWS = "+variants.dflash_block={method: dflash, k: null}" "+variants.dspark_block={method: dflash, k: null}" \
+BLOCK_ROWS = "+variants.dflash_block={method: dflash, num_speculative_tokens: null}" \
+	"+variants.dspark_block={method: dflash, num_speculative_tokens: null}" \
 	+checkpoints.dspark_block=$(SMOLLM2_DRAFTERS)/dspark/final "+variants.dspark_conf={method: dflash, verify_costs: auto}" \
 	+checkpoints.dspark_conf=$(SMOLLM2_DRAFTERS)/dspark/final
 bench-block: install
