@@ -10,7 +10,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.core.proposal import Proposal, Sampling, chain_proposal, check_k, pick_token
-from models.core.spec import MethodSpec, ProposerSpec
+from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS, MethodSpec, ProposerSpec
 from models.core.target import FrozenTarget
 
 
@@ -25,7 +25,7 @@ class DraftModelProposer:
 
     layer_ids: list[int] = []
 
-    def __init__(self, model: PreTrainedModel, num_speculative_tokens: int = 4,
+    def __init__(self, model: PreTrainedModel, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
                  target: FrozenTarget | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
                  sample_drafts: bool = True):
         self.model = model.eval()
@@ -101,6 +101,6 @@ SPEC = MethodSpec(
     # tiny-code's small draft LM (python -m train.build_tiny_code --draft); also the HF assisted-generation peer
     name="draft_model", source="model", load=load_draft_model, default_path="runs/tiny_code_draft",
     proposers=(ProposerSpec("draft_model", lambda model, target, **o: DraftModelProposer(model, target=target, **o),
-                            {"num_speculative_tokens": 4}, recommend_rank=3,
+                            {"num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS}, recommend_rank=3,
                             hf_peer=lambda _o, model: ("hf_assisted", {"assistant_model": model})),),
 )

@@ -174,7 +174,7 @@ SPEC = MethodSpec(
         # weights: the drafting precision (float32 | bfloat16 | int8, ``inference_copy``)
         # eval's variants: the same chain drafting in bf16 / int8, benchmarked side by side (what the switch buys)
         ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o),
-                     {"num_speculative_tokens": 5, "weights": "float32"},
+                     {"num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS, "weights": "float32"},
                      batched=Eagle3ChainProposer.batched, recommend_rank=0,
                      variants={"eagle3_bf16": {"weights": "bfloat16"}, "eagle3_int8": {"weights": "int8"}}),
         # EAGLE-2 dynamic tree, sized for CPU (verify cost grows with nodes there; GPU: depth 6, top_k 10, 60)

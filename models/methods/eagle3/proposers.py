@@ -17,6 +17,7 @@ from models.core.proposal import (
     right_pad,
 )
 from models.core.ragged import RaggedKV
+from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS
 from models.core.tree import tree_layout
 from models.methods.eagle3.kernels import DraftKV, cached_step, entry_out, entry_qkv, inference_copy
 from models.methods.eagle3.net import Eagle3Drafter
@@ -63,7 +64,7 @@ class Eagle3ChainProposer(_Eagle3Base):
     entry) at RoPE position n + s (n = the last real entry's position) and attends to every real entry and earlier
     draft."""
 
-    def __init__(self, drafter, num_speculative_tokens: int = 5,
+    def __init__(self, drafter, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
                  sample_drafts: bool = True, weights: str = "float32"):
         super().__init__(drafter, weights)
         self.num_speculative_tokens = check_k("num_speculative_tokens", num_speculative_tokens)

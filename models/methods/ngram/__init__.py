@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from models.core.proposal import Proposal, Sampling, check_k, right_pad
-from models.core.spec import MethodSpec, ProposerSpec
+from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS, MethodSpec, ProposerSpec
 
 
 class NGramProposer:
@@ -19,7 +19,7 @@ class NGramProposer:
 
     layer_ids: list[int] = []
 
-    def __init__(self, num_speculative_tokens: int = 5, max_ngram: int = 3,
+    def __init__(self, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, max_ngram: int = 3,
                  min_ngram: int = 1):
         self.num_speculative_tokens = check_k("num_speculative_tokens", num_speculative_tokens)
         self.max_ngram = check_k("max_ngram", max_ngram)
@@ -72,7 +72,7 @@ class NGramBatchProposer:
 
     layer_ids: list[int] = []
 
-    def __init__(self, num_speculative_tokens: int = 5, max_ngram: int = 3,
+    def __init__(self, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, max_ngram: int = 3,
                  min_ngram: int = 1):
         self.one = NGramProposer(num_speculative_tokens, max_ngram, min_ngram)  # validates the settings
         self.num_speculative_tokens = self.one.num_speculative_tokens
@@ -133,7 +133,7 @@ def _prompt_lookup(o: dict, _model) -> tuple[str, dict]:
 SPEC = MethodSpec(
     name="ngram", source="none",
     proposers=(ProposerSpec("ngram", lambda _model, _target, **o: NGramProposer(**o),
-                            {"num_speculative_tokens": 5, "max_ngram": 3, "min_ngram": 1},
+                            {"num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS, "max_ngram": 3, "min_ngram": 1},
                             batched=NGramProposer.batched,
                             recommend_rank=4, hf_peer=_prompt_lookup),),
 )
