@@ -56,6 +56,18 @@ def explicit_methods(overrides: list[str], cfg_methods: list[str]) -> list[str]:
     return list(dict.fromkeys(named))
 
 
+def check_option_overrides(overrides: list[str]) -> None:
+    """``options.<method>.<option>=value`` naming an option the method does not declare: a one-line ValueError
+    listing the ones it does (``ProposerSpec.options``), before Hydra refuses the key in several lines naming none."""
+    from models import registry
+
+    table = registry.proposers()
+    for o in overrides:
+        parts = o.split("=", 1)[0].lstrip("+").split(".")
+        if len(parts) == 3 and parts[0] == "options" and parts[1] in table:
+            table[parts[1]][1].options({parts[2]: None})
+
+
 def run(cfg: DictConfig, require: list[str] | tuple[str, ...] = ()) -> dict:
     """Load the target, build the methods (skipping missing checkpoints), benchmark, write the report.
     ``require``: methods that must run (named explicitly); one that cannot is an error, before any benchmark."""
@@ -137,6 +149,11 @@ def hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """The CLI: conf/eval.yaml composed over the registry's method rows as they are now (eval/bench/defaults.py)."""
     register()
+    try:
+        check_option_overrides(sys.argv[1:])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     hydra_main()
 
 

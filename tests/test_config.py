@@ -112,6 +112,17 @@ def test_eval_config_command_line_overrides_and_unknown_options():
     assert "\n" not in str(e.value) and str(e.value).count("options.ngram") == 1
 
 
+def test_eval_refuses_an_option_a_method_does_not_declare_in_one_line_naming_its_options():
+    """``python -m eval options.eagle3.k=5`` (K is ``num_speculative_tokens``): one line listing eagle3's options,
+    before Hydra's several-line refusal that names none."""
+    from eval.__main__ import check_option_overrides
+
+    with pytest.raises(ValueError,
+                       match=r"^options.eagle3: unknown option\(s\) \['k'\]; known: .*num_speculative_tokens"):
+        check_option_overrides(["methods=[ar,eagle3]", "options.eagle3.k=5"])
+    check_option_overrides(["options.eagle3.num_speculative_tokens=5", "+options.dflash.min_confidence=0.5"])
+
+
 def test_smollm2_recipes_share_one_feature_cache_that_stores_their_layers():
     """Every *_smollm2 recipe reads one feature cache (the 30-layer target runs once): the same data rows, and
     train.feature_layers holds each recipe's layers, so none of them is refused the cache another built."""

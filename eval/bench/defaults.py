@@ -11,8 +11,9 @@
 
 The keys exist in the composed config, so the command line overrides them like any other key
 (``options.eagle3.num_speculative_tokens=4``, ``checkpoints.eagle3=runs/x/final``, ``methods=[ar,eagle3]``,
-``draft_model=null``, ``+variants.fast={method: eagle3, num_speculative_tokens: 2}``); a key no spec declares needs
-``+`` and then fails in the harness as a one-line error naming the known options.
+``draft_model=null``, ``+variants.fast={method: eagle3, num_speculative_tokens: 2}``). An option no spec declares is
+a one-line error naming the known ones: ``python -m eval`` checks ``options.<method>.<option>`` overrides before
+Hydra composes (eval/__main__.py), and a ``+``-added one fails in the harness.
 """
 
 from __future__ import annotations
