@@ -312,6 +312,29 @@ def test_recipe_dspark_trains_and_warm_starts_from_dflash(target_dir, tmp_path):
                  f"draft.config.warm_start={tmp_path / 'df' / 'final'}"))
 
 
+def test_warm_start_widens_a_reduced_vocabulary_to_the_whole_one(target_dir, tmp_path):
+    """draft_vocab_size = the target's vocab size widens a reduced-vocabulary DFlash (its head is the target's
+    frozen lm_head): same backbone, every id draftable, d2t the identity; a narrower or other width is refused."""
+    tgt = FrozenTarget.from_pretrained(str(target_dir))
+    V = tgt.vocab_size
+    run(_cfg(target_dir, tmp_path / "df", "+recipe=dflash", "draft.config.draft_vocab_size=64"))
+    run(_cfg(target_dir, tmp_path / "wide", "+recipe=dflash", "train.steps=1", "optim.optimizer.lr=1e-12",
+             f"draft.config.draft_vocab_size={V}", f"draft.config.warm_start={tmp_path / 'df' / 'final'}"))
+    df, _ = registry.load_drafter(tmp_path / "df" / "final", tgt)
+    wide, meta = registry.load_drafter(tmp_path / "wide" / "final", tgt)
+    assert df.draft_vocab_size == 64 and wide.draft_vocab_size == V == meta["draft"]["draft_vocab_size"]
+    assert torch.equal(wide.draft_ids, torch.arange(V))
+    torch.testing.assert_close(wide.lm_head, tgt.model.get_output_embeddings().weight.float())
+    for k, v in df.state_dict().items():
+        if k not in ("lm_head", "d2t", "t2d"):  # lr ~ 0: still the warm start's backbone
+            torch.testing.assert_close(wide.state_dict()[k], v, atol=1e-6, rtol=0, msg=k)
+    prompt = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(1))
+    assert speculative_decode(tgt, DFlashProposer(wide), prompt, 12).tokens == decode_ar(tgt, prompt, 12).tokens
+    with pytest.raises(ValueError, match="draft_vocab_size=32 but the warm-start"):
+        run(_cfg(target_dir, tmp_path / "bad", "+recipe=dflash", "draft.config.draft_vocab_size=32",
+                 f"draft.config.warm_start={tmp_path / 'df' / 'final'}"))
+
+
 # ----------------------------------------------------------------------------------------- export
 def test_dspark_exports_round_trip_and_refuse_what_engines_would_misread(target_dir, tmp_path):
     import json

@@ -72,7 +72,8 @@ def _is_main_process() -> bool:
 def _warm_start(cfg: DFlashConfig, target: FrozenTarget) -> DFlashDrafter:
     """DSpark's contract is "DFlash + extra tensors": start from a trained DFlash checkpoint's backbone (every
     tensor it has; a block head it lacks starts fresh — W2 = 0, so the drafts start as the checkpoint's). The
-    checkpoint fixes what its weights were trained with: target, layer ids, layers, vocabulary, mask id."""
+    checkpoint fixes what its weights were trained with: target, layer ids, layers, vocabulary, mask id; only a
+    reduced vocabulary may be widened to the target's whole one (``draft_vocab_size`` = its vocab size)."""
     import json
     from pathlib import Path
 
@@ -90,9 +91,13 @@ def _warm_start(cfg: DFlashConfig, target: FrozenTarget) -> DFlashDrafter:
         raise ValueError(f"draft.config.warm_start={src} was trained for another target "
                          f"({meta['target'].get('name_or_path')!r})")
     had = meta.get("draft") or {}
+    V = target.vocab_size
+    # the head is the target's frozen lm_head, so a reduced vocabulary widens to the whole one exactly: the drafted
+    # tokens keep their logits and the rest gain theirs (llama.cpp's DFlash converter takes only a whole vocabulary)
+    widen = cfg.draft_vocab_size == V and (had.get("draft_vocab_size") or V) < V
     for key in ("layer_ids", "num_layers", "mask_token_id", "draft_vocab_size", "intermediate_size"):
         mine, theirs = getattr(cfg, key), had.get(key)
-        if key == "draft_vocab_size" and theirs == target.vocab_size:
+        if key == "draft_vocab_size" and (theirs == V or widen):
             theirs = None
         if mine is not None and theirs is not None and mine != theirs:
             raise ValueError(f"draft.config.{key}={mine} but the warm-start checkpoint {src} has {theirs}; drop the "
@@ -100,6 +105,8 @@ def _warm_start(cfg: DFlashConfig, target: FrozenTarget) -> DFlashDrafter:
         setattr(cfg, key, theirs if theirs is not None else mine)
     state = load_file(str(src / WEIGHTS))
     check_finite(state, src)
+    if widen:
+        state = {k: v for k, v in state.items() if k not in ("lm_head", "d2t", "t2d")}
     d = DFlashDrafter(cfg, target.model.config, target.embed.weight, _lm_head(target), state.get("d2t"),
                       state.get("t2d"))
     own = d.state_dict()
