@@ -285,3 +285,23 @@ def test_regenerate_then_ship_writes_packed_files_and_a_manifest(tmp_path, targe
     assert manifest["target"]["embed_fingerprint"] and manifest["data_config"]["regenerate"] == 4
     assert (tmp_path / "shipped" / "manifest.json").exists()
     assert (tmp_path / "shipped" / files[0.0]["file"]).exists()
+
+
+def test_regenerate_fills_the_code_corpus_cache_a_training_run_then_reads(tmp_path, target_dir):
+    """train.regenerate on the code corpus (data.kind=code) writes the continuations' keyed cache; building the
+    same data afterwards generates nothing. --temperature is refused there (it picks chat groups)."""
+    from data.sources import DataConfig, build_rows
+    from models.core.target import FrozenTarget
+    from train.regenerate import regenerate
+
+    over = [f"target.name_or_path={target_dir}", "data.regenerate=3", "data.max_rows=6", "data.max_len=48",
+            "data.regen_new_tokens=3", "data.regen_batch_size=2", f"data.cache_dir={tmp_path / 'cache'}"]
+    got = regenerate(over, None, threads=0)
+    assert [(g["continuations"], g["generated_now"]) for g in got["groups"]] == [(3, 3)]
+    tgt = FrozenTarget.from_pretrained(str(target_dir))
+    stats: dict = {}
+    build_rows(DataConfig(kind="code", max_len=48, max_rows=6, val_rows=2, regenerate=3, regen_new_tokens=3,
+                          regen_batch_size=2, cache_dir=str(tmp_path / "cache")), tgt.tokenizer, tgt.model, stats)
+    assert [(g["continuations"], g["generated_now"]) for g in stats["regenerated"]] == [(3, 0)]
+    with pytest.raises(ValueError, match="--temperature picks chat groups"):
+        regenerate(over, [0.0], threads=0)

@@ -1,6 +1,6 @@
 """`python -m train.regenerate [--temperature T] [--threads N] HYDRA_OVERRIDES...` — a recipe's regenerated data
-without training: the target answers the recipe's conversations into the same keyed cache files the training run
-reads (data/sources.py), resumable after a kill.
+without training: the target answers the recipe's conversations (or continues its code prefixes) into the same
+keyed cache files the training run reads (data/sources.py), resumable after a kill.
 
 One process per temperature group runs the groups side by side: on a 2-core CPU two 1-thread processes make
 ~1.3x the tokens/s of one 2-thread process (small-row GEMMs scale poorly across threads). ``make smollm2-data``
@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from data.regenerate import ledger_path
 from data.sources import (
+    build_rows,
     chat_conversations,
     pack_cache_file,
     regen_cache_path,
@@ -35,21 +36,31 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def regenerate(overrides: list[str], temperatures: list[float] | None, threads: int) -> dict:
-    """Regenerate the configured chat data (only ``temperatures``' groups when given) → what it cost."""
+    """Regenerate the configured data (chat: only ``temperatures``' groups when given; the code corpus: every
+    group of continuations) → what it cost."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     if threads:
         torch.set_num_threads(threads)
     data_cfg = instantiate(cfg.data)
-    if data_cfg.kind != "chat" or not data_cfg.regenerate:
-        raise ValueError(f"data {cfg.data.get('source')!r}: train.regenerate needs chat data with data.regenerate set")
+    if not data_cfg.regenerate:
+        raise ValueError(f"data {cfg.data.get('source')!r}: data.regenerate is not set, so there is nothing to "
+                         "regenerate")
+    if data_cfg.kind != "chat" and temperatures:
+        raise ValueError(f"--temperature picks chat groups; data.kind={data_cfg.kind} regenerates every group")
     unknown = sorted(set(temperatures or []) - set(regen_temperatures(data_cfg)))
     if unknown:
         raise ValueError(f"--temperature {unknown}: data.regen_temperature is {regen_temperatures(data_cfg)}")
     target = instantiate(cfg.target)
-    convs, _ = chat_conversations(data_cfg)
     stats: dict = {}
     t0 = time.time()
+    if data_cfg.kind != "chat":  # continuations of training prefixes, into the cache a training run reads
+        build_rows(data_cfg, target.tokenizer, target.model, stats)
+        for g in stats.get("regenerated", []):
+            print(f"regenerated T={g['temperature']:g}: {g['continuations']} continuations ({g['generated_now']} "
+                  f"now, {g['seconds']:.0f} s), {g['target_tokens']} target tokens in {g['cache']}", flush=True)
+        return {"seconds": round(time.time() - t0, 1), "groups": stats.get("regenerated", [])}
+    convs, _ = chat_conversations(data_cfg)
     regenerate_chat(data_cfg, target.model, target.tokenizer, convs, stats, temperatures)
     for g in stats.get("regenerated", []):
         path = Path(g["cache"])
