@@ -160,6 +160,34 @@ def test_loss_trains_mask_hidden_and_the_embedding(target):
         PEagleProposer(d, num_speculative_tokens=5)
 
 
+def test_checkpoints_store_only_the_embedding_rows_training_changed(target, tmp_path):
+    """The trained embedding is stored as the rows that differ from the target's (ids + rows) and loads back
+    exact; the whole-table form still loads; ids out of range or repeated are refused with the file named."""
+    from safetensors.torch import load_file, save_file
+
+    from models.core.checkpoint import load_trainable_state, trainable_state
+
+    d = drafter(target)
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(target.embed.weight.float())
+        d.embed_tokens.weight[[5, 9, 40]] += 0.25
+    state = trainable_state(d)
+    assert "embed_tokens.weight" not in state and state["embed_tokens.changed_ids"].tolist() == [5, 9, 40]
+    save_file(state, str(tmp_path / "packed.safetensors"))
+    save_file(trainable_state(d, packed=False), str(tmp_path / "whole.safetensors"))
+    for f in ("packed", "whole"):
+        back = drafter(target)
+        load_trainable_state(back, tmp_path / f"{f}.safetensors")
+        assert torch.equal(back.embed_tokens.weight, d.embed_tokens.weight), f
+        assert torch.equal(back.mask_hidden, d.mask_hidden), f
+    for ids in ([5, 9, V], [5, 5, 40]):
+        bad = {**state, "embed_tokens.changed_ids": torch.tensor(ids)}
+        save_file(bad, str(tmp_path / "bad.safetensors"))
+        with pytest.raises(ValueError, match=r"bad.safetensors: .*outside 0..63 or repeats"):
+            load_trainable_state(drafter(target), tmp_path / "bad.safetensors")
+    assert load_file(str(tmp_path / "packed.safetensors"))["embed_tokens.changed_rows"].shape == (3, 32)
+
+
 # ----------------------------------------------------------------------------------------- recipe + export
 def _cfg(target_dir, out, *over):
     base = [f"target.name_or_path={target_dir}", f"output_dir={out}", "tracking=none", "data.max_rows=16",

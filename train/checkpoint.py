@@ -139,7 +139,7 @@ def save_checkpoint(root: Path, step: int, module: nn.Module, meta: dict, traine
     name = f"step_{step:07d}"
     tmp, final = root / (name + ".tmp"), root / name
     if rank == 0:
-        check_finite(trainable_state(module), f"refusing to checkpoint step {step}")
+        check_finite(trainable_state(module, packed=False), f"refusing to checkpoint step {step}")
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob("step_*.tmp"):  # a kill mid-write leaves these; they are never read
             shutil.rmtree(stale, ignore_errors=True)

@@ -99,11 +99,15 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: str | Path) -> None
                          "diverged; retrain it (lower optim.optimizer.lr)")
 
 
-def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
+def trainable_state(module: nn.Module, packed: bool = True) -> dict[str, torch.Tensor]:
     """Trainable parameters and all buffers; frozen parameters (copied from the target) are skipped, except those a
-    module lists in ``saved_frozen`` (frozen, but chosen per drafter: e.g. EAGLE-3's target-copied lm_head rows)."""
+    module lists in ``saved_frozen`` (frozen, but chosen per drafter: e.g. EAGLE-3's target-copied lm_head rows).
+    ``packed``: as stored, through the module's ``pack_state`` when it has one (e.g. only the changed rows of a
+    trainable target-initialised embedding); ``load_trainable_state`` undoes it with ``unpack_state``."""
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad} - set(getattr(module, "saved_frozen", ()))
-    return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items() if k not in frozen}
+    state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items() if k not in frozen}
+    pack = getattr(module, "pack_state", None)
+    return pack(state) if packed and pack is not None else state
 
 
 def load_trainable_state(module: nn.Module, path: Path) -> None:
@@ -114,7 +118,13 @@ def load_trainable_state(module: nn.Module, path: Path) -> None:
         raise ValueError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e}); it is truncated or "
                          "corrupt — retrain or restore it") from None
     check_finite(state, path)
-    expected = set(trainable_state(module))
+    unpack = getattr(module, "unpack_state", None)
+    if unpack is not None:
+        try:
+            state = unpack(state)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    expected = set(trainable_state(module, packed=False))
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or extra:
         raise ValueError(f"{path}: weights do not match the drafter (missing {missing[:5]}, unexpected {extra[:5]})")

@@ -78,6 +78,9 @@ def cod_visibility(anchor: Tensor, depth: Tensor, keep: Tensor) -> Tensor:
     return see_real | same | torch.eye(q, dtype=torch.bool, device=dev)[None]  # padding: itself
 
 
+EMBED, CHANGED_IDS, CHANGED_ROWS = "embed_tokens.weight", "embed_tokens.changed_ids", "embed_tokens.changed_rows"
+
+
 class PEagleDrafter(nn.Module):
     """The P-EAGLE drafter (package docstring). State-dict names are speculators' P-EAGLE tensor names."""
 
@@ -130,7 +133,32 @@ class PEagleDrafter(nn.Module):
         self.register_buffer("d2t", d2t.clone())
         self.register_buffer("t2d", t2d.clone())
         self._lm_head_full = lm_head_weight.detach()
+        self._embed_target = embed_weight.detach()  # what pack_state/unpack_state diff the trained embedding against
         self._inv_freq, self._rope_factor, self.rope_parameters = rope_inv_freq(tc, hd)
+
+    # Checkpoints store only the embedding rows training changed (a few tokens' worth of a [V, H] table: 15k of
+    # SmolLM2's 49k rows, 17 of 57 MiB in fp16); the rest is the target's, which every load has at hand.
+    def pack_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        w = state.pop(EMBED)
+        ids = (w != self._embed_target.to(w.device, torch.float32)).any(1).nonzero().flatten()
+        return {**state, CHANGED_IDS: ids.cpu(), CHANGED_ROWS: w[ids].contiguous()}
+
+    def unpack_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        if EMBED in state:  # the whole table (checkpoints written before the packed form)
+            return state
+        state = dict(state)
+        ids, rows = state.pop(CHANGED_IDS, None), state.pop(CHANGED_ROWS, None)
+        V, H = self._embed_target.shape
+        if ids is None or rows is None:
+            raise ValueError(f"neither {EMBED} nor {CHANGED_IDS} + {CHANGED_ROWS} is stored")
+        if ids.dtype != torch.long or ids.dim() != 1 or rows.shape != (ids.numel(), H):
+            raise ValueError(f"{CHANGED_IDS} {tuple(ids.shape)} {ids.dtype} and {CHANGED_ROWS} {tuple(rows.shape)} "
+                             f"are not N int64 ids with N rows of {H}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != ids.numel()):
+            raise ValueError(f"{CHANGED_IDS} holds ids outside 0..{V - 1} or repeats one")
+        w = self._embed_target.to("cpu", torch.float32).clone()
+        w[ids] = rows.float()
+        return {**state, EMBED: w}
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
