@@ -330,9 +330,13 @@ def test_warm_start_widens_a_reduced_vocabulary_to_the_whole_one(target_dir, tmp
             torch.testing.assert_close(wide.state_dict()[k], v, atol=1e-6, rtol=0, msg=k)
     prompt = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(1))
     assert speculative_decode(tgt, DFlashProposer(wide), prompt, 12).tokens == decode_ar(tgt, prompt, 12).tokens
-    with pytest.raises(ValueError, match="draft_vocab_size=32 but the warm-start"):
+    with pytest.raises(ValueError, match="draft_vocab_size=32 but the warm-start .* has 64; pass .*=null"):
         run(_cfg(target_dir, tmp_path / "bad", "+recipe=dflash", "draft.config.draft_vocab_size=32",
                  f"draft.config.warm_start={tmp_path / 'df' / 'final'}"))
+    # a whole-vocabulary checkpoint under a recipe that asks for a reduced one: said, not a d2t shape error
+    with pytest.raises(ValueError, match=f"draft_vocab_size=64 but the warm-start .* has {V}; pass .*=null"):
+        run(_cfg(target_dir, tmp_path / "bad2", "+recipe=dspark", "draft.config.draft_vocab_size=64",
+                 f"draft.config.warm_start={tmp_path / 'wide' / 'final'}"))
 
 
 # ----------------------------------------------------------------------------------------- export

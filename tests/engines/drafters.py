@@ -5,8 +5,8 @@ run side by side, one per core (``DRAFTSMITH_ENGINE_JOBS``, default: the machine
 starting as soon as what it needs exists:
 - the recipes that regenerate share one data cache ({runs}/data_cache), written first by ``python -m
   train.regenerate`` (the ``data`` job, seconds) so that none of them waits on another's training;
-- a warm start needs that drafter's ``final/``: DSpark starts from its DFlash, and the full-vocabulary DFlash
-  (llama.cpp's converter takes no draft vocabulary) widens the reduced one instead of training from scratch.
+- a warm start needs that drafter's ``final/``: both DSparks start from the DFlash, and the full-vocabulary ones
+  (llama.cpp's converters take no draft vocabulary) widen its reduced vocabulary instead of training from scratch.
 ``DRAFTSMITH_ENGINE_CACHE=DIR`` keeps the runs across sessions (a drafter with a ``final/`` is not retrained).
 """
 
@@ -29,7 +29,7 @@ WIDE = f"draft.config.draft_vocab_size={VOCAB}"  # a reduced-vocabulary warm sta
 
 # Small step counts (CPU minutes), enough for acceptance at later slots: DFlash and P-EAGLE need the target's own
 # continuations (data.regenerate) for slots >= 2 (conf/recipe/dflash.yaml). Table order is launch priority: the
-# longest chain (dflash → dflash_full → dspark_full) first.
+# longest chain (data → dflash → dspark_full) first.
 # name -> (recipe, overrides, needs); {runs}: the runs directory.
 DRAFTERS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
     "dflash": ("dflash", ["train.steps=150", *REGEN], (DATA,)),
@@ -37,8 +37,8 @@ DRAFTERS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
     "peagle": ("peagle", ["train.steps=150", *REGEN], (DATA,)),
     "dflash_full": ("dflash", ["train.steps=50", *REGEN, WIDE, "draft.config.warm_start={runs}/dflash/final"],
                     ("dflash",)),
-    "dspark_full": ("dspark", ["train.steps=60", *REGEN, "draft.config.warm_start={runs}/dflash_full/final"],
-                    ("dflash_full",)),
+    "dspark_full": ("dspark", ["train.steps=60", *REGEN, WIDE, "draft.config.warm_start={runs}/dflash/final"],
+                    ("dflash",)),
     "dspark": ("dspark", ["train.steps=40", *REGEN, "draft.config.warm_start={runs}/dflash/final"], ("dflash",)),
     "medusa": ("medusa", ["train.steps=20", "data.regenerate=0", "data.max_len=128", "draft.config.num_heads=3"], ()),
     "mtp": ("mtp", ["train.steps=2", "data.regenerate=0", "data.max_len=64", "draft.config.num_modules=1"], ()),

@@ -1,9 +1,9 @@
 """The llama.cpp tier's one expensive step (test_llamacpp.py's session fixture): tiny-code drafters exported with
 ``--format gguf`` and served by llama.cpp's own tools (eval/engines/llamacpp.py), next to draftsmith's harness.
 
-1. the drafters (tests/engines/drafters.py, trained once for both tiers): the EAGLE-3, a full-vocabulary DFlash and
-   a DSpark warm-started from it (llama.cpp's DFlash converter has no draft vocabulary), and the vLLM tier's
-   reduced-vocabulary DSpark;
+1. the drafters (tests/engines/drafters.py, trained once for both tiers): the EAGLE-3, a DFlash and a DSpark with
+   the whole vocabulary (llama.cpp's converters have no draft vocabulary: both widen the vLLM tier's DFlash), and
+   the vLLM tier's reduced-vocabulary DSpark;
 2. convert tiny-code with the same converter, export every drafter with ``python -m train.export --format gguf``
    (the CLI users run; its serving manifest checked for the mode these runs use), the EAGLE-3 drafter also in the
    eagle3-speculators layout, plus two controls: the EAGLE-3 export with its capture layer ids shifted by one (the

@@ -94,11 +94,15 @@ def _warm_start(cfg: DFlashConfig, target: FrozenTarget) -> DFlashDrafter:
     V = target.vocab_size
     # the head is the target's frozen lm_head, so a reduced vocabulary widens to the whole one exactly: the drafted
     # tokens keep their logits and the rest gain theirs (llama.cpp's DFlash converter takes only a whole vocabulary)
-    widen = cfg.draft_vocab_size == V and (had.get("draft_vocab_size") or V) < V
-    for key in ("layer_ids", "num_layers", "mask_token_id", "draft_vocab_size", "intermediate_size"):
+    had_vocab = had.get("draft_vocab_size") or V
+    widen = cfg.draft_vocab_size == V and had_vocab < V
+    if cfg.draft_vocab_size not in (None, had_vocab) and not widen:
+        raise ValueError(f"draft.config.draft_vocab_size={cfg.draft_vocab_size} but the warm-start checkpoint {src} "
+                         f"has {had_vocab}; pass draft.config.draft_vocab_size=null to keep the checkpoint's"
+                         + (f" (or {V}: widen it to the whole vocabulary)" if had_vocab < V else ""))
+    cfg.draft_vocab_size = None if widen or had_vocab == V else had_vocab
+    for key in ("layer_ids", "num_layers", "mask_token_id", "intermediate_size"):
         mine, theirs = getattr(cfg, key), had.get(key)
-        if key == "draft_vocab_size" and (theirs == V or widen):
-            theirs = None
         if mine is not None and theirs is not None and mine != theirs:
             raise ValueError(f"draft.config.{key}={mine} but the warm-start checkpoint {src} has {theirs}; drop the "
                              "override (the checkpoint's weights fix it)")
