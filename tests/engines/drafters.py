@@ -70,6 +70,11 @@ def train_one(name: str, runs: Path) -> float:
     return time.perf_counter() - t0
 
 
+def job_count() -> int:
+    """How many one-threaded jobs the tier runs at once: DRAFTSMITH_ENGINE_JOBS, else the cores (at most 4)."""
+    return int(os.environ.get("DRAFTSMITH_ENGINE_JOBS") or min(4, os.cpu_count() or 1))
+
+
 def train_all(runs: Path, jobs: int | None = None) -> dict[str, float]:
     """Train every drafter that has no ``final/`` yet, ``jobs`` at a time in table order as their needs are met
     (the data job first when one of them reads it); name -> seconds for the jobs run here. The first failure stops
@@ -78,7 +83,7 @@ def train_all(runs: Path, jobs: int | None = None) -> dict[str, float]:
     if any(DATA in DRAFTERS[n][2] for n in todo):
         todo.insert(0, DATA)
     needs = {n: DRAFTERS[n][2] if n in DRAFTERS else () for n in todo}
-    jobs = jobs or int(os.environ.get("DRAFTSMITH_ENGINE_JOBS") or min(4, os.cpu_count() or 1))
+    jobs = jobs or job_count()
     running: dict[Future, str] = {}
     took: dict[str, float] = {}
     with ThreadPoolExecutor(jobs) as pool:

