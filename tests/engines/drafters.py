@@ -34,7 +34,7 @@ WIDE = f"draft.config.draft_vocab_size={VOCAB}"  # a reduced-vocabulary warm sta
 DRAFTERS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
     "dflash": ("dflash", ["train.steps=150", *REGEN], (DATA,)),
     "eagle3": ("eagle3", ["train.steps=60", "data.regenerate=0", "data.max_len=128"], ()),
-    "peagle": ("peagle", ["train.steps=150", *REGEN], (DATA,)),
+    "peagle": ("peagle", ["train.steps=100", *REGEN], (DATA,)),
     "dflash_full": ("dflash", ["train.steps=50", *REGEN, WIDE, "draft.config.warm_start={runs}/dflash/final"],
                     ("dflash",)),
     "dspark_full": ("dspark", ["train.steps=60", *REGEN, WIDE, "draft.config.warm_start={runs}/dflash/final"],
