@@ -23,6 +23,7 @@ from eval.bench.defaults import register
 from eval.bench.report import console_summary, write_report
 from eval.bench.setup import BenchSettings, build_methods, load_prompts
 from models.core.checkpoint import NoSpaceError, out_of_space_as_error
+from models.core.cli import quote_non_ascii
 
 log = logging.getLogger("eval")
 # absolute: a relative "../conf" is resolved as a Python package when this module is imported rather than run
@@ -149,6 +150,7 @@ def hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """The CLI: conf/eval.yaml composed over the registry's method rows as they are now (eval/bench/defaults.py)."""
     register()
+    sys.argv[1:] = quote_non_ascii(sys.argv[1:])
     try:
         check_option_overrides(sys.argv[1:])
     except ValueError as e:

@@ -14,6 +14,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
 from models.core.checkpoint import NoSpaceError
+from models.core.cli import quote_non_ascii
 from train.loop import run
 
 USER_ERRORS = (ValueError, FileNotFoundError, NoSpaceError)
@@ -40,4 +41,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = quote_non_ascii(sys.argv[1:])
     main()

@@ -57,19 +57,30 @@ def test_missing_results_file_is_named_before_loading_the_target(tmp_path, capsy
     assert f"--results {results}: no such file" in line and "not an export directory" not in line, line
 
 
-def test_docs_say_how_to_pass_a_non_ascii_output_dir(target_dir, tmp_path):
-    """Hydra's lexer refuses a non-ASCII unquoted value before draftsmith runs; docs/training.md gives the quoting,
-    and a run in such a directory then trains."""
+def test_a_non_ascii_output_dir_reaches_hydra_quoted(target_dir, tmp_path):
+    """Hydra's lexer refuses a non-ASCII unquoted value (multi-line, exit 1); the CLIs quote it first, so
+    ``python -m train output_dir=…/café`` composes, and docs/training.md's quoted form trains there."""
+    import subprocess
+    import sys
+
     from hydra.errors import OverrideParseException
 
+    from models.core.cli import quote_non_ascii
+
+    out = tmp_path / "runs" / "café"
+    with pytest.raises(OverrideParseException, match="LexerNoViableAlt"):
+        cfg_for(target_dir, out)
+    assert quote_non_ascii([f"output_dir={out}", "+recipe=eagle3", "x='é'", "~a.b=ü", "plain"]) == \
+        [f"output_dir='{out}'", "+recipe=eagle3", "x='é'", "~a.b='ü'", "plain"]
+    for cli, key in (("train", "output_dir"), ("eval", "out_dir")):
+        proc = subprocess.run([sys.executable, "-m", cli, f"{key}={out}", "--cfg", "job"], cwd=ROOT,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0 and f"{key}: {out}" in proc.stdout, (cli, proc.stderr[-500:])
     doc = (ROOT / "docs" / "training.md").read_text()
     cmd = re.search(r"`(python -m train [^`]*output_dir='[^`]*)`", doc)
     assert cmd, "docs/training.md shows no quoted output_dir"
     override = next(a for a in shlex.split(cmd.group(1)) if a.startswith("output_dir="))
     assert not override.isascii() and override.endswith("'")
-    out = tmp_path / "runs" / "café"
-    with pytest.raises(OverrideParseException, match="LexerNoViableAlt"):
-        cfg_for(target_dir, out)
     quoted = override.split("=", 1)[0] + "='" + str(out) + "'"
     cfg = cfg_for(target_dir, tmp_path / "placeholder", quoted, "train.steps=1")
     assert cfg.output_dir == str(out)
