@@ -266,12 +266,14 @@ def test_a_turn_whose_prompt_outgrows_the_window_is_kept_verbatim(tmp_path, tiny
 
 def test_regenerate_then_ship_writes_packed_files_and_a_manifest(tmp_path, target_dir):
     """train.regenerate: one temperature group at a time, then --ship packs the cache with its ledger and a manifest
-    (target identity, sampling, source indices, timed tokens/s)."""
+    (target identity, sampling, source indices, timed tokens/s).
+    A prompt holding U+2028 (a line separator to str.splitlines, not to JSONL) is counted like any other."""
     from train.regenerate import regenerate, ship
 
     src = tmp_path / "chats.jsonl"
-    src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}?"},
-                                                         {"from": "gpt", "value": f"a{i}"}]}) + "\n"
+    src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}?\u2028and"},
+                                                         {"from": "gpt", "value": f"a{i}"}]},
+                                      ensure_ascii=False) + "\n"
                            for i in range(6)))
     over = [f"target.name_or_path={target_dir}", "data=sharegpt", f"data.source={src}", "data.regenerate=4",
             "data.regen_temperature=[0.0,1.0]", "data.regen_new_tokens=3", "data.regen_batch_size=2",

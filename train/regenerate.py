@@ -65,7 +65,8 @@ def regenerate(overrides: list[str], temperatures: list[float] | None, threads: 
     for g in stats.get("regenerated", []):
         path = Path(g["cache"])
         n_tok = sum(len(target.tokenizer(m["content"], add_special_tokens=False)["input_ids"])
-                    for line in path.read_text().splitlines() for m in json.loads(line)["messages"]
+                    for line in path.read_text(encoding="utf-8").split("\n") if line.strip()
+                    for m in json.loads(line)["messages"]
                     if m["role"] == "assistant")
         g["reply_tokens"] = n_tok
         print(f"regenerated T={g['temperature']:g}: {g['continuations']} conversations ({g['generated_now']} now, "
