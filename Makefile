@@ -131,8 +131,12 @@ smollm2-onpolicy-ship: install
 # The recipe by measurement: every variant of scripts/ablation.py (ours, EAGLE's lr, TTT 7, speculators' frozen head
 # + 3 equal steps + noise, 8k/16k vocabularies) on the same on-policy data and cache, compared at equal CPU minutes
 ABLATION_STEPS ?= 400
+# (the shared feature cache first, with every thread and resumable by shard; then the variants two at a time, one
+# thread each)
 smollm2-ablation: install
-	$(BIN)/python scripts/ablation.py --steps $(ABLATION_STEPS)
+	$(BIN)/python -m train +recipe=eagle3_smollm2_onpolicy tracking=none output_dir=runs/ablation/_features \
+		train.steps=1 train.eval_rows=8 train.keep_best=false
+	$(BIN)/python scripts/ablation.py --steps $(ABLATION_STEPS) --lanes 2
 
 smollm2-drafters: install
 	@for r in $(SMOLLM2_RECIPES); do \

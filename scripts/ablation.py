@@ -3,6 +3,7 @@ and learning curves compare them at equal CPU minutes (held-out slot-1 agreement
 val.jsonl, against training minutes and target tokens seen).
 
     python scripts/ablation.py --steps 400                      # every variant, resumable, on the on-policy recipe
+    python scripts/ablation.py --steps 400 --lanes 2            # two at a time, one thread each (cache built first)
     python scripts/ablation.py --only ours speculators --steps 400
     python scripts/ablation.py --report                         # the table and plot from what has run
 
@@ -31,12 +32,36 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
-def train_variant(name: str, recipe: str, steps: int, root: Path, extra: list[str]) -> int:
-    """One variant's run (resumable: a rerun continues it); its exit status."""
+def train_variant(name: str, recipe: str, steps: int, root: Path, extra: list[str], threads: int = 0) -> int:
+    """One variant's run (resumable: a rerun continues it); its exit status. ``threads``: torch threads (0: all)."""
+    import os
+
+    pin = [f"train.threads={threads}"] if threads else []
     cmd = [sys.executable, "-m", "train", f"+recipe={recipe}", "tracking=none", f"output_dir={root / name}",
-           f"train.steps={steps}", "train.keep_best=false", *VARIANTS[name], *extra]
+           f"train.steps={steps}", "train.keep_best=false", *pin, *VARIANTS[name], *extra]
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     print("ablation:", " ".join(cmd), flush=True)
-    return subprocess.run(cmd).returncode
+    log = open(root / f"{name}.log", "a") if threads else None  # lanes side by side: one log each, not interleaved
+    if log:
+        log.write("ablation: " + " ".join(cmd) + "\n")
+        log.flush()
+    try:
+        return subprocess.run(cmd, env=env, stdout=log, stderr=log).returncode
+    finally:
+        if log:
+            log.close()
+
+
+def train_all(names: list[str], a: argparse.Namespace) -> list[str]:
+    """Every variant, ``a.lanes`` at a time (each one-threaded when more than one: equal CPU per variant); the
+    names that failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a.root.mkdir(parents=True, exist_ok=True)
+    threads = 1 if a.lanes > 1 else 0
+    with ThreadPoolExecutor(a.lanes) as pool:
+        rcs = list(pool.map(lambda n: train_variant(n, a.recipe, a.steps, a.root, a.extra, threads), names))
+    return [n for n, rc in zip(names, rcs) if rc != 0]
 
 
 def report(root: Path, names: list[str]) -> str:
@@ -71,14 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="these variants (default: all)")
     ap.add_argument("--root", type=Path, default=Path("runs/ablation"))
     ap.add_argument("--report", action="store_true", help="only the table and plot from what has run")
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="variants run side by side, one thread each (build the feature cache first: every lane "
+                         "would build it)")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every variant (e.g. train.eval_every=50)")
     a = ap.parse_args(argv)
     names = a.only or list(VARIANTS)
     if not a.report:
-        for name in names:
-            if train_variant(name, a.recipe, a.steps, a.root, a.extra) != 0:
-                print(f"error: variant {name} failed; rerun to resume it", file=sys.stderr)
-                return 2
+        failed = train_all(names, a)
+        if failed:
+            print(f"error: variants {failed} failed (their logs: {a.root}/<name>.log with --lanes); rerun to resume",
+                  file=sys.stderr)
+            return 2
     print(report(a.root, names))
     return 0
 

@@ -18,9 +18,13 @@ _spec.loader.exec_module(ablation)
 def test_two_variants_train_with_their_overrides_and_are_reported(tmp_path):
     extra = ["data.regenerate=0", "data.max_rows=8", "data.val_rows=4", "data.max_len=64", "train.eval_every=1",
              "train.eval_rows=4", "train.batch_size=2", "optim.warmup_steps=1", "draft.config.draft_vocab_size=256"]
-    rc = ablation.main(["--recipe", "eagle3", "--steps", "2", "--root", str(tmp_path), *extra, "--only", "ours",
-                        "speculators"])
+    rc = ablation.main(["--recipe", "eagle3", "--steps", "2", "--root", str(tmp_path), "--lanes", "2", *extra,
+                        "--only", "ours", "speculators"])
     assert rc == 0
+    for name in ("ours", "speculators"):  # side by side, one thread each, each with its own log
+        first = (tmp_path / f"{name}.log").read_text().splitlines()[0]
+        assert first.startswith("ablation: ") and f"output_dir={tmp_path / name}" in first
+        assert "train.threads=1" in first
     cfg = json.loads((tmp_path / "speculators" / "final" / "config.json").read_text())["draft"]
     assert (cfg["lm_head"], cfg["ttt_steps"], cfg["step_weight"], cfg["hidden_noise"]) == \
         ("target_frozen", 3, 1.0, 0.05)
