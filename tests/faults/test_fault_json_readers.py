@@ -1,6 +1,7 @@
 """Files read as JSON name themselves and the fix when they are damaged, not a bare "Expecting value: line 1 column 1":
-the offline feature cache's manifest.json, a GGUF export's gguf.json (`train.export --check`), and a prompts file
-whose bytes are not UTF-8 (`python -m eval`). One `error:` line, exit 2."""
+the offline feature cache's manifest.json, a GGUF export's gguf.json, an export's config.json and draftsmith.json
+(`train.export --check`), a `train.export --results` file, and a prompts file whose bytes are not UTF-8
+(`python -m eval`). One `error:` line, exit 2, with the line and offset where the JSON stops."""
 
 from __future__ import annotations
 
@@ -52,3 +53,64 @@ def test_prompts_file_with_bad_utf8_names_the_line(target_dir, tmp_path, capsys,
                   + b'{"prompt": "caf\xe9 = 1"}\n' + json.dumps({"prompt": "x"}).encode() + b"\n")
     line = eval_prompts_error(target_dir, p, tmp_path / "e", capsys, monkeypatch)
     assert f"{p} line 3: not UTF-8 (byte 0xe9" in line and "save the file as UTF-8" in line
+
+
+def _damage(content: bytes, how: str) -> bytes:
+    return {"emptied": b"", "cut": content[: len(content) // 2], "binary": b"\xff" + content[1:],
+            "array": b"[" + content + b"]"}[how]
+
+
+def _what(content: bytes) -> str:
+    """What the error must say of ``content``: where json itself stops (line, column, character offset), or why it
+    is no JSON object."""
+    if content.startswith(b"\xff"):
+        return ": not UTF-8 text (byte 0xff at offset 0); "
+    try:
+        json.loads(content)
+    except json.JSONDecodeError as e:
+        return f": not valid JSON ({e}{', the file is empty' if not content else ''}); "
+    return ": holds a JSON list, not an object; "
+
+
+@pytest.fixture(scope="module")
+def export_dir(trained, tmp_path_factory):
+    from train.export import main
+
+    out = tmp_path_factory.mktemp("exp") / "e3"
+    assert main([str(trained / "final"), "--format", "eagle3", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("how", ["emptied", "cut", "binary", "array"])
+@pytest.mark.parametrize("name", ["config.json", "draftsmith.json"])
+def test_damaged_export_json_under_check(export_dir, tmp_path, capsys, name, how):
+    """`--check` on an export whose config.json or draftsmith.json was emptied, cut (a kill while copying it),
+    overwritten with bytes that are not UTF-8, or holds an array."""
+    import shutil
+
+    from train.export import main
+
+    exp = shutil.copytree(export_dir, tmp_path / "exp")
+    f = exp / name
+    f.write_bytes(_damage(f.read_bytes(), how))
+    capsys.readouterr()
+    assert main(["--check", str(exp)]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {f}{_what(f.read_bytes())}"), line
+    assert "restore or re-create it: export the checkpoint again" in line and "--force" in line
+
+
+@pytest.mark.parametrize("how", ["emptied", "cut", "binary", "array"])
+def test_damaged_results_file(trained, tmp_path, capsys, how):
+    """`train.export --results` pointing at a damaged results.json: named, with the fix, before any loading."""
+    from train.export import main
+
+    res = tmp_path / "results.json"
+    res.write_bytes(_damage(json.dumps({"recommended_num_speculative_tokens": 3, "methods": {}}).encode(), how))
+    capsys.readouterr()
+    rc = main([str(trained / "final"), "--format", "eagle3", "--out", str(tmp_path / "exp"), "--results", str(res)])
+    assert rc == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {res}{_what(res.read_bytes())}"), line
+    assert "restore or re-create it: python -m eval writes results.json" in line and "without --results" in line
+    assert not (tmp_path / "exp").exists()

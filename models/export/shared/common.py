@@ -121,13 +121,27 @@ def is_machine_path(name: str) -> bool:
     return str(name).startswith(("/", "~")) or Path(str(name)).is_absolute()
 
 
-def load_json(path: Path) -> dict:
+EXPORT_FIX = ("restore or re-create it: export the checkpoint again (python -m train.export CHECKPOINT --format "
+              "FORMAT --out DIR --force)")
+RESULTS_FIX = "restore or re-create it: python -m eval writes results.json in its out_dir; or export without --results"
+
+
+def load_json(path: Path, fix: str = EXPORT_FIX) -> dict:
+    """A JSON object from ``path``; damaged (emptied, cut by a kill, not UTF-8, not an object) is one line naming the
+    file, where the JSON stops (line, column and character offset) and ``fix``: what re-creates the file."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ExportError(f"{path.parent}: no {path.name}; not an export directory") from None
+    except UnicodeDecodeError as e:
+        bad = f"byte {e.object[e.start]:#04x} at offset {e.start}"
+        raise ExportError(f"{path}: not UTF-8 text ({bad}); {fix}") from None
     except json.JSONDecodeError as e:
-        raise ExportError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        empty = ", the file is empty" if not e.doc.strip() else ""
+        raise ExportError(f"{path}: not valid JSON ({e}{empty}); {fix}") from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{path}: holds a JSON {type(data).__name__}, not an object; {fix}")
+    return data
 
 
 def num_speculative_tokens_from_results(path: str | Path) -> int:
@@ -135,7 +149,7 @@ def num_speculative_tokens_from_results(path: str | Path) -> int:
     if not Path(path).is_file():  # load_json's "not an export directory" would blame the wrong file
         raise ExportError(f"--results {path}: no such file; pass the results.json that `python -m eval` wrote in its "
                           "out_dir, or export without --results (the method's default K)")
-    data = load_json(Path(path))
+    data = load_json(Path(path), RESULTS_FIX)
     n = data.get("recommended_num_speculative_tokens")
     if n == 0 and not isinstance(n, bool):
         raise ExportError(f"{path}: recommended_num_speculative_tokens is 0 — speculation measured slower than plain "
