@@ -82,26 +82,65 @@ def test_export_cli_exits_2(target_dir, tiny_tokenizer, tmp_path, capsys):
     assert not (tmp_path / "exp").exists()
 
 
-def test_gguf_with_nan_is_refused_and_nothing_is_cached(tmp_path, monkeypatch, capsys):
+GGUF_NAN = "model.layers.1.mlp.up_proj.weight"
+
+
+def _nan_gguf(tmp_path, monkeypatch):
+    """A GGUF (built in code) whose one tensor holds a NaN, with DRAFTSMITH_CACHE in ``tmp_path``."""
     pytest.importorskip("gguf", reason="pip install -e '.[real]' (gguf) for the GGUF tests")
     from transformers import AutoTokenizer
 
     from models.core.target import EMBEDDED_DIR
     from tests.test_gguf import make_model, write_llama_gguf
-    from train.__main__ import main
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "dcache"))
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
     model = make_model(len(tok), tied=False, seed=0)
     with torch.no_grad():
-        model.get_parameter("model.layers.1.mlp.up_proj.weight").view(-1)[5] = float("nan")
-    path = write_llama_gguf(model, tok, tmp_path / "nan.gguf")
+        model.get_parameter(GGUF_NAN).view(-1)[5] = float("nan")
+    return write_llama_gguf(model, tok, tmp_path / "nan.gguf")
+
+
+def _refused_gguf(line, path, tmp_path):
+    assert str(path) in line and f"'{GGUF_NAN}' holds NaN/inf" in line and "nothing was cached" in line, line
+    cache = tmp_path / "dcache" / "gguf"
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_gguf_with_nan_is_refused_and_nothing_is_cached(tmp_path, monkeypatch, capsys):
+    from train.__main__ import main
+
+    path = _nan_gguf(tmp_path, monkeypatch)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main.__wrapped__(cfg_for(path, tmp_path / "run"))
     assert e.value.code == 2
-    line = _one_error_line(capsys)
-    assert str(path) in line and "'model.layers.1.mlp.up_proj.weight' holds NaN/inf" in line
-    assert "nothing was cached" in line
-    cache = tmp_path / "dcache" / "gguf"
-    assert not cache.exists() or not any(cache.iterdir())
+    _refused_gguf(_one_error_line(capsys), path, tmp_path)
+
+
+def test_gguf_with_nan_is_refused_by_eval(tmp_path, monkeypatch, capsys):
+    """Before the check, eval on such a GGUF exited 0 with a full benchmark ("Lossless: every method reproduced
+    AR's tokens")."""
+    from eval.__main__ import main
+
+    path = _nan_gguf(tmp_path, monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={path}", f"out_dir={tmp_path}/e",
+                                      "n_prompts=1", "max_new_tokens=2", "batch_sizes=[]", "peers=false"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    _refused_gguf(_one_error_line(capsys), path, tmp_path)
+    assert not (tmp_path / "e" / "results.json").exists()
+
+
+def test_gguf_with_nan_is_refused_by_export(trained, tmp_path, monkeypatch, capsys):
+    """train.export --target X.gguf converts the GGUF to read its embedding and lm_head: the converter refuses."""
+    from train.export import main
+
+    path = _nan_gguf(tmp_path, monkeypatch)
+    capsys.readouterr()
+    rc = main([str(trained / "final"), "--format", "eagle3", "--out", str(tmp_path / "exp"), "--target", str(path)])
+    assert rc == 2
+    _refused_gguf(_one_error_line(capsys), path, tmp_path)
+    assert not (tmp_path / "exp").exists()
