@@ -19,7 +19,14 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from models.core import gguf as mgguf  # noqa: E402
 from models.core.target import EMBEDDED_DIR, FrozenTarget  # noqa: E402
-from tests.faults.fault_helpers import PAGE, cfg_for, fill_disk, remount_readonly, small_tmpfs  # noqa: E402
+from tests.faults.fault_helpers import (  # noqa: E402
+    PAGE,
+    cfg_for,
+    fill_disk,
+    one_error_line,
+    remount_readonly,
+    small_tmpfs,
+)
 from tests.test_gguf import make_model, write_llama_gguf  # noqa: E402
 
 IDS = torch.tensor([[5, 17, 42, 99, 7]])
@@ -174,3 +181,54 @@ def test_read_only_cache_is_one_line_in_eval_too(built, tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"GGUF cache {mnt / 'gguf'} is not writable" in lines[0] and "DRAFTSMITH_CACHE" in lines[0]
+
+
+def _eval_error(path, tmp_path, capsys, monkeypatch) -> str:
+    """``python -m eval`` (in process) on the GGUF target ``path``: exit 2 and its one error line."""
+    from eval.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={path}", f"out_dir={tmp_path}/ev",
+                                      "n_prompts=1", "max_new_tokens=2", "batch_sizes=[]", "peers=false"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    assert not (tmp_path / "ev" / "results.json").exists()
+    return one_error_line(capsys)
+
+
+def _export_error(ckpt, path, tmp_path, capsys) -> str:
+    """``python -m train.export CKPT --target X.gguf``: exit 2, its one error line, no --out written."""
+    from train.export import main
+
+    capsys.readouterr()
+    assert main([str(ckpt), "--format", "eagle3", "--out", str(tmp_path / "exp"), "--target", str(path)]) == 2
+    assert not (tmp_path / "exp").exists()
+    return one_error_line(capsys)
+
+
+def test_read_only_cache_is_one_line_in_export_too(built, trained, tmp_path, monkeypatch, capsys):
+    path, _ = built
+    with small_tmpfs(tmp_path / "ro", "8m") as mnt:
+        remount_readonly(mnt)
+        _use(mnt, monkeypatch)
+        monkeypatch.setattr(mgguf, "_read_gguf", lambda *a: pytest.fail("dequantized before checking the cache"))
+        line = _export_error(trained / "final", path, tmp_path, capsys)
+    assert f"GGUF cache {mnt / 'gguf'} is not writable (read-only file system)" in line, line
+    assert "DRAFTSMITH_CACHE" in line
+
+
+@pytest.mark.parametrize("cli", ["eval", "export"])
+def test_full_cache_is_one_line_in_eval_and_export(built, trained, tmp_path, monkeypatch, capsys, cli):
+    path, _ = built
+    with small_tmpfs(tmp_path / "full", "8m") as mnt:
+        cache = _use(mnt, monkeypatch)
+        cache.mkdir()
+        filler = fill_disk(mnt, leave=64 * PAGE)  # room for the temp dir, not for the weights
+        if cli == "eval":
+            line = _eval_error(path, tmp_path, capsys, monkeypatch)
+        else:
+            line = _export_error(trained / "final", path, tmp_path, capsys)
+        assert line.startswith(f"error: no space left on device at {cache} (converting tiny.gguf"), line
+        assert "DRAFTSMITH_CACHE" in line
+        assert list(cache.iterdir()) == [] and filler.exists()
