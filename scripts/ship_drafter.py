@@ -62,7 +62,8 @@ def ship(run: Path, dest: Path, recipe: str | None, target: str | None, which: s
                               + ("" if replace else " (or --replace an earlier shipped copy)"))
     # staged next to dest: os.replace cannot cross file systems (the system temp dir often is another one)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".ship_", dir=dest.parent))
+    recover(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".ship_{os.getpid()}_", dir=dest.parent))
     try:
         _stage(run, final, tmp, target)
         meta = json.loads((final / "config.json").read_text())
@@ -85,6 +86,34 @@ def ship(run: Path, dest: Path, recipe: str | None, target: str | None, which: s
         return manifest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only what this call wrote; gone already once it is dest
+
+
+def recover(dest: Path) -> None:
+    """What a killed ship left next to ``dest``: its staging directories (``.ship_<pid>_*`` of a process that is
+    gone) are removed, and a copy moved aside by ``--replace`` (``.ship_old_<name>``) is put back when the new one
+    never arrived, or removed when it did. Each is said; nothing else is touched."""
+    for d in dest.parent.glob(".ship_*_*"):
+        pid = d.name.split("_")[1]
+        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            print(f"ship: removed {d} (the staging of a ship that was killed, pid {pid})", file=sys.stderr)
+    old = dest.with_name(f".ship_old_{dest.name}")
+    if old.is_dir() and not dest.exists():
+        os.replace(old, dest)
+        print(f"ship: put back {dest} (a killed --replace had moved it aside)", file=sys.stderr)
+    elif old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"ship: removed {old} (the copy a finished --replace had moved aside)", file=sys.stderr)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def _stage(run: Path, final: Path, tmp: Path, target: str | None) -> None:

@@ -53,3 +53,27 @@ def test_a_refused_copy_leaves_no_staging_directory(trained, tmp_path, capsys, m
 def test_staging_directories_are_ignored_by_git():
     r = subprocess.run(["git", "check-ignore", "-q", "models/smollm2_drafters/.ship_abc123"], cwd=ROOT)
     assert r.returncode == 0
+
+
+def test_a_killed_ship_is_cleaned_up_by_the_next(trained, tmp_path, capsys):
+    """What kill -9 leaves: a staging directory of a dead pid (removed by the next ship, saying so; a live ship's is
+    kept), and a --replace killed between its two renames (the old copy aside, no destination: put back, then
+    replaced). Nothing else next to the destination is touched."""
+    import os
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    repo = tmp_path / "repo"
+    dest = repo / "eagle3"
+    assert ship_drafter.main([str(trained), str(dest)]) == 0
+    (dest / "old_copy").write_text("the earlier ship")
+    os.replace(dest, repo / ".ship_old_eagle3")  # killed after moving the old copy aside
+    (repo / f".ship_{dead.pid}_x1" / "final").mkdir(parents=True)  # killed while staging
+    (repo / f".ship_{os.getpid()}_x2").mkdir()  # a ship still running (this process)
+    (repo / ".ship_notes").write_text("mine")  # not the script's
+    assert ship_drafter.main([str(trained), str(dest), "--replace"]) == 0
+    err = capsys.readouterr().err
+    assert f"removed {repo / f'.ship_{dead.pid}_x1'}" in err and f"put back {dest}" in err
+    assert (dest / "manifest.json").is_file() and not (dest / "old_copy").exists()  # put back, then replaced
+    assert sorted(p.name for p in repo.iterdir()) == [f".ship_{os.getpid()}_x2", ".ship_notes", "eagle3"]
