@@ -104,17 +104,23 @@ def one_error_line(capsys) -> str:
     return lines[0]
 
 
-def eval_prompts_error(target_dir, prompts: Path, out: Path, capsys, monkeypatch) -> str:
-    """``python -m eval`` on a prompts file that must be refused: exit 2 and its one error line."""
+def eval_error(target, out: Path, capsys, monkeypatch, *overrides: str) -> str:
+    """``python -m eval`` (in process, AR for 2 tokens) on a ``target`` or ``overrides`` that must be refused: exit
+    2, no results written, and its one error line."""
     import sys
 
     from eval.__main__ import main
 
-    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={target_dir}",
-                                      f"prompts={prompts}", f"out_dir={out}", "n_prompts=2", "max_new_tokens=2",
-                                      "batch_sizes=[]", "peers=false"])
+    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={target}", f"out_dir={out}",
+                                      "n_prompts=2", "max_new_tokens=2", "batch_sizes=[]", "peers=false", *overrides])
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main()
     assert e.value.code == 2
+    assert not (Path(out) / "results.json").exists()
     return one_error_line(capsys)
+
+
+def eval_prompts_error(target_dir, prompts: Path, out: Path, capsys, monkeypatch) -> str:
+    """``python -m eval`` on a prompts file that must be refused: exit 2 and its one error line."""
+    return eval_error(target_dir, out, capsys, monkeypatch, f"prompts={prompts}")

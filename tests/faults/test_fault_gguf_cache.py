@@ -22,6 +22,7 @@ from models.core.target import EMBEDDED_DIR, FrozenTarget  # noqa: E402
 from tests.faults.fault_helpers import (  # noqa: E402
     PAGE,
     cfg_for,
+    eval_error,
     fill_disk,
     one_error_line,
     remount_readonly,
@@ -183,20 +184,6 @@ def test_read_only_cache_is_one_line_in_eval_too(built, tmp_path):
     assert f"GGUF cache {mnt / 'gguf'} is not writable" in lines[0] and "DRAFTSMITH_CACHE" in lines[0]
 
 
-def _eval_error(path, tmp_path, capsys, monkeypatch) -> str:
-    """``python -m eval`` (in process) on the GGUF target ``path``: exit 2 and its one error line."""
-    from eval.__main__ import main
-
-    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={path}", f"out_dir={tmp_path}/ev",
-                                      "n_prompts=1", "max_new_tokens=2", "batch_sizes=[]", "peers=false"])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main()
-    assert e.value.code == 2
-    assert not (tmp_path / "ev" / "results.json").exists()
-    return one_error_line(capsys)
-
-
 def _export_error(ckpt, path, tmp_path, capsys) -> str:
     """``python -m train.export CKPT --target X.gguf``: exit 2, its one error line, no --out written."""
     from train.export import main
@@ -226,7 +213,7 @@ def test_full_cache_is_one_line_in_eval_and_export(built, trained, tmp_path, mon
         cache.mkdir()
         filler = fill_disk(mnt, leave=64 * PAGE)  # room for the temp dir, not for the weights
         if cli == "eval":
-            line = _eval_error(path, tmp_path, capsys, monkeypatch)
+            line = eval_error(path, tmp_path / "ev", capsys, monkeypatch)
         else:
             line = _export_error(trained / "final", path, tmp_path, capsys)
         assert line.startswith(f"error: no space left on device at {cache} (converting tiny.gguf"), line

@@ -4,14 +4,12 @@ for a GGUF, whose converter never caches a non-finite result."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 from models.core.target import FrozenTarget, TargetLoadError
 from tests.conftest import make_tiny_llama
-from tests.faults.fault_helpers import cfg_for
+from tests.faults.fault_helpers import cfg_for, eval_error, one_error_line
 from train.loop import run
 
 DEEP = "model.layers.2.mlp.down_proj.weight"
@@ -26,13 +24,6 @@ def _poisoned(tok, d, tensor, value=float("nan"), **save_kw):
     return d
 
 
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 def test_train_cli_names_the_tensor_and_the_file(tiny_tokenizer, tmp_path, capsys):
     from train.__main__ import main
 
@@ -41,7 +32,7 @@ def test_train_cli_names_the_tensor_and_the_file(tiny_tokenizer, tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         main.__wrapped__(cfg_for(d, tmp_path / "run"))
     assert e.value.code == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert f"tensor '{DEEP}' in {d / 'model.safetensors'} holds NaN/inf" in line and "re-download" in line
 
 
@@ -55,17 +46,9 @@ def test_sharded_target_names_the_shard(tiny_tokenizer, tmp_path):
 
 
 def test_eval_cli_exits_2(tiny_tokenizer, tmp_path, capsys, monkeypatch):
-    from eval.__main__ import main
-
     d = _poisoned(tiny_tokenizer, tmp_path / "nan", DEEP)
-    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={d}", f"out_dir={tmp_path}/e",
-                                      "n_prompts=1", "max_new_tokens=2", "batch_sizes=[]", "peers=false"])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main()
-    assert e.value.code == 2
-    assert f"tensor '{DEEP}' in {d / 'model.safetensors'} holds NaN/inf" in _one_error_line(capsys)
-    assert not (tmp_path / "e" / "results.json").exists()
+    line = eval_error(d, tmp_path / "e", capsys, monkeypatch)
+    assert f"tensor '{DEEP}' in {d / 'model.safetensors'} holds NaN/inf" in line
 
 
 def test_export_cli_exits_2(target_dir, tiny_tokenizer, tmp_path, capsys):
@@ -78,7 +61,7 @@ def test_export_cli_exits_2(target_dir, tiny_tokenizer, tmp_path, capsys):
     rc = main([str(tmp_path / "run" / "final"), "--format", "eagle3", "--out", str(tmp_path / "exp"),
                "--target", str(d)])
     assert rc == 2
-    assert "tensor 'lm_head.weight' in " in _one_error_line(capsys)
+    assert "tensor 'lm_head.weight' in " in one_error_line(capsys)
     assert not (tmp_path / "exp").exists()
 
 
@@ -115,23 +98,14 @@ def test_gguf_with_nan_is_refused_and_nothing_is_cached(tmp_path, monkeypatch, c
     with pytest.raises(SystemExit) as e:
         main.__wrapped__(cfg_for(path, tmp_path / "run"))
     assert e.value.code == 2
-    _refused_gguf(_one_error_line(capsys), path, tmp_path)
+    _refused_gguf(one_error_line(capsys), path, tmp_path)
 
 
 def test_gguf_with_nan_is_refused_by_eval(tmp_path, monkeypatch, capsys):
     """Before the check, eval on such a GGUF exited 0 with a full benchmark ("Lossless: every method reproduced
     AR's tokens")."""
-    from eval.__main__ import main
-
     path = _nan_gguf(tmp_path, monkeypatch)
-    monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={path}", f"out_dir={tmp_path}/e",
-                                      "n_prompts=1", "max_new_tokens=2", "batch_sizes=[]", "peers=false"])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main()
-    assert e.value.code == 2
-    _refused_gguf(_one_error_line(capsys), path, tmp_path)
-    assert not (tmp_path / "e" / "results.json").exists()
+    _refused_gguf(eval_error(path, tmp_path / "e", capsys, monkeypatch), path, tmp_path)
 
 
 def test_gguf_with_nan_is_refused_by_export(trained, tmp_path, monkeypatch, capsys):
@@ -142,5 +116,5 @@ def test_gguf_with_nan_is_refused_by_export(trained, tmp_path, monkeypatch, caps
     capsys.readouterr()
     rc = main([str(trained / "final"), "--format", "eagle3", "--out", str(tmp_path / "exp"), "--target", str(path)])
     assert rc == 2
-    _refused_gguf(_one_error_line(capsys), path, tmp_path)
+    _refused_gguf(one_error_line(capsys), path, tmp_path)
     assert not (tmp_path / "exp").exists()
