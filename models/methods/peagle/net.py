@@ -137,7 +137,7 @@ class PEagleDrafter(nn.Module):
         self._inv_freq, self._rope_factor, self.rope_parameters = rope_inv_freq(tc, hd)
 
     # Checkpoints store only the embedding rows training changed (a few tokens' worth of a [V, H] table: 15k of
-    # SmolLM2's 49k rows, 17 of 57 MiB in fp16); the rest is the target's, which every load has at hand.
+    # SmolLM2's 49k rows, 17 of 57 MB in fp16); the rest is the target's, which every load has at hand.
     def pack_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         w = state.pop(EMBED)
         ids = (w != self._embed_target.to(w.device, torch.float32)).any(1).nonzero().flatten()
