@@ -54,24 +54,26 @@ def regenerate(overrides: list[str], temperatures: list[float] | None, threads: 
     target = instantiate(cfg.target)
     stats: dict = {}
     t0 = time.time()
-    if data_cfg.kind != "chat":  # continuations of training prefixes, into the cache a training run reads
+    if data_cfg.kind == "chat":
+        convs, _ = chat_conversations(data_cfg)
+        regenerate_chat(data_cfg, target.model, target.tokenizer, convs, stats, temperatures)
+    else:  # continuations of training prefixes, into the cache a training run reads
         build_rows(data_cfg, target.tokenizer, target.model, stats)
-        for g in stats.get("regenerated", []):
-            print(f"regenerated T={g['temperature']:g}: {g['continuations']} continuations ({g['generated_now']} "
-                  f"now, {g['seconds']:.0f} s), {g['target_tokens']} target tokens in {g['cache']}", flush=True)
-        return {"seconds": round(time.time() - t0, 1), "groups": stats.get("regenerated", [])}
-    convs, _ = chat_conversations(data_cfg)
-    regenerate_chat(data_cfg, target.model, target.tokenizer, convs, stats, temperatures)
-    for g in stats.get("regenerated", []):
-        path = Path(g["cache"])
-        n_tok = sum(len(target.tokenizer(m["content"], add_special_tokens=False)["input_ids"])
-                    for line in path.read_text(encoding="utf-8").split("\n") if line.strip()
-                    for m in json.loads(line)["messages"]
-                    if m["role"] == "assistant")
-        g["reply_tokens"] = n_tok
-        print(f"regenerated T={g['temperature']:g}: {g['continuations']} conversations ({g['generated_now']} now, "
-              f"{g['seconds']:.0f} s), {n_tok} reply tokens in {path}", flush=True)
-    return {"seconds": round(time.time() - t0, 1), "groups": stats.get("regenerated", [])}
+    groups = stats.get("regenerated", [])
+    for g in groups:
+        if data_cfg.kind == "chat":
+            g["target_tokens"] = _reply_tokens(Path(g["cache"]), target.tokenizer)
+        print(f"regenerated T={g['temperature']:g}: {g['continuations']} {data_cfg.kind} items ({g['generated_now']} "
+              f"now, {g['seconds']:.0f} s), {g['target_tokens']} target tokens in {g['cache']}", flush=True)
+    return {"seconds": round(time.time() - t0, 1), "groups": groups}
+
+
+def _reply_tokens(path: Path, tok) -> int:
+    """The assistant tokens of a chat cache file (JSONL: split on newlines; str.splitlines would also split at a
+    U+2028 inside a prompt)."""
+    return sum(len(tok(m["content"], add_special_tokens=False)["input_ids"])
+               for line in path.read_text(encoding="utf-8").split("\n") if line.strip()
+               for m in json.loads(line)["messages"] if m["role"] == "assistant")
 
 
 def ship(overrides: list[str]) -> dict:
