@@ -113,6 +113,41 @@ def test_online_and_offline_give_same_loss(target_dir, tmp_path):
     assert cache.shard_path(1).exists()
 
 
+def test_offline_evaluation_reads_heldout_features_not_the_target(target_dir, tmp_path, monkeypatch):
+    """Offline mode caches the held-out rows' features once (beside the training cache) and evaluates from them,
+    as training reads its own: the same numbers as running the target (float32 features), no target forward."""
+    import train.loop as loop
+
+    feats = tmp_path / "feat"
+    cfg = cfg_for(target_dir, tmp_path / "run", "train.mode=offline", f"train.feature_cache={feats}",
+                  "train.feature_dtype=float32", "train.eval_rows=3")
+    calls = {"evaluations": 0, "target_forwards": 0}
+    real_evaluate, real_forward = loop.evaluate, FrozenTarget.__call__
+    seen = {}
+
+    def counting_evaluate(drafter, target, rows, batch_size, pad_id, cache=None, teacher_ids=None):
+        calls["evaluations"] += 1
+        before = calls["target_forwards"]
+        out = real_evaluate(drafter, target, rows, batch_size, pad_id, cache, teacher_ids)
+        assert cache is not None and calls["target_forwards"] == before  # read from the cache, not the target
+        seen.update(drafter=drafter, target=target, rows=rows, batch_size=batch_size, pad_id=pad_id, out=out)
+        return out
+
+    def counting_forward(self, *a, **k):
+        calls["target_forwards"] += 1
+        return real_forward(self, *a, **k)
+
+    monkeypatch.setattr(loop, "evaluate", counting_evaluate)
+    monkeypatch.setattr(FrozenTarget, "__call__", counting_forward)
+    res = run(cfg)
+    assert calls["evaluations"] >= 1 and (feats / "heldout_3" / "manifest.json").exists()
+    online = real_evaluate(seen["drafter"], seen["target"], seen["rows"], seen["batch_size"], seen["pad_id"])
+    assert len(seen["rows"]) == 3 and online.keys() == seen["out"].keys()
+    for k in online:
+        assert online[k] == pytest.approx(seen["out"][k], rel=1e-4, abs=1e-5), k
+    assert res["val"] == seen["out"]
+
+
 def test_one_feature_cache_serves_methods_whose_layers_it_stores(target_dir, tmp_path):
     """train.feature_layers: a cache built with the union of layers serves each subset, bit-identical to a cache of
     its own; a layer it does not store, or other data, is refused with the fix."""

@@ -77,15 +77,18 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 
 @torch.no_grad()
-def evaluate(drafter, target: FrozenTarget, rows: list[dict], batch_size: int, pad_id: int) -> dict[str, float]:
-    """Held-out metrics, each step/head weighted by its number of scored positions."""
+def evaluate(drafter, target: FrozenTarget, rows: list[dict], batch_size: int, pad_id: int,
+             cache: FeatureCache | None = None, teacher_ids: torch.Tensor | None = None) -> dict[str, float]:
+    """Held-out metrics, each step/head weighted by its number of scored positions. ``cache``: the held-out rows'
+    features (offline mode), read exactly as training reads its own; None runs the target on them."""
     drafter.eval()
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
     for b in range(0, len(rows), batch_size):
         chunk = rows[b : b + batch_size]
         ids, mask = collate(chunk, pad_id)
-        hidden, logits = target_features(target, drafter.layer_ids, ids, [], None)
+        idx = list(range(b, b + len(chunk)))
+        hidden, logits = target_features(target, drafter.layer_ids, ids, idx, cache, teacher_ids)
         _, m = drafter.training_loss(ids, mask, hidden, logits)
         for k, v in m.items():
             if k.startswith("n_"):
@@ -128,6 +131,7 @@ class Training:
     engine: Any = None  # DeepSpeed's, when enabled
     forward: Any = None  # the step module, DDP- or DeepSpeed-wrapped
     cache: FeatureCache | None = None  # offline mode's target features
+    val_cache: FeatureCache | None = None  # offline mode: the held-out rows' features (rank 0, which evaluates)
     row_lengths: tuple[int, ...] | None = None  # train rows' token counts (train.length_bucket)
     teacher_ids: torch.Tensor | None = None  # offline, reduced-vocabulary drafter: the cache gives DraftVocabTeacher
     pad_id: int = 0
@@ -283,6 +287,11 @@ def build_feature_cache(t: Training) -> None:
         if d.is_main:
             m = t.cache.build()
             t.log(f"feature cache: {m['bytes'] / 1e6:.1f} MB, {m['bytes_per_token']:.0f} bytes/token")
+            if t.val_rows:  # once, beside it: every evaluation then reads features instead of running the target
+                t.val_cache = FeatureCache(Path(cfg.train.feature_cache) / f"heldout_{len(t.val_rows)}", t.target,
+                                           t.val_rows, list(t.drafter.layer_ids), dtype=cfg.train.feature_dtype,
+                                           store_layer_ids=cfg.train.get("feature_layers"))
+                t.val_cache.build(show_progress=False)
         d.barrier()
         if getattr(t.drafter, "reads_draft_vocab_teacher", False) and cfg.train.get("draft_vocab_teacher", True):
             if t.cache.has_top():
@@ -333,7 +342,7 @@ def train_steps(t: Training, start: int) -> dict | None:
                 t.metrics_file.flush()
             bar.set_postfix(loss=f"{agg['loss']:.3f}", acc0=f"{agg.get('acc_0', 0):.2f}")
         if d.is_main and t.val_rows and done % cfg.train.eval_every == 0 and done != cfg.train.steps:
-            ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id)
+            ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id, t.val_cache, t.teacher_ids)
             tracker.log({f"val/{k}": v for k, v in ev.items()}, done)
             log_val(t, done, ev)
             keep_if_best(t, done, ev)
@@ -451,7 +460,7 @@ def finish(t: Training) -> dict:
     if d.is_main:
         ckpt.save_final(out_dir / "final", t.drafter, {**t.meta, "step": cfg.train.steps})
         if t.val_rows:
-            ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id)
+            ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id, t.val_cache, t.teacher_ids)
             summary["val"] = ev
             t.tracker.log({f"val/{k}": v for k, v in ev.items()}, cfg.train.steps)
             log_val(t, cfg.train.steps, ev)
