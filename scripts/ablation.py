@@ -2,9 +2,9 @@
 and learning curves compare them at equal CPU minutes (held-out slot-1 agreement and simulated τ from each run's
 val.jsonl, against training minutes and target tokens seen).
 
-    python scripts/ablation.py --steps 400                      # every variant, resumable, on the on-policy recipe
-    python scripts/ablation.py --steps 400 --lanes 2            # two at a time, one thread each (cache built first)
-    python scripts/ablation.py --only ours speculators --steps 400
+    python scripts/ablation.py --steps 200                      # every variant, resumable, on the on-policy recipe
+    python scripts/ablation.py --steps 200 --lanes 2            # two at a time, one thread each (caches built first)
+    python scripts/ablation.py --only ours speculators -- train.eval_rows=100   # Hydra overrides after --
     python scripts/ablation.py --report                         # the table and plot from what has run
 
 The variants are what the peers do differently from us (docs: ../shared/design/drafter-training.md): the EAGLE/
@@ -92,7 +92,7 @@ def report(root: Path, names: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="eagle3_smollm2_onpolicy")
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="these variants (default: all)")
     ap.add_argument("--root", type=Path, default=Path("runs/ablation"))
     ap.add_argument("--report", action="store_true", help="only the table and plot from what has run")
