@@ -213,6 +213,10 @@ def test_json_report_and_plots_are_written(full, tmp_path):
     for name in KINDS:
         assert f"| {name} | 0 |" in md and f"| {name} | 1 |" in md
     assert "every method reproduced AR's tokens" in md and "hf_prompt_lookup" in md and "crossover" in md
+    bw = on_disk["env"]["bandwidth"]  # AR judged against this machine's memory-bandwidth ceiling
+    ar = next(e for e in on_disk["runs"] if e["method"] == "ar" and e["temperature"] == 0)
+    assert bw["ar_tokens_per_s_bound"] > 0 and f"allows {bw['ar_tokens_per_s_bound']:.0f} tokens/s" in md
+    assert f"AR ran at {100 * ar['tokens_per_s']['median'] / bw['ar_tokens_per_s_bound']:.0f} %" in md
     assert markdown(full) == md  # in-memory and on-disk results render alike
     assert "recommended_num_speculative_tokens=" in console_summary(full)
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from models.core.kernels import cpu_features, probe
+from models.core.kernels import bandwidth_bound, cpu_features, probe, read_bandwidth, weight_bytes
 from models.core.target import FrozenTarget, dtype_names
 
 
@@ -38,7 +39,32 @@ def test_probe_cli_writes_the_probe_and_the_gemm_table(target_dir, tmp_path, cap
     main(["--target", str(target_dir), "--max-width", "2", "--reps", "1", "--gemm", "--out", str(out)])
     got = json.loads(out.read_text())
     assert got["chosen"] in ("float32", "bfloat16") and set(got["dtypes"]["float32"]["t_s"]) == {"1", "2"}
+    assert got["bandwidth"]["ar_tokens_per_s_bound"] > 0
     rows = {k.split(" ")[0] + " " + k.split(" ")[-1] for k in got["gemm_ms"]}
     assert rows == {"mlp_gate float32", "mlp_gate bfloat16", "lm_head float32", "lm_head bfloat16"}
     assert all(v > 0 for t in got["gemm_ms"].values() for v in t.values())
     assert json.loads(capsys.readouterr().out) == got
+
+
+def test_weight_bytes_count_what_a_step_reads(tiny_llama):
+    """Tied embedding and lm_head: one matrix, read whole by the head. Untied: the input embedding is left out (a
+    step reads one row of it)."""
+    import copy
+
+    m = copy.deepcopy(tiny_llama)
+    every = sum(p.numel() * p.element_size() for p in m.parameters())
+    emb = m.get_input_embeddings().weight
+    head = m.get_output_embeddings()
+    tied = head.weight.data_ptr() == emb.data_ptr()
+    assert weight_bytes(m) == (every if tied else every - emb.numel() * emb.element_size())
+    head.weight = emb  # tie them: one matrix, counted once and kept
+    assert weight_bytes(m) == sum(p.numel() * p.element_size() for p in m.parameters())
+    assert weight_bytes(m.to(torch.bfloat16)) * 2 == weight_bytes(m.to(torch.float32))
+
+
+def test_bandwidth_bound_is_measured_bandwidth_over_weight_bytes(tiny_llama):
+    bw = read_bandwidth(mib=16, reps=2)
+    assert 1e8 < bw < 1e13  # bytes/s: any machine this runs on
+    b = bandwidth_bound(tiny_llama, reps=2)
+    assert b["weight_MB"] == round(weight_bytes(tiny_llama) / 1e6, 1) and b["threads"] == torch.get_num_threads()
+    assert b["ar_tokens_per_s_bound"] == pytest.approx(b["read_GB_per_s"] * 1e9 / weight_bytes(tiny_llama), rel=0.02)

@@ -134,9 +134,10 @@ def _env(threads: int, device: torch.device, target: FrozenTarget) -> dict:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     else:  # the SIMD flags decide which dtype is fast here (models/core/kernels.py)
-        from models.core.kernels import cpu_features
+        from models.core.kernels import bandwidth_bound, cpu_features
 
         env["cpu"] = cpu_features()
+        env["bandwidth"] = bandwidth_bound(target.model)  # what AR's tokens/s is judged against
     probe = getattr(target.model, "draftsmith_kernels", None)
     if probe is not None:  # target.dtype=auto: what was measured, and what it chose
         env["dtype_probe"] = probe

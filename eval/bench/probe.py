@@ -1,6 +1,6 @@
 """`python -m eval.bench.probe --target smollm2`: which dtype this machine runs the target fastest in
-(models/core/kernels.py), as JSON: t(w) for widths 1..K+1 per dtype, t(w)/t(1), the CPU's SIMD flags and the
-choice ``target.dtype=auto`` would make."""
+(models/core/kernels.py), as JSON: t(w) for widths 1..K+1 per dtype, t(w)/t(1), the CPU's SIMD flags, the
+choice ``target.dtype=auto`` would make, and the memory-bandwidth bound of plain decoding (``bandwidth``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from models.core.kernels import probe
+from models.core.kernels import bandwidth_bound, probe
 from models.core.target import load_causal_lm
 
 
@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     model, _ = load_causal_lm(a.target)
-    result = {"target": a.target, **probe(model, range(1, a.max_width + 1), a.prefix_len, a.reps)}
+    result = {"target": a.target, **probe(model, range(1, a.max_width + 1), a.prefix_len, a.reps),
+              "bandwidth": bandwidth_bound(model, a.reps)}
     if a.gemm:
         result["gemm_ms"] = gemm_table(model, a.reps)
     text = json.dumps(result, indent=1)

@@ -83,6 +83,7 @@ def _header_md(r: dict) -> list[str]:
         lines += ["", f"The target *is* `{g['file']}` dequantized to {g['dequantized_to']} (sha256 "
                       f"`{g['sha256'][:16]}…`): losslessness is against that model, not the checkpoint the GGUF was "
                       "quantized from."]
+    lines += _bandwidth_md(r)
     lines.append("")
     bad = [n for n, m in r["methods"].items() if not m["lossless"]]
     tolerated = sum(m.get("n_tolerated", 0) for m in r["methods"].values())
@@ -93,6 +94,20 @@ def _header_md(r: dict) -> list[str]:
                  f"**LOSSLESS CHECK FAILED for {', '.join(bad)}** (tokens differ from AR at T=0; see results.json "
                  "`methods.*.mismatches`).")
     return lines
+
+
+def _bandwidth_md(r: dict) -> list[str]:
+    """AR's tokens/s against the memory-bandwidth ceiling of plain decoding on this machine (models/core/kernels.py
+    ``bandwidth_bound``): how much faster any AR could be here, so the baseline every speedup divides by is judged."""
+    bw = r["env"].get("bandwidth")
+    ar = [e for e in r["runs"] if is_baseline(e) and e["temperature"] == 0]
+    if not bw or not ar:
+        return []
+    tps, bound = ar[0]["tokens_per_s"]["median"], bw["ar_tokens_per_s_bound"]
+    return ["", f"Plain decoding (AR, T=0) ran at {tps:.1f} tokens/s end to end. Reading the target's "
+                f"{bw['weight_MB']:.0f} MB of weights once per token at the measured {bw['read_GB_per_s']:.1f} GB/s "
+                f"({bw['threads']} threads) allows {bound:.0f} tokens/s: AR ran at {100 * tps / bound:.0f} % of "
+                "that bandwidth bound."]
 
 
 def _results_md(r: dict) -> list[str]:

@@ -88,6 +88,38 @@ def probe(model: PreTrainedModel, widths: Sequence[int] = (1, 2, 3, 4, 5, 6), pr
             "dtypes": per, "chosen": fastest}
 
 
+def read_bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """Bytes per second this process reads from memory on torch's current threads: the fastest of ``reps`` sums
+    over a float32 buffer far larger than the caches, the one streaming pass over the weights that plain decoding
+    makes per token."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()  # untimed: page faults
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * x.element_size() / best
+
+
+def weight_bytes(model: PreTrainedModel) -> int:
+    """Bytes of weights one decoding step reads: every parameter once (a tied embedding and lm_head are one
+    matrix), less an untied input embedding, of which a step reads one row."""
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if emb is not None and (head is None or emb.weight.data_ptr() != head.weight.data_ptr()):
+        params.pop(emb.weight.data_ptr(), None)
+    return sum(params.values())
+
+
+def bandwidth_bound(model: PreTrainedModel, reps: int = 5) -> dict:
+    """The memory-bandwidth ceiling of plain decoding here: measured read bandwidth / the weight bytes a step
+    reads (KV-cache reads and compute left out, so no AR run can beat it)."""
+    bw, n = read_bandwidth(reps=reps), weight_bytes(model)
+    return {"read_GB_per_s": round(bw / 1e9, 2), "weight_MB": round(n / 1e6, 1),
+            "ar_tokens_per_s_bound": round(bw / n, 1), "threads": torch.get_num_threads()}
+
+
 def _cast_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     import copy
 
