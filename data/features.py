@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from models.core.checkpoint import out_of_space_as_error
 from models.core.drafter import DraftVocabTeacher
+from models.core.kernels import cast_copy
 from models.core.target import FrozenTarget, parse_dtype
 
 MANIFEST = "manifest.json"
@@ -48,8 +49,13 @@ def _row_digest(rows: list[dict]) -> str:
 class FeatureCache:
     def __init__(self, root: Path, target: FrozenTarget, rows: list[dict], layer_ids: list[int],
                  dtype: str = "bfloat16", shard_rows: int = 64, batch_size: int = 8,
-                 store_layer_ids: list[int] | None = None):
+                 store_layer_ids: list[int] | None = None, compute_dtype: str | None = None):
         self.root, self.target, self.rows = Path(root), target, rows
+        # the target that computes the states: ``target`` itself, or a copy in ``compute_dtype`` (bf16 runs a
+        # batched forward ~2x faster than fp32 on a CPU with AVX-512 BF16); training reads the teacher's lm_head from
+        # ``target`` either way
+        self.compute_dtype = cdt = parse_dtype(compute_dtype) if compute_dtype else target.model.dtype
+        self.compute = target  # the copy is made by build(), only when it has shards to compute, and dropped after
         self.layer_ids = sorted(set(layer_ids) | {target.num_layers})  # what get/batch return
         bad = [k for k in store_layer_ids or [] if not 0 <= k <= target.num_layers]
         if bad:
@@ -57,8 +63,8 @@ class FeatureCache:
         self.stored = sorted(set(self.layer_ids) | set(store_layer_ids or []))  # what the shards hold
         self.dtype, self.shard_rows, self.batch_size = parse_dtype(dtype), shard_rows, batch_size
         ident = target.identity()
-        if target.model.dtype != torch.float32:  # states depend on the dtype the target computes in
-            ident["compute_dtype"] = str(target.model.dtype).replace("torch.", "")
+        if cdt != torch.float32:  # states depend on the dtype the target computes in
+            ident["compute_dtype"] = str(cdt).replace("torch.", "")
         self.meta = {"target": ident, "layer_ids": self.stored, "dtype": str(self.dtype),
                      "rows": len(rows), "shard_rows": shard_rows, "row_digest": _row_digest(rows)}
         self._shard: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -96,8 +102,13 @@ class FeatureCache:
         self._write_manifest(mpath)
         todo = [i for i in range(self.n_shards()) if not self.shard_path(i).exists()]
         t0 = time.time()
-        for i in tqdm(todo, desc="feature cache", disable=not show_progress):
-            self._build_shard(i)
+        if todo and self.compute_dtype != self.target.model.dtype:
+            self.compute = FrozenTarget(cast_copy(self.target.model, self.compute_dtype), self.target.tokenizer)
+        try:
+            for i in tqdm(todo, desc="feature cache", disable=not show_progress):
+                self._build_shard(i)
+        finally:
+            self.compute = self.target
         secs = time.time() - t0
         n_bytes = sum(self.shard_path(i).stat().st_size for i in range(self.n_shards()))
         n_tok = sum(len(r["input_ids"]) for r in self.rows)
@@ -131,8 +142,8 @@ class FeatureCache:
         for b in range(0, len(order), self.batch_size):
             chunk = order[b : b + self.batch_size]
             ids = pad_ids([self.rows[r]["input_ids"] for r in chunk], self.target.model.config.pad_token_id or 0)
-            out = self.target(ids, layer_ids=self.stored, logits_to_keep=1)  # logits come from h_L later
-            top = self._head(out.hidden[self.target.num_layers]).argmax(-1)  # [b, T], from fp32 h_L
+            out = self.compute(ids, layer_ids=self.stored, logits_to_keep=1)  # logits come from h_L later
+            top = self._head(out.hidden[self.target.num_layers]).argmax(-1)  # [b, T], from h_L before rounding
             for j, r in enumerate(chunk):
                 n = len(self.rows[r]["input_ids"])
                 for k in self.stored:
@@ -148,7 +159,7 @@ class FeatureCache:
         os.replace(tmp, self.shard_path(i))
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        head = self.target.model.get_output_embeddings()
+        head = self.compute.model.get_output_embeddings()
         return head(h.to(head.weight.dtype)).float()
 
     def _load_shard(self, row: int) -> dict[str, torch.Tensor]:

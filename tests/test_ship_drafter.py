@@ -72,3 +72,30 @@ def test_best_drafter_ships_and_replaces_an_earlier_shipped_copy(target_dir, tmp
     capsys.readouterr()
     assert ship_drafter.main([str(tmp_path / "nothing"), str(tmp_path / "repo" / "x"), "--best"]) == 2
     assert "train.keep_best=true" in capsys.readouterr().err
+
+
+def test_warm_start_goes_on_from_a_shipped_drafter_on_a_fresh_machine(target_dir, tmp_path):
+    """train.warm_start: a run dir with no checkpoint (a fresh machine) continues the shipped drafter at its step:
+    the schedule and the tokens-seen axis carry on as in the uninterrupted run, best/ is the shipped one to beat, and
+    a drafter of another config or a directory without one is refused in one line."""
+    over = ["train.steps=4", "train.keep_best=true", "train.eval_every=1"]
+    full = tmp_path / "full"
+    run(cfg_for(target_dir, full, *over))
+    run(cfg_for(target_dir, tmp_path / "piece", *over, "train.stop_after=2"))
+    dest = tmp_path / "repo" / "eagle3"
+    assert ship_drafter.main([str(tmp_path / "piece"), str(dest), "--best", "--target", str(target_dir)]) == 0
+    at = json.loads((dest / "final" / "eval.json").read_text())["step"]
+    fresh = tmp_path / "fresh"  # another machine: no checkpoints, only the repo
+    run(cfg_for(target_dir, fresh, *over, f"train.warm_start={dest}"))
+    recs = {d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, fresh)}
+    assert [r["step"] for r in recs[fresh]] == [1, 2, 3, 4]  # the shipped record up to `at`, then this run's
+    for a, b in zip(recs[full], recs[fresh]):
+        assert a["lr"] == pytest.approx(b["lr"]) and a["tokens_seen"] == b["tokens_seen"]
+    assert recs[fresh][at]["elapsed_s"] >= recs[fresh][at - 1]["elapsed_s"]
+    best = json.loads((fresh / "best" / "eval.json").read_text())
+    shipped = json.loads((dest / "final" / "eval.json").read_text())
+    assert best["sim_tau"] >= shipped["sim_tau"]
+    with pytest.raises(ValueError, match="different draft"):
+        run(cfg_for(target_dir, tmp_path / "other", *over, "draft.config.ttt_steps=2", f"train.warm_start={dest}"))
+    with pytest.raises(ValueError, match="ship_drafter"):
+        run(cfg_for(target_dir, tmp_path / "none", *over, f"train.warm_start={tmp_path / 'nothing'}"))

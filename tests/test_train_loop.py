@@ -176,6 +176,27 @@ def test_one_feature_cache_serves_methods_whose_layers_it_stores(target_dir, tmp
         FeatureCache(tmp_path / "z", target, rows, [1], store_layer_ids=[99])
 
 
+def test_feature_cache_computed_in_bf16_is_keyed_apart_and_leaves_the_target_fp32(target_dir, tmp_path):
+    """train.cache_compute_dtype=bfloat16: the states come from a bf16 copy of the target (close to the fp32 ones,
+    not equal), the cache is refused to an fp32 run, and the target itself keeps its fp32 weights."""
+    target = FrozenTarget.from_pretrained(str(target_dir))
+    w = target.model.get_output_embeddings().weight.clone()
+    rows, _ = build_rows(DataConfig(max_rows=5, max_len=48, val_rows=1), target.tokenizer)
+    fp32 = FeatureCache(tmp_path / "fp32", target, rows, [1], dtype="float32", shard_rows=4)
+    fp32.build(show_progress=False)
+    bf16 = FeatureCache(tmp_path / "bf16", target, rows, [1], dtype="float32", shard_rows=4, compute_dtype="bfloat16")
+    bf16.build(show_progress=False)
+    assert bf16.meta["target"]["compute_dtype"] == "bfloat16" and "compute_dtype" not in fp32.meta["target"]
+    assert target.model.dtype == torch.float32 and torch.equal(target.model.get_output_embeddings().weight, w)
+    assert bf16.compute is target  # the bf16 copy is dropped once built
+    h32, _ = fp32.batch([0, 3], 48)
+    h16, _ = bf16.batch([0, 3], 48)
+    assert not torch.equal(h32[1], h16[1])
+    assert torch.allclose(h32[1], h16[1], atol=0.1, rtol=0.05)
+    with pytest.raises(ValueError, match="other data/target/dtype"):
+        FeatureCache(tmp_path / "bf16", target, rows, [1], dtype="float32", shard_rows=4).build(False)
+
+
 def test_wrong_tokenizer_data_is_refused(tiny_tokenizer):
     class Big:
         def __len__(self):

@@ -77,7 +77,7 @@ def probe(model: PreTrainedModel, widths: Sequence[int] = (1, 2, 3, 4, 5, 6), pr
     per: dict[str, dict] = {}
     for name in dtypes:
         dt = _DTYPE[name]
-        m = model if model.dtype == dt else _cast_copy(model, dt)
+        m = model if model.dtype == dt else cast_copy(model, dt)
         times = time_forward(m, widths, prefix_len, reps)
         per[name] = {"t_s": {w: round(t, 6) for w, t in times.items()},
                      "t_over_t1": {w: round(t / times[min(times)], 3) for w, t in times.items()}}
@@ -120,7 +120,13 @@ def bandwidth_bound(model: PreTrainedModel, reps: int = 5) -> dict:
             "ar_tokens_per_s_bound": round(bw / n, 1), "threads": torch.get_num_threads()}
 
 
-def _cast_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+def native_bf16() -> bool:
+    """Whether the CPU has a bf16 dot product (AVX-512 BF16 or AMX), so that bf16 GEMMs beat fp32 ones."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_features()["flags"]))
+
+
+def cast_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """A copy of ``model`` in ``dtype`` (the original keeps its weights: a bf16 round trip would round them)."""
     import copy
 
     return copy.deepcopy(model).to(dtype)
