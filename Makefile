@@ -122,10 +122,13 @@ smollm2-data: install
 # The long EAGLE-3 run on that data (resumable: run it again after any interruption, on any machine: the data
 # unpacks from data/shipped/); best/ holds the best held-out drafter so far, and smollm2-onpolicy-ship puts it in
 # the repo (fp16, with its training record) whenever it improved
+# On a fresh machine (no checkpoint in runs/) it goes on from the shipped drafter at its step (train.warm_start).
+ONPOLICY_SHIPPED = $(SMOLLM2_DRAFTERS)/eagle3_onpolicy
 smollm2-onpolicy: install
-	$(BIN)/python -m train +recipe=eagle3_smollm2_onpolicy tracking=none
+	$(BIN)/python -m train +recipe=eagle3_smollm2_onpolicy tracking=none \
+		$$([ -f $(ONPOLICY_SHIPPED)/final/model.safetensors ] && echo train.warm_start=$(ONPOLICY_SHIPPED))
 smollm2-onpolicy-ship: install
-	$(BIN)/python scripts/ship_drafter.py runs/eagle3_smollm2_onpolicy $(SMOLLM2_DRAFTERS)/eagle3_onpolicy --best \
+	$(BIN)/python scripts/ship_drafter.py runs/eagle3_smollm2_onpolicy $(ONPOLICY_SHIPPED) --best \
 		--replace --recipe eagle3_smollm2_onpolicy --target smollm2
 
 # The recipe by measurement: every variant of scripts/ablation.py (ours, EAGLE's lr, TTT 7, speculators' frozen head
