@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from models.core.checkpoint import out_of_space_as_error
 from models.core.drafter import DraftVocabTeacher
-from models.core.kernels import cast_copy
+from models.core.kernels import cast_copy, native_bf16
 from models.core.target import FrozenTarget, parse_dtype
 
 MANIFEST = "manifest.json"
@@ -44,6 +44,14 @@ def _row_digest(rows: list[dict]) -> str:
     for r in rows:
         h.update(str(r["input_ids"]).encode())
     return h.hexdigest()[:16]
+
+
+def resolve_compute_dtype(setting: str | None) -> str | None:
+    """``train.cache_compute_dtype``: null computes the cache in the target's dtype; ``auto`` in bf16 where the CPU
+    has a bf16 dot product (the batched forward ~2x fp32's speed there), else in the target's dtype."""
+    if setting == "auto":
+        return "bfloat16" if native_bf16() else None
+    return setting
 
 
 class FeatureCache:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,18 +20,18 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.features import FeatureCache
+from data.features import FeatureCache, resolve_compute_dtype
 from data.sources import build_rows
 from models import registry
 from models.core.acceptance import chain_tau
-from models.core.checkpoint import WEIGHTS, load_trainable_state, out_of_space_as_error, read_meta
-from models.core.kernels import native_bf16
+from models.core.checkpoint import out_of_space_as_error
 from models.core.target import FrozenTarget
 from models.export.serving import training_serving
 from train import checkpoint as ckpt
 from train.batches import batch_indices, collate
-from train.checks import check_resume_step, check_step_finite, check_weights_finite, validate_train_config
+from train.checks import check_step_finite, check_weights_finite, validate_train_config
 from train.distributed import Dist, deepspeed_engine, init_distributed
+from train.resume import resume
 from train.runlock import hold_output_dir
 
 
@@ -257,74 +255,11 @@ def build_optimizer(t: Training) -> None:
         t.forward = step_module
 
 
-def resume(t: Training) -> int:
-    """4. Resume from the newest complete checkpoint → the step to start from (0: a fresh run)."""
-    cfg = t.cfg
-    if cfg.train.resume:
-        ckpt.check_own_checkpoints(t.ck_root)
-    last = ckpt.latest_checkpoint(t.ck_root) if cfg.train.resume else None
-    if last is None:
-        return warm_start(t, Path(cfg.train.warm_start)) if cfg.train.get("warm_start") else 0
-    ckpt.check_compatible(read_meta(last), t.meta, last)
-    load_trainable_state(t.drafter, last / WEIGHTS)
-    state = ckpt.load_trainer_state(last)
-    if t.engine is not None:
-        t.engine.load_checkpoint(str(last / "ds"), tag="ds", load_module_strict=False,
-                                 load_optimizer_states=True, load_lr_scheduler_states=True)
-    else:
-        t.optimizer.load_state_dict(state["optimizer"])
-        t.sched.load_state_dict(state["scheduler"])
-    ckpt.set_rng_state(state["rng"])
-    start = state["step"]
-    check_resume_step(start, cfg.train.steps, last)
-    t.log(f"resumed from {last} at step {start}")
-    return start
-
-
-def warm_start(t: Training, src: Path) -> int:
-    """4b. train.warm_start: a run with no checkpoint of its own continues a drafter shipped by
-    scripts/ship_drafter.py (fp16 weights + its training record) at the step it was shipped, on any machine: the
-    batches (a pure function of the step) and the schedule go on from there, the record's target tokens and seconds
-    carry on (the learning curve), and its drafter is the best/ to beat. The optimizer's moments and RNG state are not
-    shipped (12 bytes per trainable weight): Adam restarts its estimates. → the step to start from."""
-    final = src / "final"
-    if not (final / WEIGHTS).exists():
-        raise ValueError(f"train.warm_start={src}: no {final / WEIGHTS} (a drafter directory that "
-                         "scripts/ship_drafter.py wrote)")
-    meta = read_meta(final)
-    ckpt.check_compatible(meta, t.meta, final)
-    load_trainable_state(t.drafter, final / WEIGHTS)
-    manifest = src / "manifest.json"
-    start = int(meta.get("step") or (json.loads(manifest.read_text()).get("steps") if manifest.exists() else 0) or 0)
-    check_resume_step(start, t.cfg.train.steps, final)
-    if t.d.is_main:
-        t.out_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "val.jsonl"):  # records past `start` are dropped by train_steps
-            if (src / name).exists():
-                shutil.copyfile(src / name, t.out_dir / name)
-        if t.cfg.train.get("keep_best", False) and not (t.out_dir / "best").exists():
-            shutil.copytree(final, t.out_dir / "best")
-    with warnings.catch_warnings():  # stepping a schedule before its optimizer: intended, the schedule catches up
-        warnings.simplefilter("ignore")
-        for _ in range(start):
-            t.sched.step()
-    t.log(f"warm start from {src} at step {start} (weights and record; fresh optimizer moments)")
-    return start
-
-
-def cache_compute_dtype(setting: str | None) -> str | None:
-    """``train.cache_compute_dtype``: null computes the cache in the target's dtype; ``auto`` in bf16 where the CPU
-    has a bf16 dot product (the batched forward ~2x fp32's speed there), else in the target's dtype."""
-    if setting == "auto":
-        return "bfloat16" if native_bf16() else None
-    return setting
-
-
 def build_feature_cache(t: Training) -> None:
     """5. Offline mode: the target's features once, to disk (resumable), then train from them."""
     cfg, d = t.cfg, t.d
     if cfg.train.mode == "offline":
-        compute = cache_compute_dtype(cfg.train.get("cache_compute_dtype"))
+        compute = resolve_compute_dtype(cfg.train.get("cache_compute_dtype"))
         t.cache = FeatureCache(Path(cfg.train.feature_cache), t.target, t.train_rows, list(t.drafter.layer_ids),
                                dtype=cfg.train.feature_dtype, store_layer_ids=cfg.train.get("feature_layers"),
                                compute_dtype=compute)
