@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # llama.cpp from the sources vendored in PyPI's llama-cpp-python sdist (no git, no other index), only the
-# targets the engine tier runs. Cached by version: .engines/llama.cpp-$VER/build/bin/ is reused when present.
+# targets the engine tier runs (llama-server: speculative decoding as CPU users serve it). Cached by version:
+# .engines/llama.cpp-$VER/build/bin/ is reused when present.
 # Usage: scripts/build_llama_cpp.sh [DEST]   (needs cmake and a C++ compiler: apt-get install cmake build-essential)
 set -euo pipefail
 VER="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 DEST="${1:-.engines}"
 SRC="$DEST/llama.cpp-$VER"
-TARGETS="${LLAMA_CPP_TARGETS:-llama-speculative-simple llama-completion llama-tokenize}"
+TARGETS="${LLAMA_CPP_TARGETS:-llama-speculative-simple llama-completion llama-tokenize llama-server}"
 PIP="${PIP:-.venv/bin/pip}"
 have_all() { for t in $TARGETS; do [ -x "$SRC/build/bin/$t" ] || return 1; done; }
 # llama.cpp leaks its logger and never drains it when a tool exits (ggml-org/llama.cpp #22142): on a loaded machine
@@ -33,6 +34,8 @@ if [ -f "$SRC/.built" ] && have_all && patched; then
 fi
 if [ -f "$SRC/.built" ]; then  # same sources, a tool more or the patch: build only that (the library is cached)
   patch_flush
+  # a build configured before llama-server was a target has no rule for it
+  cmake -S "$SRC" -B "$SRC/build" -DLLAMA_BUILD_SERVER=ON > "$SRC/cmake.log" 2>&1 || { tail -30 "$SRC/cmake.log"; exit 1; }
   # shellcheck disable=SC2086
   cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log" 2>&1 || { tail -30 "$SRC/build.log"; exit 1; }
   echo "built $TARGETS in $SRC/build/bin"
@@ -48,7 +51,7 @@ mv "$DEST/src/llama_cpp_python-$VER/vendor/llama.cpp" "$SRC"
 rm -rf "$DEST/src/llama_cpp_python-$VER"
 patch_flush
 cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$SRC/cmake.log" 2>&1 || { tail -30 "$SRC/cmake.log"; exit 1; }
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$SRC/cmake.log" 2>&1 || { tail -30 "$SRC/cmake.log"; exit 1; }
 # shellcheck disable=SC2086
 cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log" 2>&1 || { tail -30 "$SRC/build.log"; exit 1; }
 touch "$SRC/.built"

@@ -39,6 +39,20 @@ def test_counts_stop_at_the_budget_and_count_like_vllm():
     assert sum_counts([c, c])["accepted_per_pos"] == [4, 2, 0]
 
 
+def test_server_rounds_and_divergence_positions():
+    """llama-server reports totals per request: two requests of 9 generated tokens, the first from the prompt's
+    forward; 5 and 2 drafts accepted leave 3 and 6 rounds."""
+    from eval.engines.llamacpp_server import first_difference, round_counts
+
+    c = round_counts([{"decoded": 9, "draft_n": 9, "draft_n_accepted": 5},
+                      {"decoded": 9, "draft_n": 18, "draft_n_accepted": 2}])
+    assert c["rounds"] == 9 and c["acceptance"] == 7 / 27 and c["tokens_per_round"] == 16 / 9
+    assert round_counts([{"decoded": 4, "draft_n": 0, "draft_n_accepted": 0}])["acceptance"] is None
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2  # one ending early is a divergence too
+
+
 def test_check_gguf_refuses_another_draft_file(tmp_path):
     (tmp_path / G.DRAFT).write_bytes(b"GGUF the converted bytes")
     (tmp_path / G.MARKER).write_text(json.dumps({"draft_sha256": G.sha256(tmp_path / G.DRAFT)}))

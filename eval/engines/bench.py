@@ -109,20 +109,21 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
 
 def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int,
                      num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, target_name: str = "tiny-code",
-                     threads: int = 1, prompts_from: str | None = None, prompt_tokens: int = 64) -> dict:
+                     threads: int = 1, prompts_from: str | None = None, prompt_tokens: int = 64,
+                     server: bool = False, target_type: str = "f32") -> dict:
     from eval.bench.setup import load_prompts
     from eval.engines import llamacpp as L
+    from eval.engines import llamacpp_server as LS
     from models.core.target import FrozenTarget
     from models.export import llamacpp as G
     from models.registry import load_drafter
 
-    if not L.available():
-        raise SystemExit(f"error: llama.cpp tools {L.TOOLS} not built in {G.llamacpp_dir()}; run "
-                         "scripts/build_llama_cpp.sh")
+    if not L.available() or (server and not LS.available()):
+        tools = (*L.TOOLS, LS.TOOL) if server else L.TOOLS
+        raise SystemExit(f"error: llama.cpp tools {tools} not built in {G.llamacpp_dir()}; run "
+                         f"LLAMA_CPP_TARGETS='{' '.join(tools)}' scripts/build_llama_cpp.sh")
     target = FrozenTarget.from_pretrained(target_name)
-    tgt = out / "target.gguf"
-    if not tgt.exists():
-        G.convert(G.target_directory(target_name), tgt)
+    tgt = target_gguf(target_name, out, target_type)
     cands = [p.ids for p in load_prompts(target.tokenizer, 4 * n_prompts, prompt_tokens, prompts_from)]
     first = [o[0] for o in E.ar_outputs(target, cands, 1)]
     prompts = L.aligned_prompts(target.tokenizer, tgt, cands, first, n_prompts)
@@ -137,36 +138,93 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
                      "num_speculative_tokens": m["num_speculative_tokens"]})
         harness[name] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, m["num_speculative_tokens"])
     ar = E.ar_outputs(target, ids, max_new)
-    engine = L.serve(tgt, prompts, max_new, runs, threads)
+    engine = (LS.serve if server else L.serve)(tgt, prompts, max_new, runs, threads)
     base = engine["ar"].get("tokens_per_s") if engine["ar"]["ok"] else None
     rows = {}
     for r in runs:
         e = engine[r["name"]]
-        bad = L.matches_harness(target.tokenizer, prompts, ar, e["texts"]) if e["ok"] else []
         row = {"ok": e["ok"], "error": e["error"], "num_speculative_tokens": r.get("num_speculative_tokens"),
-               "spec_type": r["spec_type"],
-               "lossless": e["ok"] and not bad,
-               "near_ties": [tie_gap(target, prompts[i], ar[i], e["texts"][i]) for i in bad]}
+               "spec_type": r["spec_type"]}
+        row.update(identity(target, prompts, ar, engine, r["name"], tgt, max_new, threads, server, target_type))
         if e["ok"]:
-            row["tokens_per_s"] = {"1": e["tokens_per_s"]}  # by batch size, as JSON keys (vLLM's rows too)
-            row["speedup_vs_engine_ar"] = {"1": e["tokens_per_s"] / base} if base else {}
-            c = e.get("counts")
-            if c and c["num_drafts"]:
-                row["engine_rates"] = E.rates(c)
-                row["engine_tokens_per_round"] = E.tau(c)
-                row["engine_counts"] = c
+            row.update(_engine_row(e, base))
         h = harness.get(r["name"])
         if h:
             row["harness_rates"], row["harness_tau"] = E.rates(h), E.tau(h)
             row["harness_counts"] = {x: h[x] for x in ("num_drafts", "num_accepted_tokens", "accepted_per_pos")}
         rows[r["name"]] = row
-    res = {"engine": "llama.cpp", "version": f"(llama-cpp-python {G.LLAMA_CPP_PYTHON_VERSION} sources)",
-           "target": target_name, "n_prompts": len(prompts), "max_new_tokens": max_new, "batch_sizes": [1],
+    res = {"engine": "llama-server" if server else "llama.cpp",
+           "version": f"(llama-cpp-python {G.LLAMA_CPP_PYTHON_VERSION} sources)",
+           "target": target_name, "target_type": target_type, "n_prompts": len(prompts), "max_new_tokens": max_new,
+           "batch_sizes": [1],
            "threads": threads, "prompts": prompts_from or "held-out stdlib", "methods": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "results.md").write_text(render(res))
     return res
+
+
+def _engine_row(e: dict, base: float | None) -> dict:
+    """One llama.cpp configuration's speed and round counters (the example tool's per position, the server's
+    totals)."""
+    row = {"tokens_per_s": {"1": e["tokens_per_s"]},  # by batch size, as JSON keys (vLLM's rows too)
+           "speedup_vs_engine_ar": {"1": e["tokens_per_s"] / base} if base else {}}
+    c = e.get("counts")
+    if c and c["num_drafts"]:
+        row.update(engine_rates=E.rates(c), engine_tokens_per_round=E.tau(c), engine_counts=c)
+    sc = e.get("server_counts")
+    if sc and sc["rounds"]:
+        row.update(engine_tokens_per_round=sc["tokens_per_round"], engine_acceptance=sc["acceptance"],
+                   engine_counts=sc)
+    return row
+
+
+TARGET_TYPES = ("f32", "bf16", "q8_0", "source")
+
+
+def target_gguf(target_name: str, out: Path, target_type: str) -> Path:
+    """The target as llama.cpp serves it: converted by llama.cpp's converter to f32 (the harness's precision), bf16
+    or q8_0, or ``source``: the GGUF file the target is itself (e.g. smollm2's Q4_1), served as shipped."""
+    from models.core.gguf import gguf_file_of
+    from models.export import llamacpp as G
+
+    if target_type not in TARGET_TYPES:
+        raise SystemExit(f"error: --target-type {target_type!r}: one of {', '.join(TARGET_TYPES)}")
+    if target_type == "source":
+        src = gguf_file_of(target_name)
+        if src is None:
+            raise SystemExit(f"error: --target-type source: target {target_name!r} is not a GGUF file")
+        return src
+    tgt = out / ("target.gguf" if target_type == "f32" else f"target-{target_type}.gguf")
+    if not tgt.exists():
+        G.convert(G.target_directory(target_name), tgt, outtype=target_type)
+    return tgt
+
+
+def identity(target, prompts: list[dict], ar: list[list[int]], engine: dict, name: str, tgt: Path, max_new: int,
+             threads: int, server: bool, target_type: str) -> dict:
+    """``lossless`` and where a run leaves the reference: the harness's tokens for an f32 target (the same model),
+    else the engine's own AR on that GGUF (quantization changes the model). ``near_ties``: each divergence's
+    position (counted from t0, as the harness counts) and the reference's top-2 logit gap there."""
+    from eval.engines import llamacpp as L
+    from eval.engines import llamacpp_server as LS
+
+    e = engine[name]
+    if not e["ok"]:
+        return {"lossless": False, "near_ties": []}
+    if target_type == "f32":
+        bad = L.matches_harness(target.tokenizer, prompts, ar, e["texts"])
+        return {"lossless": not bad, "identity_vs": "harness",
+                "near_ties": [tie_gap(target, prompts[i], ar[i], e["texts"][i]) for i in bad]}
+    ref = engine["ar"]
+    if not ref["ok"]:
+        return {"lossless": False, "identity_vs": "engine ar (failed)", "near_ties": []}
+    if server:
+        ties = LS.divergences(tgt, prompts, max_new, ref["tokens"], e["tokens"], threads)
+        return {"lossless": not ties, "identity_vs": "engine ar",
+                "near_ties": [{**t, "position": t["position"] + 1} for t in ties]}
+    bad = [i for i, (a, b) in enumerate(zip(ref["texts"], e["texts"])) if a != b]
+    return {"lossless": not bad, "identity_vs": "engine ar", "diverging_prompts": bad, "near_ties": []}
 
 
 def tie_gap(target, prompt: dict, harness: list[int], engine_text: str) -> dict:
@@ -188,7 +246,7 @@ def render(res: dict) -> str:
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     lines = [f"# In-engine: {res['engine']} {res['version']} on {res['target']}", "",
              f"{res['n_prompts']} prompts ({res.get('prompts', 'held-out stdlib')}) x {res['max_new_tokens']} new "
-             "tokens, greedy, float32, "
+             f"tokens, greedy, target {res.get('target_type', 'f32')}, "
              f"{res.get('threads', 1)} thread(s). Speedups are over the engine's own AR at the same batch size. "
              "Acceptance: unconditional per-position rates (accepted at depth k / drafts), engine | harness.", "",
              "| method | K | lossless | " + " | ".join(f"tok/s B={b} | x AR B={b}" for b in bs)
@@ -205,8 +263,12 @@ def render(res: dict) -> str:
         if r.get("engine_rates"):
             acc = ", ".join(f"{e:.2f}/{f(h)}" for e, h in zip(r["engine_rates"], r.get("harness_rates")
                                                                or [None] * len(r["engine_rates"])))
-        ties = "".join(f" (near tie at token {t['position']}: top-2 logit gap {t['top2_logit_gap']:.4f})"
+        elif r.get("engine_acceptance") is not None:  # llama-server counts drafted and accepted, not by position
+            acc = f"{r['engine_acceptance']:.2f} of drafts (server)"
+        ties = "".join(f" (near tie at token {t['position']}: top-2 logit gap {f(t['top2_logit_gap'], 4)})"
                        for t in r.get("near_ties", []))
+        if r.get("diverging_prompts"):
+            ties += f" (differs from the engine's AR on prompts {r['diverging_prompts']})"
         ok = "yes" if r["lossless"] else "NO" + ties
         lines.append(f"| {name} | {k or '-'} | {ok} | {tps} | "
                      f"{f(r.get('engine_tokens_per_round'))} | {f(r.get('harness_tau'))} | {acc} |")
@@ -238,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", help="a prompt file or shipped name (mt_bench, humaneval); default held-out stdlib")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (vLLM runs 1 OpenMP thread)")
+    p.add_argument("--server", action="store_true",
+                   help="llama.cpp: serve through llama-server (as users run it) instead of the example tools")
+    p.add_argument("--target-type", default="f32", choices=TARGET_TYPES,
+                   help="llama.cpp: the target GGUF: converted to f32 (the harness's precision), bf16 or q8_0, or "
+                        "source (the target's own GGUF file as shipped, e.g. smollm2's Q4_1)")
     p.add_argument("--out", default="bench/engines")
     p.add_argument("--combine", metavar="ROOT", help="only write ROOT/results.md from ROOT/*/results.json")
     a = p.parse_args(argv)
@@ -260,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             for method in methods.values():  # up front: a method llama.cpp cannot draft for costs no checkpoint load
                 require_rows(method)
             res = measure_llamacpp(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.num_speculative_tokens,
-                                   a.target, a.threads, a.prompts, a.prompt_tokens)
+                                   a.target, a.threads, a.prompts, a.prompt_tokens, a.server, a.target_type)
         except ExportError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
