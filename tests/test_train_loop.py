@@ -285,3 +285,22 @@ def test_lm_head_from_the_target_trains_saves_and_reloads(target_dir, tmp_path, 
     assert torch.equal(saved, rows) == (mode == "target_frozen")  # trained away from the copy, or kept
     if mode == "target":
         assert (saved - rows).abs().max() < 0.01  # it started there: 4 AdamW steps move it by ~4 x lr
+
+
+def test_bf16_autocast_trains_close_to_fp32_and_keeps_fp32_weights(target_dir, tmp_path):
+    """train.autocast=bfloat16: the drafter's GEMMs in bf16, its weights and optimizer in fp32; the losses follow the
+    fp32 run's to bf16's precision (not bit-equal: the arithmetic is another)."""
+    import json
+
+    from train.loop import autocast_dtype
+
+    runs = {}
+    for name, over in (("fp32", []), ("bf16", ["train.autocast=bfloat16"])):
+        run(cfg_for(target_dir, tmp_path / name, *over))
+        runs[name] = [json.loads(x)["train/loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert runs["fp32"] != runs["bf16"]
+    for a, b in zip(runs["fp32"], runs["bf16"]):
+        assert b == pytest.approx(a, rel=0.05)
+    assert all(v.dtype == torch.float32 for v in final_weights(tmp_path / "bf16").values() if v.is_floating_point())
+    assert autocast_dtype(None, "cpu") is None and autocast_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert autocast_dtype("auto", "cpu") in (None, torch.bfloat16)
