@@ -150,13 +150,14 @@ class FeatureCache:
         for b in range(0, len(order), self.batch_size):
             chunk = order[b : b + self.batch_size]
             ids = pad_ids([self.rows[r]["input_ids"] for r in chunk], self.target.model.config.pad_token_id or 0)
+            ids = ids.to(self.compute.embed.weight.device)
             out = self.compute(ids, layer_ids=self.stored, logits_to_keep=1)  # logits come from h_L later
             top = self._head(out.hidden[self.target.num_layers]).argmax(-1)  # [b, T], from h_L before rounding
             for j, r in enumerate(chunk):
                 n = len(self.rows[r]["input_ids"])
                 for k in self.stored:
-                    tensors[f"{r}.{k}"] = out.hidden[k][j, :n].to(self.dtype).contiguous()
-                tensors[f"{r}.top"] = top[j, :n].to(torch.int32).contiguous()
+                    tensors[f"{r}.{k}"] = out.hidden[k][j, :n].to("cpu", self.dtype).contiguous()
+                tensors[f"{r}.top"] = top[j, :n].to("cpu", torch.int32).contiguous()
         tmp = self.shard_path(i).with_suffix(".tmp")
         try:
             with out_of_space_as_error(self.shard_path(i), _FIX):
@@ -196,11 +197,12 @@ class FeatureCache:
         ``draft_ids`` (and a cache that stores the argmax), a ``DraftVocabTeacher`` instead: logits at those ids."""
         per = [self.get(r) for r in rows]
         hidden = {}
+        dev = self.target.embed.weight.device  # read on the CPU, returned where the target (and drafter) is
         for k in self.layer_ids:
             h = torch.zeros(len(rows), width, per[0][k].shape[-1])
             for j, p in enumerate(per):
                 h[j, : p[k].shape[0]] = p[k]
-            hidden[k] = h
+            hidden[k] = h.to(dev)
         h_last = hidden[self.target.num_layers]
         if draft_ids is None:
             return hidden, self._head(h_last)
@@ -208,8 +210,10 @@ class FeatureCache:
         for j, r in enumerate(rows):
             t = self._load_shard(r)[f"{r}.top"]
             top[j, : t.shape[0]] = t.long()
+        draft_ids = draft_ids.to(dev)
         w = self.target.model.get_output_embeddings().weight.index_select(0, draft_ids)  # [Vd, H]
-        return hidden, DraftVocabTeacher(top, torch.nn.functional.linear(h_last.to(w.dtype), w).float(), draft_ids)
+        return hidden, DraftVocabTeacher(top.to(dev), torch.nn.functional.linear(h_last.to(w.dtype), w).float(),
+                                         draft_ids)
 
 
 def pad_ids(seqs: list[list[int]], pad_id: int) -> torch.Tensor:

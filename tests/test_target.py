@@ -64,3 +64,28 @@ def test_local_path_round_trip(tmp_path, tiny_llama, tiny_tokenizer):
     t = FrozenTarget.from_pretrained(str(tmp_path))
     ids = torch.randint(0, t.vocab_size, (1, 7))
     torch.testing.assert_close(t(ids).logits, tiny_llama(input_ids=ids).logits)
+
+
+def test_the_kv_cache_reaches_the_forward_under_either_keyword(target):
+    """transformers 5.17 took the KV cache as ``past_key_values``, later 5.x releases as ``cache``; a wrong name falls
+    silently into ``**kwargs``. A forward of the last token on the cache of the others gives the full forward's last
+    logits whichever name the installed release uses, and a forward that only knows ``past_key_values`` gets it."""
+    from transformers import DynamicCache
+
+    from models.core.hf_compat import cache_kwargs
+
+    ids = torch.randint(0, target.vocab_size, (1, 9))
+    full = target(ids).logits[0, -1]
+    cache = DynamicCache()
+    target(ids[:, :-1], cache=cache, use_cache=True)
+    step = target(ids[:, -1:], cache=cache, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-4)
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return past_key_values
+
+    assert cache_kwargs(Old(), "kv") == {"past_key_values": "kv"} and Old()(1, **cache_kwargs(Old(), "kv")) == "kv"
+    import inspect
+
+    assert set(cache_kwargs(target.model, None)) <= set(inspect.signature(target.model.forward).parameters)

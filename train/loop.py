@@ -52,7 +52,7 @@ def target_features(target: FrozenTarget, layer_ids: list[int], ids: torch.Tenso
                     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """The target's hidden states and logits for a batch: from the feature cache (offline; with ``draft_ids``, a
     DraftVocabTeacher) or a target forward (online)."""
-    if cache is not None:
+    if cache is not None:  # on the target's device, as the batch is
         return cache.batch(rows, ids.shape[1], draft_ids)
     out = target(ids, layer_ids=layer_ids)
     return {k: v.float() for k, v in out.hidden.items()}, out.logits.float()
@@ -88,7 +88,7 @@ def evaluate(drafter, target: FrozenTarget, rows: list[dict], batch_size: int, p
     weights: dict[str, float] = {}
     for b in range(0, len(rows), batch_size):
         chunk = rows[b : b + batch_size]
-        ids, mask = collate(chunk, pad_id)
+        ids, mask = (x.to(target.embed.weight.device) for x in collate(chunk, pad_id))
         idx = list(range(b, b + len(chunk)))
         hidden, logits = target_features(target, drafter.layer_ids, ids, idx, cache, teacher_ids)
         _, m = drafter.training_loss(ids, mask, hidden, logits)
@@ -141,6 +141,7 @@ class Training:
     metrics_file: Any = None  # rank 0's metrics.jsonl, open while the steps run
     val_file: Any = None  # rank 0's val.jsonl (held-out records with their training time)
     val_steps: set[int] = dataclasses.field(default_factory=set)  # steps val.jsonl holds: each is logged once
+    device: torch.device = torch.device("cpu")  # the target's (target.device): the drafter and every batch go there
     autocast: tuple = ("cpu", None)  # (device type, dtype or None): train.autocast, resolved by build_optimizer
     skipped_batches: int = 0  # micro-batches with nothing to score (counted in metrics.jsonl, said at the end)
     elapsed_before: float = 0.0  # training seconds of the runs this one resumes (their last ``elapsed_s``)
@@ -186,6 +187,7 @@ def load_target_and_data(t: Training) -> None:
     """1. The frozen target and the data (rank 0 regenerates first; the others then read its cache)."""
     cfg, d = t.cfg, t.d
     t.target = instantiate(cfg.target)
+    t.device = t.target.embed.weight.device
     tok = t.target.tokenizer
     data_cfg = instantiate(cfg.data)
     if not d.is_main:
@@ -219,7 +221,7 @@ def load_target_and_data(t: Training) -> None:
 def build_drafter_and_meta(t: Training) -> None:
     """2. The drafter, and what a checkpoint must match to be resumed or evaluated."""
     cfg, target = t.cfg, t.target
-    t.drafter = build_drafter(cfg.draft, target, t.train_rows)
+    t.drafter = build_drafter(cfg.draft, target, t.train_rows).to(t.device)
     t.meta = {"method": cfg.draft.method, "target": target.identity(), "draft": t.drafter.config_dict(),
               "layer_ids": list(t.drafter.layer_ids), "layer_id_convention": "hf_output_hidden_states_index",
               # the serving mode the drafter is trained for (exports record it; --check compares it)
@@ -417,7 +419,7 @@ def optimizer_step(t: Training, step: int) -> tuple[dict[str, float], int]:
     for micro in range(cfg.train.grad_accum):
         idx = batch_indices(len(t.train_rows), step, micro, cfg.train.batch_size, cfg.train.grad_accum, d, cfg.seed,
                             t.row_lengths, cfg.train.get("length_bucket", 0))
-        ids, mask = collate([t.train_rows[i] for i in idx], t.pad_id)
+        ids, mask = (x.to(t.device) for x in collate([t.train_rows[i] for i in idx], t.pad_id))
         hidden, logits = target_features(t.target, list(t.drafter.layer_ids), ids, idx, t.cache, t.teacher_ids)
         with torch.autocast(t.autocast[0], dtype=t.autocast[1] or torch.float32, enabled=t.autocast[1] is not None):
             loss, m = t.forward(ids, mask, hidden, logits)

@@ -24,6 +24,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from models.core.hf_compat import cache_kwargs
+
 
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose K/V live in a preallocated buffer (amortised doubling), returned as views."""
@@ -129,8 +131,8 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], sto
     gen = torch.Generator(device=device).manual_seed(int(seed)) if temperature > 0 else None
     stop_t = torch.tensor(sorted({int(s) for s in stops}), dtype=torch.long, device=device)
 
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
-                   logits_to_keep=1).logits[:, -1]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
+                   **cache_kwargs(model, cache)).logits[:, -1]
     next_pos = pos[:, -1] + 1
     live = torch.arange(n_rows, device=device)  # original index of each batch row
     done = torch.zeros(n_rows, dtype=torch.bool, device=device)  # per batch row: already stopped
@@ -147,7 +149,7 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], sto
             cache.keep_rows(keep)
             live, tok, attn, next_pos, done = live[keep], tok[keep], attn[keep], next_pos[keep], done[keep]
         attn = torch.cat([attn, attn.new_ones(len(live), 1)], dim=1)
-        logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None], cache=cache,
-                       use_cache=True).logits[:, -1]
+        logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None], use_cache=True,
+                       **cache_kwargs(model, cache)).logits[:, -1]
         next_pos = next_pos + 1
     return out

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from models.core.hf_compat import cache_kwargs
+
 CANDIDATES = ("float32", "bfloat16")
 _DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
@@ -53,15 +55,15 @@ def time_forward(model: PreTrainedModel, widths: Sequence[int], prefix_len: int 
     g = torch.Generator().manual_seed(seed)
     vocab, device = model.config.vocab_size, model.device
     cache = DynamicCache()
-    model(torch.randint(vocab, (1, prefix_len), generator=g).to(device), cache=cache, use_cache=True,
-          logits_to_keep=1)
+    model(torch.randint(vocab, (1, prefix_len), generator=g).to(device), use_cache=True, logits_to_keep=1,
+          **cache_kwargs(model, cache))
     out = {}
     for w in sorted(set(widths)):
         x = torch.randint(vocab, (1, w), generator=g).to(device)
         best = float("inf")
         for r in range(reps + 1):
             t = time.perf_counter()
-            model(x, cache=cache, use_cache=True)
+            model(x, use_cache=True, **cache_kwargs(model, cache))
             dt = time.perf_counter() - t
             cache.crop(-w)
             if r:

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.core.checkpoint import first_nonfinite
+from models.core.hf_compat import cache_kwargs
 
 EMBEDDED_NAME = "tiny-code"
 # the embedded default target ships in the repo (models/tiny_code/; built by train/build_tiny_code.py)
@@ -315,7 +316,7 @@ class FrozenTarget(nn.Module):
             handles.append(self._hook_module(k).register_forward_hook(hook))
         try:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep)
+                             use_cache=use_cache, logits_to_keep=logits_to_keep, **cache_kwargs(self.model, cache))
         finally:
             for h in handles:
                 h.remove()

@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from models.core.drafter import softcap
 from models.core.losses import distill_step, step_metrics, weighted_total
-from models.core.target import FrozenTarget
+from models.core.target import FrozenTarget, cache_kwargs
 from models.methods.mtp.config import MTPConfig, decoder_config
 
 
@@ -244,5 +244,5 @@ def run_module_cached(
     module = drafter.mtp[d]
     x = module.fuse(emb, prev.to(dtype))
     out = module.block(x, attention_mask=mask[None, None], position_ids=pos, position_embeddings=pe,
-                       cache=cache, use_cache=True)
+                       use_cache=True, **cache_kwargs(module.block, cache))
     return out[0] if isinstance(out, tuple) else out
