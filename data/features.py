@@ -107,6 +107,8 @@ class FeatureCache:
                                  "of every method that shares one)")
             self.stored = list(old["layer_ids"])  # reused as built: its shards hold these
             self.meta["layer_ids"] = self.stored
+            # the ledger of the build that made it survives runs that only read it
+            self.meta.update({k: v for k, v in old.items() if k.startswith("build_")})
         self._write_manifest(mpath)
         todo = [i for i in range(self.n_shards()) if not self.shard_path(i).exists()]
         t0 = time.time()

@@ -189,6 +189,11 @@ def test_feature_cache_computed_in_bf16_is_keyed_apart_and_leaves_the_target_fp3
     assert bf16.meta["target"]["compute_dtype"] == "bfloat16" and "compute_dtype" not in fp32.meta["target"]
     assert target.model.dtype == torch.float32 and torch.equal(target.model.get_output_embeddings().weight, w)
     assert bf16.compute is target  # the bf16 copy is dropped once built
+    built = {k: v for k, v in bf16.meta.items() if k.startswith("build_")}
+    assert built["build_tokens"] == sum(len(r["input_ids"]) for r in rows) and built["build_tokens_per_s"] > 0
+    again = FeatureCache(tmp_path / "bf16", target, rows, [1], dtype="float32", shard_rows=4, compute_dtype="bfloat16")
+    again.build(show_progress=False)  # a run that only reads it keeps the ledger of the build that made it
+    assert {k: v for k, v in again.meta.items() if k.startswith("build_")} == built
     h32, _ = fp32.batch([0, 3], 48)
     h16, _ = bf16.batch([0, 3], 48)
     assert not torch.equal(h32[1], h16[1])
