@@ -113,3 +113,32 @@ def plot(training: Mapping[str, dict], path: Path, plt) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def log_fit(curve: Iterable[Mapping[str, Any]], metric: str = "acc_0", x: str = "tokens_seen") -> dict[str, float]:
+    """Least-squares ``metric = a + b ln(x)`` over the curve's points (held-out agreement grows about linearly in
+    the log of the data seen over the range a run covers); a, b, r² and the number of points. Needs two points
+    with distinct x."""
+    import math
+
+    pts = [(math.log(float(p[x])), float(p[metric])) for p in curve
+           if p.get(x) and p.get(metric) is not None and float(p[x]) > 0]
+    if len({u for u, _ in pts}) < 2:
+        raise ValueError(f"a fit of {metric} against ln {x} needs two points with distinct {x}; have {len(pts)}")
+    n = len(pts)
+    mu, mv = sum(u for u, _ in pts) / n, sum(v for _, v in pts) / n
+    suu = sum((u - mu) ** 2 for u, _ in pts)
+    b = sum((u - mu) * (v - mv) for u, v in pts) / suu
+    a = mv - b * mu
+    ss_res = sum((v - a - b * u) ** 2 for u, v in pts)
+    ss_tot = sum((v - mv) ** 2 for _, v in pts)
+    return {"a": a, "b": b, "r2": 1 - ss_res / ss_tot if ss_tot > 0 else 1.0, "n": n}
+
+
+def x_for(fit: Mapping[str, float], y: float) -> float:
+    """The x at which the fitted ``a + b ln x`` reaches ``y`` (inf when the fit does not rise)."""
+    import math
+
+    if fit["b"] <= 0:
+        return math.inf
+    return math.exp((y - fit["a"]) / fit["b"])

@@ -1,0 +1,152 @@
+"""A drafter run's learning curve, and what more data would cost: held-out slot-1 agreement and simulated τ against
+target tokens trained on and CPU hours (from the run's val.jsonl and metrics.jsonl), a fit of each against the log
+of the tokens seen, and the tokens and hours (this CPU's measured training rate; one GPU's from bench/gpu_cost/) at
+which the fit reaches a goal.
+
+    python scripts/learning_curve.py models/smollm2_drafters/eagle3_onpolicy --out bench/onpolicy_curve
+    python scripts/learning_curve.py runs/eagle3_smollm2_onpolicy --goal-acc 0.6 --first-epoch
+
+Writes learning_curve.png, learning_curve.json and learning_curve.md under --out. Tokens past one epoch
+(``train_target_tokens`` in data_stats.json) are repeats of the same rows, not fresh data: ``--first-epoch`` fits the
+points of the first epoch only, and the report says how many epochs each point had seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eval.bench.training import _jsonl, log_fit, x_for  # noqa: E402
+
+# bench/gpu_cost/README.md: the GPU recipe's EAGLE-3 step on one H200, bf16 autocast, an 8B-shaped target; a bound
+# for smaller targets, whose forward and drafter are cheaper
+GPU_TOKENS_PER_S = 4396.0
+# docs/throughput.md: regeneration on this CPU, two one-thread processes (fresh data has to be answered by the target)
+CPU_REGEN_TOKENS_PER_S = 176.0
+
+
+def curve(run: Path) -> list[dict]:
+    """The held-out records: step, tokens seen, CPU hours of training, slot-1 agreement, simulated τ."""
+    out = []
+    for r in _jsonl(run / "val.jsonl"):
+        if r.get("tokens_seen") is None or r.get("val/acc_0") is None:
+            continue
+        out.append({"step": r["step"], "tokens_seen": int(r["tokens_seen"]),
+                    "cpu_hours": round(float(r["elapsed_s"]) / 3600, 3),
+                    "acc_0": round(float(r["val/acc_0"]), 4), "sim_tau": round(float(r["val/sim_tau"]), 4)})
+    if len(out) < 2:
+        raise SystemExit(f"error: {run}/val.jsonl has {len(out)} held-out record(s) with tokens_seen; a curve needs 2")
+    return out
+
+
+def cpu_rate(run: Path) -> float:
+    """The run's median training rate (target tokens/s) over its logged steps."""
+    rates = [float(r["tok_per_s"]) for r in _jsonl(run / "metrics.jsonl") if r.get("tok_per_s")]
+    if not rates:
+        raise SystemExit(f"error: {run}/metrics.jsonl has no tok_per_s records")
+    return statistics.median(rates)
+
+
+def project(points: list[dict], goals: dict[str, float], cpu_tok_s: float, gpu_tok_s: float,
+            regen_tok_s: float = CPU_REGEN_TOKENS_PER_S) -> dict:
+    """Per metric: the fit and the tokens at which it reaches its goal, with the hours to train on them (this CPU,
+    one GPU) and to regenerate them as fresh data on this CPU."""
+    out = {}
+    for metric, goal in goals.items():
+        fit = log_fit(points, metric)
+        tokens = x_for(fit, goal)
+        done = math.isfinite(tokens)
+        out[metric] = {"fit": fit, "goal": goal, "tokens": tokens if done else None,
+                       "cpu_hours": tokens / cpu_tok_s / 3600 if done else None,
+                       "gpu_hours": tokens / gpu_tok_s / 3600 if done else None,
+                       "regen_cpu_hours": tokens / regen_tok_s / 3600 if done else None,
+                       "per_doubling": fit["b"] * math.log(2)}
+    return out
+
+
+def markdown(points: list[dict], proj: dict, epoch_tokens: int | None, cpu_tok_s: float, gpu_tok_s: float) -> str:
+    lines = ["| step | target tokens seen | epochs | training hours | held-out slot-1 | sim. τ |",
+             "|---|---|---|---|---|---|"]
+    for p in points:
+        ep = f"{p['tokens_seen'] / epoch_tokens:.2f}" if epoch_tokens else "–"
+        lines.append(f"| {p['step']} | {p['tokens_seen']:,} | {ep} | {p['cpu_hours']:.2f} | {p['acc_0']:.3f} | "
+                     f"{p['sim_tau']:.3f} |")
+    lines += ["", f"Fit `y = a + b ln(tokens)` over {next(iter(proj.values()))['fit']['n']} points; cost at "
+              f"{cpu_tok_s:.0f} target tokens/s on this CPU (the run's median) and {gpu_tok_s:.0f} on one GPU; "
+              f"regenerating that many fresh tokens here at {CPU_REGEN_TOKENS_PER_S:.0f}/s:", "",
+              "| metric | a | b | r² | gain per doubling | goal | tokens to goal | train, CPU h | train, GPU h "
+              "| regenerate, CPU h |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for metric, r in proj.items():
+        f = r["fit"]
+        tok = "never (not rising)" if r["tokens"] is None else f"{r['tokens']:.3g}"
+        cpu = "–" if r["cpu_hours"] is None else f"{r['cpu_hours']:.3g}"
+        gpu = "–" if r["gpu_hours"] is None else f"{r['gpu_hours']:.3g}"
+        regen = "–" if r["regen_cpu_hours"] is None else f"{r['regen_cpu_hours']:.3g}"
+        lines.append(f"| {metric} | {f['a']:.3f} | {f['b']:.4f} | {f['r2']:.3f} | {r['per_doubling']:+.3f} | "
+                     f"{r['goal']} | {tok} | {cpu} | {gpu} | {regen} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[dict], proj: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    xs = [p["tokens_seen"] for p in points]
+    hi = max(max(xs), *(r["tokens"] for r in proj.values() if r["tokens"] and r["tokens"] < 100 * max(xs)))
+    grid = [min(xs) * (hi / min(xs)) ** (i / 50) for i in range(51)]
+    for ax, (metric, title) in zip(axes, [("acc_0", "held-out slot-1 agreement"), ("sim_tau", "held-out sim. τ")]):
+        ax.plot(xs, [p[metric] for p in points], "o", label="measured")
+        if metric in proj:
+            f = proj[metric]["fit"]
+            ax.plot(grid, [f["a"] + f["b"] * math.log(g) for g in grid], "--", label="fit a + b ln(tokens)")
+            ax.axhline(proj[metric]["goal"], color="grey", lw=0.8, label="goal")
+        ax.set_xscale("log")
+        ax.set_xlabel("target tokens trained on")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="a run directory or a shipped drafter (val.jsonl, metrics.jsonl)")
+    ap.add_argument("--out", type=Path, help="where learning_curve.{png,json,md} go (default: print only)")
+    ap.add_argument("--goal-acc", type=float, default=0.6, help="slot-1 agreement goal (issue 30: first draft 0.6)")
+    ap.add_argument("--goal-tau", type=float, default=2.5, help="simulated τ goal")
+    ap.add_argument("--gpu-tok-s", type=float, default=GPU_TOKENS_PER_S)
+    ap.add_argument("--first-epoch", action="store_true", help="fit only points within the first epoch")
+    a = ap.parse_args(argv)
+    points = curve(a.run)
+    stats = a.run / "data_stats.json"
+    epoch = json.loads(stats.read_text()).get("train_target_tokens") if stats.exists() else None
+    fitted = [p for p in points if not (a.first_epoch and epoch and p["tokens_seen"] > epoch)]
+    cpu_tok_s = cpu_rate(a.run)
+    proj = project(fitted, {"acc_0": a.goal_acc, "sim_tau": a.goal_tau}, cpu_tok_s, a.gpu_tok_s)
+    text = markdown(points, proj, epoch, cpu_tok_s, a.gpu_tok_s)
+    print(text)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "learning_curve.md").write_text(text)
+        (a.out / "learning_curve.json").write_text(json.dumps(
+            {"run": str(a.run), "points": points, "epoch_tokens": epoch, "cpu_tokens_per_s": cpu_tok_s,
+             "gpu_tokens_per_s": a.gpu_tok_s, "first_epoch_only": a.first_epoch, "projection": proj}, indent=1))
+        plot(points, proj, a.out / "learning_curve.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
