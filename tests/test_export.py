@@ -442,3 +442,54 @@ def test_shared_lm_head_medusa_round_trip(target, tmp_path, fmt):
     h = target(_inputs(target), layer_ids=heads.layer_ids).hidden[heads.layer_ids[0]]
     torch.testing.assert_close(back(h), heads(h), rtol=1e-5, atol=1e-5)
     assert torch.equal(propose(back, h[:, -1], top_k=3), propose(heads, h[:, -1], top_k=3))
+
+
+def _engine_results(path: Path, engine: str, target_type: str | None, rows: dict) -> Path:
+    """An engine benchmark's results.json as python -m eval.engines.bench writes it (the fields export reads)."""
+    methods = {name: {"ok": True, "lossless": True, "method": m, "num_speculative_tokens": k,
+                      "tokens_per_s": {"1": tps}, "speedup_vs_engine_ar": {"1": tps / 100.0}}
+               for name, (m, k, tps) in rows.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"engine": engine, "target": "tiny-code", "target_type": target_type,
+                                "methods": {"ar": {"ok": True, "method": "ar", "tokens_per_s": {"1": 100.0},
+                                                   "speedup_vs_engine_ar": {"1": 1.0},
+                                                   "num_speculative_tokens": None}, **methods}}))
+    return path
+
+
+def test_cli_carries_the_k_and_target_type_an_engine_measured_fastest(ckpts, tmp_path, capsys):
+    """--results with engine benchmark files (one per target type): the export carries the K of the method's
+    fastest served row across them, and its README says where, how fast, and whether it pays."""
+    q4 = _engine_results(tmp_path / "q4_1/results.json", "llama-server", "source",
+                         {"eagle3_k1": ("eagle3", 1, 104.0), "eagle3_k3": ("eagle3", 3, 91.0),
+                          "ngram": ("ngram", 3, 130.0), "dflash": ("dflash", 7, 150.0)})
+    bf16 = _engine_results(tmp_path / "bf16/results.json", "llama-server", "bf16",
+                           {"eagle3_k1": ("eagle3", 1, 98.0), "eagle3_k2": ("eagle3", 2, 112.0)})
+    out = tmp_path / "e3"
+    assert main([str(ckpts["eagle3"]), "--format", "eagle3", "--out", str(out), "--results", str(q4),
+                 "--results", str(bf16)]) == 0
+    line = capsys.readouterr().out
+    assert "num_speculative_tokens=2" in line and "with a bf16 target: 1.12x its AR at K=2" in line
+    side = json.loads((out / "draftsmith.json").read_text())
+    assert side["num_speculative_tokens"] == 2 and side["measured_best"]["row"] == "eagle3_k2"
+    readme = (out / README).read_text()
+    assert "--speculative-num-steps 2" in readme and "112.0 tokens/s, 1.12× that engine's own AR" in readme
+    # nothing faster than AR: the K is still the best measured, and the README says to serve without it
+    slow = _engine_results(tmp_path / "slow/results.json", "llama-server", "source",
+                           {"eagle3_k1": ("eagle3", 1, 80.0), "eagle3_k4": ("eagle3", 4, 60.0)})
+    assert main([str(ckpts["eagle3"]), "--format", "eagle3", "--out", str(out), "--force", "--results",
+                 str(slow)]) == 0
+    assert "slower than its AR: serve without this drafter" in capsys.readouterr().out
+    assert "slower than plain decoding there" in (out / README).read_text()
+    # eval's results and engine results are different questions; a file without the method's rows says so
+    assert main([str(ckpts["eagle3"]), "--format", "eagle3", "--out", str(tmp_path / "x"), "--results", str(q4),
+                 "--results", str(tmp_path / "eval.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "eval.json").write_text(json.dumps({"recommended_num_speculative_tokens": 4}))
+    assert main([str(ckpts["eagle3"]), "--format", "eagle3", "--out", str(tmp_path / "x"), "--results", str(q4),
+                 "--results", str(tmp_path / "eval.json")]) == 2
+    assert "not an engine benchmark's results.json" in capsys.readouterr().err
+    assert main([str(ckpts["medusa"]), "--format", "medusa", "--out", str(tmp_path / "m"), "--results",
+                 str(q4)]) == 2
+    assert "no served medusa row at batch 1" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "m").exists()

@@ -85,3 +85,19 @@ def test_gguf_export_never_replaces_a_foreign_directory(eagle3_ckpt, tmp_path, c
     assert main([str(eagle3_ckpt), "--format", "gguf", "--out", str(out), "--force"]) == 2
     assert "not a previous GGUF export" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_the_gguf_readme_recommends_the_measured_target_type_and_k():
+    """A GGUF export made with engine --results names the target type and K that served fastest, and says plainly
+    when even that was slower than the engine's own AR."""
+    m = {"spec_type": "draft-eagle3", "source_format": "eagle3_native", "num_speculative_tokens": 2, "outtype": "f32",
+         "llama_cpp_python_sources": G.LLAMA_CPP_PYTHON_VERSION, "serve_name": None,
+         "measured_best": {"engine": "llama-server", "target_type": "bf16", "num_speculative_tokens": 2,
+                           "tokens_per_s": 112.0, "speedup": 1.12, "results": "bench/x/results.json"}}
+    text = G.readme(m)
+    assert "--spec-draft-n-max 2" in text
+    assert "llama-server with the target as a bf16 GGUF at K=2, 112.0 tokens/s, 1.12×" in text
+    assert "faster than plain decoding there" in text
+    m["measured_best"]["speedup"] = 0.8
+    assert "still slower than plain decoding there" in G.readme(m)
+    assert "Measured best" not in G.readme({**m, "measured_best": None})

@@ -3,6 +3,8 @@
     python -m train.export CHECKPOINT --format FORMAT --out DIR [--target NAME_OR_PATH] [--results eval.json] \\
         [--dtype bfloat16] [--force]
     python -m train.export CHECKPOINT --format gguf --out DIR   # llama.cpp: DIR/draft.gguf (models/export/llamacpp.py)
+    python -m train.export CHECKPOINT --format gguf --out DIR --results bench/engines/q4_1/results.json \
+        --results bench/engines/bf16/results.json    # K (and target type) that served fastest in the engine
     python -m train.export --check DIR [--target NAME_OR_PATH]
 
 CHECKPOINT is a directory written by train/ (e.g. OUTPUT_DIR/final); FORMAT is one its method declares (``--help``
@@ -28,7 +30,12 @@ from models.core.target_view import TargetView
 from models.export import llamacpp
 from models.export.api import export
 from models.export.formats import cli_formats
-from models.export.shared.common import ExportError, num_speculative_tokens_from_results
+from models.export.shared.common import (
+    ExportError,
+    engine_best,
+    is_engine_results,
+    num_speculative_tokens_from_results,
+)
 from models.export.validate import validate
 
 GGUF = "gguf"
@@ -49,7 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="export format (gguf: llama.cpp, the method's llama.cpp layout converted by its converter)")
     p.add_argument("--out", help="output directory")
     p.add_argument("--target", help="target name or path (default: the checkpoint's / the export's)")
-    p.add_argument("--results", help="eval results JSON with recommended_num_speculative_tokens")
+    p.add_argument("--results", action="append", default=[],
+                   help="eval's results.json (its recommended_num_speculative_tokens), or one or more engine "
+                        "benchmark results (python -m eval.engines.bench; repeat the flag: one per target type): "
+                        "the K, and the target type, that served this method fastest")
     p.add_argument("--dtype", help="cast float weights (float32, bfloat16, float16); default: as trained")
     p.add_argument("--serve-name", help="the target as engines should name it (speculators verifier.name_or_path, "
                    "the README's serve commands); default: its hub id, the embedded target's models/tiny_code, "
@@ -101,6 +111,26 @@ def _check_out_not_source(out: Path, ckpt: Path) -> None:
         raise ExportError(f"--out {out} contains the checkpoint being exported ({ckpt}); choose another --out")
 
 
+def _k_from_results(paths: list[str], method: str | None) -> tuple[int | None, dict | None]:
+    """K from ``--results``: eval's recommendation (one file), or the fastest served row of ``method`` across engine
+    benchmark results, with that row (engine, target type, speedup) for the export's README."""
+    if not paths:
+        return None, None
+    if len(paths) == 1 and not is_engine_results(paths[0]):
+        return num_speculative_tokens_from_results(paths[0]), None
+    best = engine_best(paths, str(method))
+    return best["num_speculative_tokens"], best
+
+
+def _measured_line(m: dict | None) -> str:
+    if not m:
+        return ""
+    verdict = "" if m["speedup"] > 1 else " — slower than its AR: serve without this drafter there"
+    tt = f" with a {m['target_type']} target" if m.get("target_type") else ""
+    return (f" (fastest in {m['engine']}{tt}: {m['speedup']:.2f}x its AR at K={m['num_speculative_tokens']}"
+            f"{verdict})")
+
+
 def _export(args: argparse.Namespace) -> str:
     from models.core.checkpoint import read_meta
     from models.registry import load_drafter
@@ -117,12 +147,12 @@ def _export(args: argparse.Namespace) -> str:
     if not (ckpt / "config.json").exists():
         raise ExportError(f"{ckpt} is not a drafter checkpoint (no config.json); pass OUTPUT_DIR/final")
     _check_out_not_source(Path(args.out), ckpt)
-    # a bad file fails before any loading
-    num_speculative_tokens = num_speculative_tokens_from_results(args.results) if args.results else None
     try:
         meta = read_meta(ckpt)
     except ValueError as e:
         raise ExportError(str(e)) from None
+    # a bad file fails before any model loading
+    num_speculative_tokens, measured = _k_from_results(args.results, meta.get("method"))
     name = args.target or _default_target(meta)
     target = TargetView.from_pretrained(name)
     try:
@@ -132,22 +162,22 @@ def _export(args: argparse.Namespace) -> str:
     if args.format == GGUF:
         out = llamacpp.export_gguf(drafter, args.out, target, target_name=name,
                                    num_speculative_tokens=num_speculative_tokens, meta=meta, dtype=dtype,
-                                   overwrite=args.force, serve_name=args.serve_name)
+                                   overwrite=args.force, serve_name=args.serve_name, measured=measured)
         m = llamacpp.check_gguf(out)
         size = (out / llamacpp.DRAFT).stat().st_size / 2**20
         return (f"exported {meta['method']} checkpoint {ckpt} -> {out}/{llamacpp.DRAFT} ({size:.1f} MiB, llama.cpp "
                 f"--spec-type {m['spec_type']}, num_speculative_tokens={m['num_speculative_tokens']}) via "
-                f"{m['source_format']} in {out}/hf")
+                f"{m['source_format']} in {out}/hf" + _measured_line(measured))
     out = export(drafter, args.format, args.out, target, target_name=name,
                  num_speculative_tokens=num_speculative_tokens, meta=meta, dtype=dtype, overwrite=args.force,
-                 serve_name=args.serve_name)
+                 serve_name=args.serve_name, measured=measured)
     fmt = cli_formats()[args.format]
     n_files = sum(1 for _ in out.iterdir())
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     return (f"exported {meta['method']} checkpoint {ckpt} -> {out} as {fmt} ({n_files} files, {size:.1f} MiB), "
             f"validated against {name}"
-            + (f", num_speculative_tokens={num_speculative_tokens} from {args.results}"
-               if num_speculative_tokens else ""))
+            + (f", num_speculative_tokens={num_speculative_tokens} from {', '.join(args.results)}"
+               if num_speculative_tokens else "") + _measured_line(measured))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

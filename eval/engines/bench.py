@@ -65,9 +65,10 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
                                                      "num_speculative_tokens": num_speculative_tokens,
                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}}]
     harness, per_row = {}, {"ngram": num_speculative_tokens}  # each row's num_speculative_tokens
+    method_of = {plain: plain, "ngram": "ngram"}  # each row's method (export --results picks a method's rows)
     for name, ckpt in checkpoints.items():  # name: the row's label (a method, or e.g. dspark for a dflash drafter)
         d, meta = load_drafter(Path(ckpt), target)
-        method = meta["method"]
+        method = method_of[name] = meta["method"]
         per_row[name] = _num_speculative_tokens(method, d, num_speculative_tokens)
         fmt = vllm_format(method)
         path = export(d, fmt, out / "exports" / name, target, meta=meta, num_speculative_tokens=per_row[name],
@@ -82,7 +83,8 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
     base = {b: x["tokens_per_s"] for b, x in (ar_run or {}).get("by_batch", {}).items()}
     for r in engine["runs"]:
         same = r["ok"] and r["outputs"] == ar and all(x["same_outputs"] for x in r["by_batch"].values())
-        row = {"ok": r["ok"], "error": r["error"], "lossless": same, "num_speculative_tokens": per_row.get(r["name"])}
+        row = {"ok": r["ok"], "error": r["error"], "lossless": same, "num_speculative_tokens": per_row.get(r["name"]),
+               "method": method_of.get(r["name"])}
         if r["ok"]:
             row["tokens_per_s"] = {b: x["tokens_per_s"] for b, x in r["by_batch"].items()}
             row["speedup_vs_engine_ar"] = {b: x["tokens_per_s"] / base[b] for b, x in r["by_batch"].items()
@@ -110,7 +112,8 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
 def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int,
                      num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, target_name: str = "tiny-code",
                      threads: int = 1, prompts_from: str | None = None, prompt_tokens: int = 64,
-                     server: bool = False, target_type: str = "f32") -> dict:
+                     server: bool = False, target_type: str = "f32", draft_ks: list[int] | None = None) -> dict:
+    """``draft_ks``: serve each drafter at each of these K (rows NAME_kK), else at its export's K."""
     from eval.bench.setup import load_prompts
     from eval.engines import llamacpp as L
     from eval.engines import llamacpp_server as LS
@@ -128,15 +131,18 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
     first = [o[0] for o in E.ar_outputs(target, cands, 1)]
     prompts = L.aligned_prompts(target.tokenizer, tgt, cands, first, n_prompts)
     ids = [p["input_ids"] for p in prompts]
-    runs = [{"name": "ar", "spec_type": None}, L.ngram_run(num_speculative_tokens)]
+    runs = [{"name": "ar", "spec_type": None, "method": "ar"},
+            {**L.ngram_run(num_speculative_tokens), "method": "ngram"}]
     harness = {}
     for name, ckpt in checkpoints.items():  # name: the row's label (a method, or e.g. dspark for a dflash drafter)
         d, meta = load_drafter(Path(ckpt), target)
         g = G.export_gguf(d, out / "exports" / name, target, target_name=target_name, meta=meta, overwrite=True)
         m = G.check_gguf(g)
-        runs.append({"name": name, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
-                     "num_speculative_tokens": m["num_speculative_tokens"]})
-        harness[name] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, m["num_speculative_tokens"])
+        for k in draft_ks or [m["num_speculative_tokens"]]:  # one draft file; K is the engine's --spec-draft-n-max
+            row = f"{name}_k{k}" if draft_ks else name
+            runs.append({"name": row, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
+                         "num_speculative_tokens": k, "method": meta["method"]})
+            harness[row] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, k)
     ar = E.ar_outputs(target, ids, max_new)
     engine = (LS.serve if server else L.serve)(tgt, prompts, max_new, runs, threads)
     base = engine["ar"].get("tokens_per_s") if engine["ar"]["ok"] else None
@@ -144,7 +150,7 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
     for r in runs:
         e = engine[r["name"]]
         row = {"ok": e["ok"], "error": e["error"], "num_speculative_tokens": r.get("num_speculative_tokens"),
-               "spec_type": r["spec_type"]}
+               "spec_type": r["spec_type"], "method": r["method"]}
         row.update(identity(target, prompts, ar, engine, r["name"], tgt, max_new, threads, server, target_type))
         if e["ok"]:
             row.update(_engine_row(e, base))
@@ -284,7 +290,7 @@ def combine(root: Path) -> Path:
     return root / "results.md"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.engines.bench", description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["vllm", "llamacpp"], default="vllm")
     p.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
@@ -300,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", help="a prompt file or shipped name (mt_bench, humaneval); default held-out stdlib")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (vLLM runs 1 OpenMP thread)")
+    p.add_argument("--draft-k", type=int, nargs="+", metavar="K",
+                   help="llama.cpp: serve each drafter at each K (rows NAME_kK; `python -m train.export --results` "
+                        "then picks the fastest), instead of its export's K")
     p.add_argument("--server", action="store_true",
                    help="llama.cpp: serve through llama-server (as users run it) instead of the example tools")
     p.add_argument("--target-type", default="f32", choices=TARGET_TYPES,
@@ -307,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
                         "source (the target's own GGUF file as shipped, e.g. smollm2's Q4_1)")
     p.add_argument("--out", default="bench/engines")
     p.add_argument("--combine", metavar="ROOT", help="only write ROOT/results.md from ROOT/*/results.json")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     if a.combine:
         print(combine(Path(a.combine)))
         return 0
@@ -327,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             for method in methods.values():  # up front: a method llama.cpp cannot draft for costs no checkpoint load
                 require_rows(method)
             res = measure_llamacpp(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.num_speculative_tokens,
-                                   a.target, a.threads, a.prompts, a.prompt_tokens, a.server, a.target_type)
+                                   a.target, a.threads, a.prompts, a.prompt_tokens, a.server, a.target_type,
+                                   a.draft_k)
         except ExportError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -38,7 +38,7 @@ from .validate import check_export, validate
 # ============================================================================================ writing
 def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, *, target_name: str | None = None,
            num_speculative_tokens: int | None = None, meta: dict | None = None, dtype: torch.dtype | None = None,
-           overwrite: bool = False, serve_name: str | None = None) -> Path:
+           overwrite: bool = False, serve_name: str | None = None, measured: dict | None = None) -> Path:
     """Write ``drafter`` (trained for ``target``) to ``out`` in ``fmt`` (one of FORMATS or a CLI name).
 
     ``target_name``: how engines should find the target (default: the target config's name_or_path).
@@ -48,6 +48,7 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
     ``serve_name``: the target as the engine-read fields (speculators ``verifier.name_or_path``, Medusa's
     ``base_model_name_or_path``) and the README's serve commands name it (default: ``engine_target_name`` of the
     target name: a hub id, never an absolute path of the training machine).
+    ``measured``: the engine configuration that served this method fastest (common.engine_best), for the README.
     The export is validated in memory first, written atomically, then validated again from disk.
     """
     spec = export_format(fmt)
@@ -64,6 +65,8 @@ def export(drafter: nn.Module, fmt: str, out: str | Path, target: FrozenTarget, 
         n = default(drafter)
     bundle = spec.build(drafter, target, name, n, meta)
     bundle.sidecar["k_from_results"] = num_speculative_tokens is not None
+    if measured:
+        bundle.sidecar["measured_best"] = measured
     _set_serve_name(bundle, serve_name or engine_target_name(name))
     bundle.sidecar["serve_name_from_user"] = serve_name is not None  # a path set on purpose is not warned about
     bundle.sidecar[SERVING_KEY] = serving_manifest(target, meta)  # target revision, chat template, thinking mode

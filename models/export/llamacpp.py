@@ -125,7 +125,7 @@ def _build_hf(drafter: nn.Module, out: Path, target, **kw):
 def export_gguf(drafter: nn.Module, out: str | Path, target, *, target_name: str, overwrite: bool = False,
                 outtype: str = "f32", **kw) -> Path:
     """Write OUT/{hf/, draft.gguf, gguf.json, README.md} (module docstring). ``kw``: models.export.export's
-    num_speculative_tokens, meta, dtype, serve_name."""
+    num_speculative_tokens, meta, dtype, serve_name, measured."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -143,7 +143,7 @@ def export_gguf(drafter: nn.Module, out: str | Path, target, *, target_name: str
                     "num_speculative_tokens": side.get("num_speculative_tokens"),
                     "outtype": outtype, "llama_cpp_python_sources": LLAMA_CPP_PYTHON_VERSION,
                     "draft_sha256": sha256(gguf), "serve_name": side.get("serve_name"),
-                    "serving": side.get("serving")}
+                    "serving": side.get("serving"), "measured_best": side.get("measured_best")}
         (tmp / MARKER).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(readme(manifest))
         for p in (tmp, *tmp.iterdir()):
@@ -231,4 +231,15 @@ def readme(m: dict) -> str:
         "```", "",
         f"`--spec-draft-n-max {m['num_speculative_tokens']}` is the recommended K. The draft reads the target's "
         "hidden states, so the target GGUF must be the model it was trained against (a quantized target changes "
-        "them; acceptance drops, output stays the target's).", ""])
+        "them; acceptance drops, output stays the target's).", "", *_measured(m.get("measured_best"))])
+
+
+def _measured(b: dict | None) -> list[str]:
+    """What the engine benchmark measured best for this drafter: the target type and K to serve it with."""
+    if not b:
+        return []
+    verdict = ("faster than plain decoding there" if b["speedup"] > 1 else
+               "still slower than plain decoding there: serve the target alone until a drafter measures faster")
+    tt = f" with the target as a {b['target_type']} GGUF" if b.get("target_type") else ""
+    return [f"Measured best (`{b['results']}`): {b['engine']}{tt} at K={b['num_speculative_tokens']}, "
+            f"{b['tokens_per_s']} tokens/s, {b['speedup']:.2f}× the engine's own AR, {verdict}.", ""]

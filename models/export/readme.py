@@ -34,6 +34,21 @@ def _frame(fmt: str, side: dict, s: Serve) -> list[str]:
             + (": its directory in a draftsmith checkout" if s.target == EMBEDDED_SERVE_PATH else "")
             + "); serve from wherever the target lives on the serving machine, or re-export with "
             "`--serve-name`.", "",
-            f"num_speculative_tokens below: {s.num_speculative_tokens}"
-            + (" (from the eval results)." if side.get("k_from_results") else " (default; pass --results eval.json "
-               "with `recommended_num_speculative_tokens` to use the measured best)."), ""]
+            f"num_speculative_tokens below: {s.num_speculative_tokens}" + _k_origin(side), ""]
+
+
+def _k_origin(side: dict) -> str:
+    m = side.get("measured_best")
+    if m:
+        pays = (f"{m['speedup']:.2f}× that engine's own AR" if m["speedup"] > 1 else
+                f"{m['speedup']:.2f}× its own AR: slower than plain decoding there, so serve without this drafter "
+                "until a better one measures faster")
+        tt = f" (the target as a {m['target_type']} GGUF)" if m.get("target_type") else ""
+        return (f" (the fastest of the K measured in {m['engine']} on `{m['target']}`{tt}: "
+                f"{m['tokens_per_s']} tokens/s, {pays}"
+                + ("" if m["lossless"] else "; its tokens left the engine's AR at near ties, listed in the results")
+                + f"; `{m['results']}`).")
+    if side.get("k_from_results"):
+        return " (from the eval results)."
+    return (" (default; pass --results eval.json with `recommended_num_speculative_tokens`, or engine benchmark "
+            "results, to use the measured best).")

@@ -144,12 +144,17 @@ def load_json(path: Path, fix: str = EXPORT_FIX) -> dict:
     return data
 
 
+def _results(path: str | Path) -> dict:
+    if not Path(path).is_file():  # load_json's "not an export directory" would blame the wrong file
+        raise ExportError(f"--results {path}: no such file; pass the results.json that `python -m eval` (or `python "
+                          "-m eval.engines.bench`) wrote in its out dir, or export without --results (the method's "
+                          "default K)")
+    return load_json(Path(path), RESULTS_FIX)
+
+
 def num_speculative_tokens_from_results(path: str | Path) -> int:
     """``recommended_num_speculative_tokens`` from an eval results JSON (eval/ writes it)."""
-    if not Path(path).is_file():  # load_json's "not an export directory" would blame the wrong file
-        raise ExportError(f"--results {path}: no such file; pass the results.json that `python -m eval` wrote in its "
-                          "out_dir, or export without --results (the method's default K)")
-    data = load_json(Path(path), RESULTS_FIX)
+    data = _results(path)
     n = data.get("recommended_num_speculative_tokens")
     if n == 0 and not isinstance(n, bool):
         raise ExportError(f"{path}: recommended_num_speculative_tokens is 0 — speculation measured slower than plain "
@@ -158,6 +163,39 @@ def num_speculative_tokens_from_results(path: str | Path) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ExportError(f"{path}: needs a positive integer 'recommended_num_speculative_tokens', got {n!r}")
     return n
+
+
+def is_engine_results(path: str | Path) -> bool:
+    """Whether ``path`` is an engine benchmark's results.json (``python -m eval.engines.bench``), not eval's."""
+    data = _results(path)
+    return "engine" in data and isinstance(data.get("methods"), dict)
+
+
+def engine_best(paths: list[str | Path], method: str) -> dict:
+    """The fastest configuration of ``method`` served at batch 1 across engine benchmark results (one file per
+    engine and target type): engine, target type, K, tokens/s and speedup over that engine's own AR in the same
+    file, and whether its tokens were the reference's (a quantized target diverges at near ties; the results say
+    where). The K an export should carry for that engine, and the target type to serve it with."""
+    rows = []
+    for p in paths:
+        data = _results(p)
+        if "engine" not in data or not isinstance(data.get("methods"), dict):
+            raise ExportError(f"--results {p}: not an engine benchmark's results.json (no 'engine'); pass eval's "
+                              "results.json alone, or only `python -m eval.engines.bench` results")
+        for name, r in data["methods"].items():
+            speedup = (r.get("speedup_vs_engine_ar") or {}).get("1")
+            k = r.get("num_speculative_tokens")
+            if r.get("method") != method or not r.get("ok") or speedup is None or not isinstance(k, int):
+                continue
+            rows.append({"engine": data["engine"], "target": data.get("target"),
+                         "target_type": data.get("target_type"), "num_speculative_tokens": k,
+                         "speedup": round(float(speedup), 3), "tokens_per_s": round(r["tokens_per_s"]["1"], 1),
+                         "lossless": bool(r.get("lossless")), "row": name, "results": str(p)})
+    if not rows:
+        raise ExportError(f"--results: no served {method} row at batch 1 in {', '.join(map(str, paths))}; measure one "
+                          f"with `python -m eval.engines.bench --checkpoint {method}=RUN/final` (files written before "
+                          "rows named their method need a rerun)")
+    return max(rows, key=lambda r: r["speedup"])
 
 
 # ============================================================================================ the bundle
