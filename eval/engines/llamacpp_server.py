@@ -144,6 +144,8 @@ def serve(target_gguf: str | Path, prompts: Sequence[dict], max_new: int, runs: 
                "tokens_per_s": sum(x["decoded"] for x in res) / max(sum(x["decode_s"] for x in res), 1e-9)}
         if r.get("spec_type"):
             row["server_counts"] = round_counts(res)
+            row["accepted_by_request"] = [x["draft_n_accepted"] for x in res]  # per prompt: the server's totals
+            row["drafted_by_request"] = [x["draft_n"] for x in res]
         out[r["name"]] = row
     return out
 

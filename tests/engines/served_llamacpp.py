@@ -11,7 +11,8 @@
    with a wrong head on this untied target (its converter drops a full-vocabulary draft's lm_head but keeps its
    embedding, and the loader then ties the two);
 3. llama.cpp: AR (llama-completion), n-gram (``ngram-simple``) and each draft (llama-speculative-simple) at T=0 on
-   the same aligned prompts (prompt + t0, see eval/engines/llamacpp.py);
+   the same aligned prompts (prompt + t0, see eval/engines/llamacpp.py), and AR, n-gram and one drafter of each
+   spec type again through ``llama-server`` (eval/engines/llamacpp_server.py), the way users serve;
 4. the harness on the same prompts at the same K.
 
 Without the built tools the tier is skipped (one reason) unless ``DRAFTSMITH_REQUIRE_ENGINES=1``: then it fails.
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 
 from eval.engines import llamacpp as L
+from eval.engines import llamacpp_server as LS
 from eval.engines import serving as E
 from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS
 from models.export import llamacpp as G
@@ -38,6 +40,7 @@ N_PROMPTS, PROMPT_TOKENS, MAX_NEW, CANDIDATES = 4, 64, 48, 16
 SERVED = ["eagle3", "dflash_full", "dspark_full", "dspark"]
 LAYOUTS = {"eagle3_speculators": "eagle3"}
 SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash_full": "draft-dflash", "dspark_full": "draft-dspark"}
+SERVER_RUNS = ["ar", "ngram", *SPEC_TYPES]
 
 
 def export_gguf(ckpt: Path, out: Path, k: int | None = None) -> Path:
@@ -151,14 +154,16 @@ def _build(root: Path, runs_dir: Path) -> dict:
                                         root / "exports" / "dspark_spec")),
                  "num_speculative_tokens": manifests["dspark_full"]["num_speculative_tokens"]})
     engine = L.serve(tgt_gguf, prompts, MAX_NEW, runs)
-    return {"engine": engine, "harness": harness, "prompts": prompts, "manifests": manifests,
+    # llama-server, as users serve: AR, n-gram and the drafters of each spec type, one server process each
+    server = LS.serve(tgt_gguf, prompts, MAX_NEW, [r for r in runs if r["name"] in SERVER_RUNS])
+    return {"engine": engine, "server": server, "harness": harness, "prompts": prompts, "manifests": manifests,
             "train_seconds": train_seconds,
             "n_candidates": len(cands), "n_prompts": len(prompts)}
 
 
 def llamacpp_results(tmp_path_factory) -> dict:
-    require_engine(L.available(),
-                   f"llama.cpp tools {L.TOOLS} not built in {G.llamacpp_dir()} (scripts/build_llama_cpp.sh)")
+    require_engine(L.available() and LS.available(), f"llama.cpp tools {(*L.TOOLS, LS.TOOL)} not built in "
+                   f"{G.llamacpp_dir()} (scripts/build_llama_cpp.sh)")
     shared = _root(tmp_path_factory)  # the vLLM tier's: its trained drafters are reused (same recipes)
     root = shared.with_name("llamacpp_tier")
     return build_once(root, lambda: _build(root, _runs_dir(shared)), "DRAFTSMITH_LLAMACPP_RESULTS")
