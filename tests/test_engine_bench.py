@@ -40,3 +40,6 @@ def test_cli_refuses_methods_an_engine_cannot_serve(capsys, tmp_path):
     assert main(["--checkpoint", f"dspark={tmp_path / 'nothing'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --checkpoint") and "nothing" in err[0]
+    # a K sweep is llama.cpp's (one draft file, --spec-draft-n-max per run); vLLM would ignore it silently
+    assert main(["--checkpoint", f"eagle3={_ckpt(tmp_path, 'eagle3')}", "--draft-k", "1", "2"]) == 2
+    assert "--draft-k is for --engine llamacpp" in capsys.readouterr().err

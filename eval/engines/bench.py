@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(render(res))
         return 0 if all(r["lossless"] for r in res["methods"].values() if r["ok"]) else 1
+    if a.draft_k:
+        print("error: --draft-k is for --engine llamacpp (vLLM serves each drafter at its export's K)", file=sys.stderr)
+        return 2
     bad = sorted(set(methods.values()) - set(served_methods()))
     if bad:
         print(f"error: no vLLM format for {bad}; use {served_methods()}", file=sys.stderr)
