@@ -75,6 +75,10 @@ def run(cfg: DictConfig, require: list[str] | tuple[str, ...] = ()) -> dict:
     settings = settings_from(cfg)
     out = Path(cfg.out_dir)
     check_writable(out)  # before the benchmark: a read-only or full out_dir would lose every result at the end
+    if settings.threads:  # target.dtype=auto times its candidates at the thread count the benchmark decodes with
+        import torch
+
+        torch.set_num_threads(settings.threads)
     target = instantiate(cfg.target)
     prompts = load_prompts(target.tokenizer, cfg.n_prompts, cfg.prompt_tokens, cfg.prompts)
     if len(prompts) < cfg.n_prompts:

@@ -584,3 +584,25 @@ def test_hf_peer_does_not_stop_at_the_models_own_eos_when_we_do_not(tiny_llama, 
     finally:
         tiny_llama.generation_config.eos_token_id = old
     assert toks == ours
+
+
+def test_auto_dtype_is_probed_at_the_benchmark_threads_and_reported(env, tmp_path):
+    """target.dtype=auto times each dtype at the thread count the benchmark decodes with (not the process
+    default), and results.md shows its t(w)/t(1) table and choice."""
+    from eval.__main__ import run
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=_cli_overrides(
+            env, tmp_path, "target.dtype=auto", "methods=[ar,ngram]", "batch_sizes=[]", "temperatures=[0]",
+            "peers=false"))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        res = run(cfg)
+    finally:
+        torch.set_num_threads(before)
+    probe = res["env"]["dtype_probe"]
+    assert probe["threads"] == 1 == res["env"]["threads"]
+    md = (tmp_path / "results.md").read_text()
+    assert f"`target.dtype=auto` chose **{probe['chosen']}**" in md
+    assert all(f"| {d} | " in md for d in probe["dtypes"])

@@ -83,7 +83,7 @@ def _header_md(r: dict) -> list[str]:
         lines += ["", f"The target *is* `{g['file']}` dequantized to {g['dequantized_to']} (sha256 "
                       f"`{g['sha256'][:16]}…`): losslessness is against that model, not the checkpoint the GGUF was "
                       "quantized from."]
-    lines += _bandwidth_md(r)
+    lines += _bandwidth_md(r) + _dtype_probe_md(r)
     lines.append("")
     bad = [n for n, m in r["methods"].items() if not m["lossless"]]
     tolerated = sum(m.get("n_tolerated", 0) for m in r["methods"].values())
@@ -108,6 +108,23 @@ def _bandwidth_md(r: dict) -> list[str]:
                 f"{bw['weight_MB']:.0f} MB of weights once per token at the measured {bw['read_GB_per_s']:.1f} GB/s "
                 f"({bw['threads']} threads) allows {bound:.0f} tokens/s: AR ran at {100 * tps / bound:.0f} % of "
                 "that bandwidth bound."]
+
+
+def _dtype_probe_md(r: dict) -> list[str]:
+    """target.dtype=auto: the target's one-row forward at widths 1..K+1 in each dtype on this machine (t(w)/t(1),
+    t(1) in ms) and the dtype it chose: the fastest one-token step, plain decoding's."""
+    p = r["env"].get("dtype_probe")
+    if not p:
+        return []
+    widths = sorted({int(w) for d in p["dtypes"].values() for w in d["t_over_t1"]})
+    lines = ["", f"`target.dtype=auto` chose **{p['chosen']}** (CPU flags {', '.join(p['machine']['flags'])}; "
+                 f"{p['threads']} thread(s), {p['prefix_len']}-token cache): t(w)/t(1) for a w-token forward,", "",
+             "| dtype | t(1) ms | " + " | ".join(f"w={w}" for w in widths) + " |",
+             "|---|---|" + "---|" * len(widths)]
+    for name, d in p["dtypes"].items():
+        lines.append(f"| {name} | {1000 * d['t_s']['1']:.1f} | "
+                     + " | ".join(f"{d['t_over_t1'].get(str(w), float('nan')):.2f}" for w in widths) + " |")
+    return lines
 
 
 def _results_md(r: dict) -> list[str]:
