@@ -444,14 +444,14 @@ def test_shared_lm_head_medusa_round_trip(target, tmp_path, fmt):
     assert torch.equal(propose(back, h[:, -1], top_k=3), propose(heads, h[:, -1], top_k=3))
 
 
-def _engine_results(path: Path, engine: str, target_type: str | None, rows: dict) -> Path:
+def _engine_results(path: Path, engine: str, target_type: str | None, rows: dict, ar: float = 100.0) -> Path:
     """An engine benchmark's results.json as python -m eval.engines.bench writes it (the fields export reads)."""
     methods = {name: {"ok": True, "lossless": True, "method": m, "num_speculative_tokens": k,
-                      "tokens_per_s": {"1": tps}, "speedup_vs_engine_ar": {"1": tps / 100.0}}
+                      "tokens_per_s": {"1": tps}, "speedup_vs_engine_ar": {"1": tps / ar}}
                for name, (m, k, tps) in rows.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"engine": engine, "target": "tiny-code", "target_type": target_type,
-                                "methods": {"ar": {"ok": True, "method": "ar", "tokens_per_s": {"1": 100.0},
+                                "methods": {"ar": {"ok": True, "method": "ar", "tokens_per_s": {"1": ar},
                                                    "speedup_vs_engine_ar": {"1": 1.0},
                                                    "num_speculative_tokens": None}, **methods}}))
     return path
@@ -460,9 +460,10 @@ def _engine_results(path: Path, engine: str, target_type: str | None, rows: dict
 def test_cli_carries_the_k_and_target_type_an_engine_measured_fastest(ckpts, tmp_path, capsys):
     """--results with engine benchmark files (one per target type): the export carries the K of the method's
     fastest served row across them, and its README says where, how fast, and whether it pays."""
+    # q4_1's K=3 gains more over its AR (1.15x) but bf16's K=2 serves more tokens/s: that is the one to serve
     q4 = _engine_results(tmp_path / "q4_1/results.json", "llama-server", "source",
-                         {"eagle3_k1": ("eagle3", 1, 104.0), "eagle3_k3": ("eagle3", 3, 91.0),
-                          "ngram": ("ngram", 3, 130.0), "dflash": ("dflash", 7, 150.0)})
+                         {"eagle3_k1": ("eagle3", 1, 104.0), "eagle3_k3": ("eagle3", 3, 107.0),
+                          "ngram": ("ngram", 3, 130.0), "dflash": ("dflash", 7, 150.0)}, ar=93.0)
     bf16 = _engine_results(tmp_path / "bf16/results.json", "llama-server", "bf16",
                            {"eagle3_k1": ("eagle3", 1, 98.0), "eagle3_k2": ("eagle3", 2, 112.0)})
     out = tmp_path / "e3"
