@@ -470,18 +470,19 @@ def test_cli_carries_the_k_and_target_type_an_engine_measured_fastest(ckpts, tmp
     assert main([str(ckpts["eagle3"]), "--format", "eagle3", "--out", str(out), "--results", str(q4),
                  "--results", str(bf16)]) == 0
     line = capsys.readouterr().out
-    assert "num_speculative_tokens=2" in line and "with a bf16 target: 1.12x its AR at K=2" in line
+    assert "num_speculative_tokens=2" in line
+    assert "best measured: llama-server with the target as a bf16 GGUF at K=2" in line
     side = json.loads((out / "draftsmith.json").read_text())
     assert side["num_speculative_tokens"] == 2 and side["measured_best"]["row"] == "eagle3_k2"
     readme = (out / README).read_text()
-    assert "--speculative-num-steps 2" in readme and "112.0 tokens/s, 1.12× that engine's own AR" in readme
+    assert "--speculative-num-steps 2" in readme and "112.0 tokens/s, 1.12× the engine's own AR, faster than" in readme
     # nothing faster than AR: the K is still the best measured, and the README says to serve without it
     slow = _engine_results(tmp_path / "slow/results.json", "llama-server", "source",
                            {"eagle3_k1": ("eagle3", 1, 80.0), "eagle3_k4": ("eagle3", 4, 60.0)})
     assert main([str(ckpts["eagle3"]), "--format", "eagle3", "--out", str(out), "--force", "--results",
                  str(slow)]) == 0
-    assert "slower than its AR: serve without this drafter" in capsys.readouterr().out
-    assert "slower than plain decoding there" in (out / README).read_text()
+    assert "K=1, 80.0 tokens/s, 0.80× the engine's own AR, slower than plain decoding there" in capsys.readouterr().out
+    assert "slower than plain decoding there: serve the target alone" in (out / README).read_text()
     # eval's results and engine results are different questions; a file without the method's rows says so
     assert main([str(ckpts["eagle3"]), "--format", "eagle3", "--out", str(tmp_path / "x"), "--results", str(q4),
                  "--results", str(tmp_path / "eval.json")]) == 2

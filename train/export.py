@@ -34,6 +34,7 @@ from models.export.shared.common import (
     ExportError,
     engine_best,
     is_engine_results,
+    measured_sentence,
     num_speculative_tokens_from_results,
 )
 from models.export.validate import validate
@@ -123,12 +124,7 @@ def _k_from_results(paths: list[str], method: str | None) -> tuple[int | None, d
 
 
 def _measured_line(m: dict | None) -> str:
-    if not m:
-        return ""
-    verdict = "" if m["speedup"] > 1 else " — slower than its AR: serve without this drafter there"
-    tt = f" with a {m['target_type']} target" if m.get("target_type") else ""
-    return (f" (fastest in {m['engine']}{tt}: {m['speedup']:.2f}x its AR at K={m['num_speculative_tokens']}"
-            f"{verdict})")
+    return f" (best measured: {measured_sentence(m)})" if m else ""
 
 
 def _export(args: argparse.Namespace) -> str:

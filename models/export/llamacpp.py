@@ -31,7 +31,7 @@ from torch import nn
 
 from models import registry
 from models.core.target import resolve_name
-from models.export.shared.common import SIDECAR, ExportError, load_json
+from models.export.shared.common import SIDECAR, ExportError, load_json, measured_sentence
 
 from .api import export
 from .formats import export_format
@@ -236,10 +236,4 @@ def readme(m: dict) -> str:
 
 def _measured(b: dict | None) -> list[str]:
     """What the engine benchmark measured best for this drafter: the target type and K to serve it with."""
-    if not b:
-        return []
-    verdict = ("faster than plain decoding there" if b["speedup"] > 1 else
-               "still slower than plain decoding there: serve the target alone until a drafter measures faster")
-    tt = f" with the target as a {b['target_type']} GGUF" if b.get("target_type") else ""
-    return [f"Measured best (`{b['results']}`): {b['engine']}{tt} at K={b['num_speculative_tokens']}, "
-            f"{b['tokens_per_s']} tokens/s, {b['speedup']:.2f}× the engine's own AR, {verdict}.", ""]
+    return [f"Measured best (`{b['results']}`): {measured_sentence(b)}.", ""] if b else []

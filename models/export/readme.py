@@ -8,7 +8,7 @@ method's ``export.py``; shared pieces in models/export/shared/snippets.py). A fo
 from __future__ import annotations
 
 from models.core.target import EMBEDDED_NAME
-from models.export.shared.common import EMBEDDED_SERVE_PATH, engine_target_name
+from models.export.shared.common import EMBEDDED_SERVE_PATH, engine_target_name, measured_sentence
 from models.export.shared.snippets import Serve
 
 from .formats import export_format
@@ -40,14 +40,7 @@ def _frame(fmt: str, side: dict, s: Serve) -> list[str]:
 def _k_origin(side: dict) -> str:
     m = side.get("measured_best")
     if m:
-        pays = (f"{m['speedup']:.2f}× that engine's own AR" if m["speedup"] > 1 else
-                f"{m['speedup']:.2f}× its own AR: slower than plain decoding there, so serve without this drafter "
-                "until a better one measures faster")
-        tt = f" (the target as a {m['target_type']} GGUF)" if m.get("target_type") else ""
-        return (f" (the fastest of the K measured in {m['engine']} on `{m['target']}`{tt}: "
-                f"{m['tokens_per_s']} tokens/s, {pays}"
-                + ("" if m["lossless"] else "; its tokens left the engine's AR at near ties, listed in the results")
-                + f"; `{m['results']}`).")
+        return f" (the best measured: {measured_sentence(m)}; `{m['results']}`)."
     if side.get("k_from_results"):
         return " (from the eval results)."
     return (" (default; pass --results eval.json with `recommended_num_speculative_tokens`, or engine benchmark "

@@ -200,6 +200,17 @@ def engine_best(paths: list[str | Path], method: str) -> dict:
     return max(rows, key=lambda r: (r["speedup"] > 1, r["tokens_per_s"] if r["speedup"] > 1 else r["speedup"]))
 
 
+def measured_sentence(m: Mapping[str, Any]) -> str:
+    """engine_best's row in words, for the CLI line and both READMEs: where, at which K, how fast, and whether it
+    pays."""
+    tt = f" with the target as a {m['target_type']} GGUF" if m.get("target_type") else ""
+    verdict = ("faster than plain decoding there" if m["speedup"] > 1 else
+               "slower than plain decoding there: serve the target alone until a drafter measures faster")
+    ties = "" if m.get("lossless", True) else " (its tokens left the engine's AR at near ties; the results list them)"
+    return (f"{m['engine']}{tt} at K={m['num_speculative_tokens']}, {m['tokens_per_s']} tokens/s, "
+            f"{m['speedup']:.2f}× the engine's own AR, {verdict}{ties}")
+
+
 # ============================================================================================ the bundle
 @dataclass
 class Bundle:
