@@ -33,8 +33,19 @@ _FIX = "free space, or point train.feature_cache at a larger disk"
 
 
 def _key(meta: dict) -> dict:
-    """What decides the content, bar the layer set (a superset serves a subset; checked apart)."""
-    return {k: meta[k] for k in ("target", "dtype", "rows", "shard_rows", "row_digest")}
+    """What decides the content, bar the layer set (a superset serves a subset; checked apart) and the rows, which
+    are checked shard by shard (``_valid_shards``)."""
+    return {k: meta[k] for k in ("target", "dtype", "shard_rows")}
+
+
+def _valid_shards(old: dict, rows: list[dict], shard_rows: int) -> int | None:
+    """How many leading shards of a cache built by ``old`` (its manifest) hold exactly ``rows``' first shards: all
+    of them for the same rows; the full ones when ``rows`` extend the old rows (a second data tranche appended to
+    the first); None for any other rows (fewer rows too: the cache stays whole for the run that built it)."""
+    n_old = old["rows"]
+    if len(rows) < n_old or _row_digest(rows[:n_old]) != old["row_digest"]:
+        return None
+    return -(-n_old // shard_rows) if len(rows) == n_old else n_old // shard_rows
 
 
 def _row_digest(rows: list[dict]) -> str:
@@ -97,7 +108,8 @@ class FeatureCache:
                 raise ValueError(f"feature cache {self.root} cannot be checked against this run: its manifest {mpath} "
                                  f"is {what}; delete it to rebuild (rm -r {self.root}), or set "
                                  "train.feature_cache to a new directory") from None
-            if _key(old) != _key(self.meta):
+            valid = _valid_shards(old, self.rows, self.shard_rows) if _key(old) == _key(self.meta) else None
+            if valid is None:
                 raise ValueError(f"feature cache {self.root} was built for other data/target/dtype; "
                                  "delete it or set train.feature_cache to a new directory")
             missing = sorted(set(self.layer_ids) - set(old["layer_ids"]))
@@ -105,6 +117,10 @@ class FeatureCache:
                 raise ValueError(f"feature cache {self.root} stores layers {old['layer_ids']}, not {missing}; "
                                  "set train.feature_cache to a new directory (train.feature_layers: the union "
                                  "of every method that shares one)")
+            # the rows grew: the old last shard, if partial, was built for fewer rows; this cache wrote it, and it
+            # goes before the new manifest (a kill in between leaves the old one, which says the same)
+            for i in range(valid, -(-old["rows"] // self.shard_rows)):
+                self.shard_path(i).unlink(missing_ok=True)
             self.stored = list(old["layer_ids"])  # reused as built: its shards hold these
             self.meta["layer_ids"] = self.stored
             # the ledger of the build that made it survives runs that only read it

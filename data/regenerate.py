@@ -3,14 +3,17 @@
 A drafter imitates the target; trained on the target's *own* outputs rather than a fixed dataset's
 answers, it learns the distribution it will be verified against and gets more tokens accepted.
 
-Both entry points are batched over items (left padding, ``model.generate``) and resumable: each
-finished item is appended to a JSON-lines file as ``{"index": i, ...}`` (flushed per batch); a rerun
-reads that file, checks the stored items still match the inputs, and generates only the missing ones.
+Both entry points are resumable: each finished item is appended to a JSON-lines file as ``{"index": i, ...}``
+(flushed in batches); a rerun reads that file, checks the stored items still match the inputs, and generates only
+the missing ones.
 
-Greedy (``temperature=0``) output does not depend on where a run was interrupted. Sampling (pure
-temperature, no top-k/top-p, ``models.core.generate``) is seeded per batch from ``seed`` and the batch's first
-index; batches are fixed (``range(b, b + batch_size)``) and a batch the cache holds only part of is generated
-again whole, so a resumed run draws exactly the samples of an uninterrupted one (same ``batch_size``).
+Conversations go through continuous batching (``refill=True``, models/core/refill.py): a reply that ends hands
+its row to the next prompt, and reply ``t`` of conversation ``i`` samples with a seed of its own, so a record is the
+same whatever batch it ran in and wherever a run was cut. Fixed batches (``refill=False``; continuations always):
+items in ``range(b, b + batch_size)``, sampling seeded per batch from ``seed`` and the batch's first index, and a
+batch the cache holds only part of is generated again whole, so a resumed run draws exactly the samples of an
+uninterrupted one (same ``batch_size``). Greedy output does not depend on either. Sampling is pure temperature
+(no top-k/top-p).
 """
 
 from __future__ import annotations
@@ -196,10 +199,7 @@ def _run_resumable(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = load_done(out_path)
-    for i, rec in done.items():
-        if i >= len(items) or not same_input(items[i], rec):
-            raise ValueError(f"{out_path}: stored item {i} does not match input item {i}; the file was written for "
-                             "other inputs — use another out_path or delete it")
+    _check_done(items, done, out_path, same_input)
     batches = [list(range(b, min(b + batch_size, len(items)))) for b in range(0, len(items), batch_size)]
     todo = [idx for idx in batches if not all(i in done for i in idx)]
     n_todo = sum(len(idx) for idx in todo)
@@ -219,6 +219,14 @@ def _run_resumable(
                 done[rec["index"]] = rec
             bar.update(len(idx))
     return done
+
+
+def _check_done(items: Sequence[Any], done: dict[int, dict], out_path: Path,
+                same_input: Callable[[Any, dict], bool]) -> None:
+    for i, rec in done.items():
+        if i >= len(items) or not same_input(items[i], rec):
+            raise ValueError(f"{out_path}: stored item {i} does not match input item {i}; the file was written for "
+                             "other inputs — use another out_path or delete it")
 
 
 def ledger_path(out_path: Path) -> Path:
@@ -241,6 +249,56 @@ def _same_conversation(conv: list[dict], rec: dict) -> bool:
 # ----------------------------------------------------------------------------------- public API
 
 
+class _Conversations:
+    """The per-conversation state of a regeneration: the turns so far, the assistant turns still to answer, the
+    tokens generated; ``prompt`` renders the context before the next reply, ``answer`` puts a reply in."""
+
+    def __init__(self, tok, convs: list[list[dict]], stops: list[int], chat_template, enable_thinking,
+                 max_prompt_tokens: int | None):
+        self.tok, self.convs, self.stops = tok, convs, stops
+        self.template, self.thinking, self.max_prompt = chat_template, enable_thinking, max_prompt_tokens
+        self.harmony = all(t in special_strings(tok) for t in (CHANNEL, MESSAGE))
+        self.work: dict[int, list[dict]] = {}
+        self.pending: dict[int, list[int]] = {}
+        self.n_new: dict[int, int] = {}
+
+    def start(self, i: int) -> None:
+        self.work[i] = [dict(m) for m in self.convs[i]]
+        # an assistant turn before any user turn (ShareGPT has some) has no prompt to answer: kept verbatim
+        self.pending[i] = [j for j, m in enumerate(self.convs[i]) if m["role"] == "assistant"
+                           and any(p["role"] == "user" for p in self.convs[i][:j])]
+        self.n_new[i] = 0
+
+    def prompt(self, i: int) -> list[int] | None:
+        """The token ids that prompt conversation ``i``'s next reply; None when nothing is left to answer (a turn
+        whose prompt outgrows ``max_prompt_tokens`` ends it: that reply and later ones keep their dataset text)."""
+        if not self.pending[i]:
+            return None
+        text = render_chat(self.tok, self.work[i][: self.pending[i][0]], True, self.template, self.thinking)
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if self.max_prompt is not None and len(ids) > self.max_prompt:
+            self.pending[i] = []
+            return None
+        return ids
+
+    def answer(self, i: int, new: list[int]) -> None:
+        self.n_new[i] += len(new)
+        j = self.pending[i].pop(0)
+        if new and new[-1] in self.stops:
+            new = new[:-1]  # the template writes the turn-closing token itself
+        text = self.tok.decode(new, skip_special_tokens=False)
+        split = split_harmony(text) if self.harmony else None
+        if split is None:
+            self.work[i][j]["content"] = text
+        else:  # gpt-oss: the analysis channel goes to "thinking", the final one to "content"
+            self.work[i][j].update(split)
+
+    def record(self, i: int) -> dict:
+        rec = {"index": i, "messages": self.work.pop(i), "new_tokens": self.n_new.pop(i)}
+        del self.pending[i]
+        return rec
+
+
 def regenerate_conversations(
     model: PreTrainedModel,
     tok: PreTrainedTokenizerBase,
@@ -254,58 +312,136 @@ def regenerate_conversations(
     enable_thinking: bool | None = None,
     stats: dict | None = None,
     max_prompt_tokens: int | None = None,
+    refill: bool = False,
 ) -> list[list[dict]]:
     """Every assistant turn replaced by the target's own reply to the (already regenerated) context before it.
 
-    System and user turns are kept verbatim. Conversations are batched; a batch advances one assistant
-    turn per ``generate`` call. Output is in input order; ``out_path`` holds one line per conversation.
+    System and user turns are kept verbatim. Output is in input order; ``out_path`` holds one line per conversation.
     ``max_prompt_tokens``: a turn whose prompt is longer (a ShareGPT second question can be thousands of tokens)
     is kept verbatim with the turns after it: its reply would start past a training row of that length, and its
     prompt would pad and slow its whole batch.
+    ``refill``: continuous batching (models/core/refill.py; ``_refill_conversations``), each reply sampled with a
+    seed of its own; else fixed batches of conversations, one assistant turn per ``generate`` call.
     """
     convs = [[{"role": m["role"], "content": m["content"]} for m in c] for c in conversations]
     stops = stop_token_ids(tok, model, chat_template=chat_template, enable_thinking=enable_thinking)
     pad_id = _pad_id(tok, stops)
-    harmony = all(t in special_strings(tok) for t in (CHANNEL, MESSAGE))
+    state = _Conversations(tok, convs, stops, chat_template, enable_thinking, max_prompt_tokens)
+    if refill:
+        done = _refill_conversations(model, state, out_path, batch_size, max_new_tokens, temperature, seed, pad_id,
+                                     stats)
+        return [done[i]["messages"] for i in range(len(convs))]
 
     def process_batch(idx: list[int]) -> list[dict]:
-        work = {i: [dict(m) for m in convs[i]] for i in idx}
-        # an assistant turn before any user turn (ShareGPT has some) has no prompt to answer: kept verbatim
-        pending = {i: [j for j, m in enumerate(convs[i]) if m["role"] == "assistant"
-                       and any(p["role"] == "user" for p in convs[i][:j])] for i in idx}
-        n_new = dict.fromkeys(idx, 0)  # tokens generated per conversation (the ledger's count)
+        for i in idx:
+            state.start(i)
         step = 0
-        while any(pending.values()):
+        while True:
             active, prompts = [], []
-            for i in [i for i in idx if pending[i]]:
-                text = render_chat(tok, work[i][: pending[i][0]], True, chat_template, enable_thinking)
-                ids = tok(text, add_special_tokens=False)["input_ids"]
-                if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                    pending[i] = []  # this reply and later ones start past the training window: kept verbatim
-                    continue
-                active.append(i)
-                prompts.append(ids)
+            for i in idx:
+                ids = state.prompt(i)
+                if ids is not None:
+                    active.append(i)
+                    prompts.append(ids)
             if not active:
                 break
             outs = _generate_batch(model, prompts, stops, pad_id, max_new_tokens, temperature,
                                    _batch_seed(seed, idx[0]) + step)
             for i, new in zip(active, outs):
-                n_new[i] += len(new)
-                j = pending[i].pop(0)
-                if new and new[-1] in stops:
-                    new = new[:-1]  # the template writes the turn-closing token itself
-                text = tok.decode(new, skip_special_tokens=False)
-                split = split_harmony(text) if harmony else None
-                if split is None:
-                    work[i][j]["content"] = text
-                else:  # gpt-oss: the analysis channel goes to "thinking", the final one to "content"
-                    work[i][j].update(split)
+                state.answer(i, new)
             step += 1
-        return [{"index": i, "messages": work[i], "new_tokens": n_new[i]} for i in idx]
+        return [state.record(i) for i in idx]
 
     done = _run_resumable(convs, out_path, batch_size, _same_conversation, process_batch,
                           "regenerate conversations", stats)
     return [done[i]["messages"] for i in range(len(convs))]
+
+
+def _refill_conversations(model, state: _Conversations, out_path: Path, batch_size: int, max_new_tokens: int,
+                          temperature: float, seed: int, pad_id: int, stats: dict | None) -> dict[int, dict]:
+    """Continuous batching over conversations (``_RefillRun``), resumable: conversations the file holds are
+    skipped, the others generated."""
+    from models.core.refill import generate_refill
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = load_done(out_path)
+    _check_done(state.convs, done, out_path, _same_conversation)
+    run = _RefillRun(state, done, out_path, seed)
+    if stats is not None:
+        stats.update(generated=len(run.todo), from_cache=len(state.convs) - len(run.todo))
+    try:
+        generate_refill(model, run.pull, run.finish, state.stops, pad_id, max_new_tokens, batch_size, temperature)
+        run.flush()
+    finally:
+        run.bar.close()
+    return done
+
+
+class _RefillRun:
+    """A reply that ends frees its row for the next prompt (a waiting conversation's next turn first); a
+    conversation's record is written once its last turn is answered, ``flush_every`` at a time (a kill loses only
+    those in flight), with a ledger line each. Reply ``t`` of conversation ``i`` samples with a seed of its own, so
+    every record is the same however the run was cut and resumed. Records land in completion order."""
+
+    def __init__(self, state: _Conversations, done: dict[int, dict], out_path: Path, seed: int,
+                 flush_every: int = 16):
+        from collections import deque
+
+        self.state, self.done, self.out_path, self.seed, self.flush_every = state, done, out_path, seed, flush_every
+        self.todo = deque(i for i in range(len(state.convs)) if i not in done)
+        self.follow_ups: deque = deque()
+        self.turn: dict[int, int] = {}
+        self.ready: list[dict] = []
+        self.t_flush = time.time()
+        self.bar = tqdm(total=len(state.convs), initial=len(state.convs) - len(self.todo),
+                        desc="regenerate conversations", unit="item")
+
+    def request(self, i: int):
+        from models.core.refill import Request
+
+        ids = self.state.prompt(i)
+        if ids is None:  # nothing (more) to answer: the conversation is complete
+            self.ready.append(self.state.record(i))
+            self.bar.update(1)
+            if len(self.ready) >= self.flush_every:
+                self.flush()
+            return None
+        return Request(i, ids, (_batch_seed(self.seed, i) * 1_000_003 + self.turn[i]) % (2**62))
+
+    def pull(self, n: int) -> list:
+        reqs: list = []
+        while len(reqs) < n and (self.follow_ups or self.todo):
+            if self.follow_ups:
+                r = self.follow_ups.popleft()
+            else:
+                i = self.todo.popleft()
+                self.state.start(i)
+                self.turn[i] = 0
+                r = self.request(i)
+            if r is not None:
+                reqs.append(r)
+        return reqs
+
+    def finish(self, i: int, new: list[int]) -> None:
+        self.state.answer(i, new)
+        self.turn[i] += 1
+        r = self.request(i)
+        if r is not None:
+            self.follow_ups.append(r)
+
+    def flush(self) -> None:
+        if not self.ready:
+            return
+        _append(self.out_path, self.ready)
+        now = time.time()
+        _append(ledger_path(self.out_path), [{
+            "first": min(r["index"] for r in self.ready), "items": len(self.ready),
+            "seconds": round(now - self.t_flush, 2), "new_tokens": sum(r["new_tokens"] for r in self.ready),
+            "threads": torch.get_num_threads(), "refill": True}])
+        self.t_flush = now
+        self.done.update((r["index"], r) for r in self.ready)
+        self.ready.clear()
 
 
 def regenerate_continuations(

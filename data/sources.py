@@ -25,6 +25,8 @@ from data import corpus
 # The sampler behind regenerated text (models/core/generate.py): part of the cache key, since its random draws
 # differ from transformers' generate()
 GENERATOR = "draftsmith.generate/1"
+# continuous batching (models/core/refill.py): each reply sampled with a seed of its own, whatever its batch
+REFILL_GENERATOR = "draftsmith.refill/1"
 
 
 @dataclass
@@ -47,6 +49,9 @@ class DataConfig:
     # one temperature, or a list: the regenerated prefixes are split round-robin over them (e.g. [0, 1]: half
     # greedy, half sampled at T=1 — the settings the drafter will serve at)
     regen_temperature: float | list[float] = 0.0
+    # chat: continuous batching (a finished reply's row takes the next prompt; ~2x the tokens/s of fixed batches,
+    # whose rows idle until their longest reply ends); false: fixed batches of regen_batch_size conversations
+    regen_refill: bool = True
     cache_dir: str = "runs/data_cache"
     seed: int = 0
     max_turns: int | None = None  # chat: keep each conversation's first N user→assistant exchanges (None: all)
@@ -55,12 +60,21 @@ class DataConfig:
     extra_turn_share: float = 0.0
     # chat, with regenerate=N: train and validate only on the N conversations the target answered (on-policy data)
     regen_only: bool = False
+    # chat, with regenerate=N below the number of conversations: M more, drawn apart from the first N (a second seeded
+    # sample of the rest), regenerated into their own cache files and used for training only; the held-out split stays
+    # the last val_rows of the first N, and the first N's files are read as they are, so data grows in tranches
+    regen_extra: int = 0
+    # the dtype the target computes those M in (null: its own; "auto": bf16 where the CPU has a bf16 dot product);
+    # part of their cache key
+    regen_extra_dtype: str | None = None
+    regen_extra_refill: bool = True  # regen_refill for those M
     # regenerated data shipped compressed (``<cache file name>.gz``, python -m train.regenerate --ship): a cache file
     # absent from cache_dir is first unpacked from here, so a fresh machine trains without regenerating
     shipped_dir: str | None = None
 
 
-def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature: float | None = None) -> Path:
+def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature: float | None = None,
+                     refill: bool = False) -> Path:
     """The cache file for regenerated data, named by a hash of everything the output depends on: the target
     (shape + embedding fingerprint), the tokenizer, the inputs, the sampling settings and the length cap. A
     change to any of them is a different file (regenerated), never a reuse of another target's outputs."""
@@ -75,7 +89,7 @@ def regen_cache_path(cfg: DataConfig, model, tok, kind: str, inputs, temperature
            "inputs": _sha(inputs),
            "temperature": float(cfg.regen_temperature if temperature is None else temperature),
            "top_p": 1.0, "top_k": 0, "seed": cfg.seed, "max_new_tokens": cfg.regen_new_tokens,
-           "generator": GENERATOR}
+           "generator": REFILL_GENERATOR if refill else GENERATOR}
     if model.dtype != torch.float32:  # the text depends on the dtype the target computes in (fp32 keys as before)
         key["dtype"] = str(model.dtype).replace("torch.", "")
     digest = _sha(key)[:16]
@@ -231,46 +245,51 @@ def _first_prompt_len(tok, conv: list[dict], cfg: DataConfig) -> int:
 
 
 def regenerate_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats: dict | None = None,
-                    temperatures: list[float] | None = None) -> tuple[list[list[dict]], list[int]]:
+                    temperatures: list[float] | None = None) -> tuple[list[list[dict]], list[int], list[int]]:
     """(``convs`` with the assistant turns of ``chat_regen_count`` of them replaced by the target's own replies,
-    the indices replaced). The picks are split round-robin over ``regen_temperature`` (e.g. [0, 1]: half greedy,
-    half T=1), each group batched and resumable in its own keyed cache file; the others keep their dataset replies.
+    the indices replaced, the indices of ``regen_extra``'s). The picks are split round-robin over
+    ``regen_temperature`` (e.g. [0, 1]: half greedy, half T=1), each group batched and resumable in its own keyed
+    cache file; the others keep their dataset replies.
     ``temperatures``: regenerate only those groups (one process per group, train/regenerate.py); the other groups'
     conversations come back as they were."""
     import time
 
     from data.regenerate import regenerate_conversations
 
-    groups = regen_plan(cfg, tok, convs)
     out = list(convs)
-    for temp, group in groups:
+    picks: tuple[list[int], list[int]] = ([], [])
+    for temp, group, gen, extra, refill in regen_groups(cfg, model, tok, convs):
+        picks[extra].extend(group)
         if not group or (temperatures is not None and temp not in temperatures):
             continue
         inputs = [convs[i] for i in group]
-        path = regen_cache_path(cfg, model, tok, "chat", inputs, temp)
+        path = regen_cache_path(cfg, gen, tok, "chat", inputs, temp, refill)
         t0 = time.time()
         counts: dict = {}  # what was read back whole vs generated now (a torn or partial batch is generated)
-        got = regenerate_conversations(model, tok, inputs, path, batch_size=cfg.regen_batch_size,
+        got = regenerate_conversations(gen, tok, inputs, path, batch_size=cfg.regen_batch_size,
                                        max_new_tokens=cfg.regen_new_tokens, temperature=temp, seed=cfg.seed,
                                        chat_template=cfg.chat_template, enable_thinking=cfg.enable_thinking,
-                                       stats=counts, max_prompt_tokens=cfg.max_len)
+                                       stats=counts, max_prompt_tokens=cfg.max_len, refill=refill)
         secs = time.time() - t0
         for i, conv in zip(group, got):
             out[i] = conv
         if stats is not None:
             made = counts["generated"]
             stats.setdefault("regenerated", []).append({
-                "temperature": temp, "continuations": len(group), "kind": "conversations",
+                "temperature": temp, "continuations": len(group), "kind": "conversations", "extra": extra,
                 "from_cache": len(group) - made,
                 "generated_now": made, "seconds": round(secs, 1),
                 "items_per_s": round(made / secs, 2) if made and secs > 0 else None, "cache": str(path)})
-    return out, [i for _, group in groups for i in group]
+    return out, picks[0], picks[1]
 
 
-def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]]) -> list[tuple[float, list[int]]]:
+def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]], extra: bool = False) -> list[tuple[float, list[int]]]:
     """(temperature, conversation indices) per regeneration group: ``chat_regen_count`` picks, dealt round-robin
-    over ``regen_temperature`` in order of first-prompt length."""
+    over ``regen_temperature`` in order of first-prompt length. ``extra``: the groups of ``regen_extra``'s picks."""
     n = chat_regen_count(cfg, len(convs))
+    if extra and n == len(convs):
+        raise ValueError(f"data.regen_extra={cfg.regen_extra}: data.regenerate={cfg.regenerate!r} already takes all "
+                         f"{len(convs)} conversations")
     if n == len(convs):
         picks = list(range(len(convs)))
     else:
@@ -279,12 +298,35 @@ def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]]) -> list[tuple[floa
         # max_len // 2 tokens, and batch them by length.
         plen = {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
         fits = [i for i in range(len(convs)) if plen[i] <= cfg.max_len // 2]
-        if len(fits) < n:
-            print(f"data: only {len(fits)} of {len(convs)} conversations have a first prompt of <= "
-                  f"{cfg.max_len // 2} tokens (data.max_len // 2); regenerating those", flush=True)
-        picks = sorted(random.Random(cfg.seed).sample(fits, min(n, len(fits))), key=lambda i: (plen[i], i))
+        picks = random.Random(cfg.seed).sample(fits, min(n, len(fits)))
+        want, name = (cfg.regen_extra, "data.regen_extra") if extra else (n, "data.regenerate")
+        if extra:  # the rest of the fitting ones, sampled apart: the first picks stay exactly what they were
+            taken = set(picks)
+            rest = [i for i in fits if i not in taken]
+            picks = random.Random(cfg.seed + 2).sample(rest, min(want, len(rest)))
+        if len(picks) < want:
+            print(f"data: {name}={want}, but only {len(picks)} of {len(convs)} conversations are left with a first "
+                  f"prompt of <= {cfg.max_len // 2} tokens (data.max_len // 2); regenerating those", flush=True)
+        picks = sorted(picks, key=lambda i: (plen[i], i))
     temps = regen_temperatures(cfg)
     return [(temp, picks[j :: len(temps)]) for j, temp in enumerate(temps)]
+
+
+def regen_groups(cfg: DataConfig, model, tok, convs: list[list[dict]]):
+    """Every regeneration group as (temperature, conversation indices, the model that generates it, extra?,
+    refill?): the first ``regenerate`` picks with the target as it is, then ``regen_extra``'s in
+    ``regen_extra_dtype``."""
+    for temp, group in regen_plan(cfg, tok, convs):
+        yield temp, group, model, False, cfg.regen_refill
+    if cfg.regen_extra:
+        from data.features import resolve_compute_dtype
+        from models.core.kernels import cast_copy
+        from models.core.target import parse_dtype
+
+        dt = resolve_compute_dtype(cfg.regen_extra_dtype)
+        gen = cast_copy(model, parse_dtype(dt)) if dt and parse_dtype(dt) != model.dtype else model
+        for temp, group in regen_plan(cfg, tok, convs, extra=True):
+            yield temp, group, gen, True, cfg.regen_extra_refill
 
 
 def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats: dict | None) -> list[list[dict]]:
@@ -329,9 +371,11 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
         if cfg.regenerate:
             if model is None:
                 raise ValueError("data.regenerate needs the target model")
-            convs, picks = regenerate_chat(cfg, model, tok, convs, stats)
+            if cfg.regen_extra and not cfg.regen_only:
+                raise ValueError("data.regen_extra needs data.regen_only=true (the extra conversations train only)")
+            convs, picks, extra = regenerate_chat(cfg, model, tok, convs, stats)
             if cfg.regen_only:  # on-policy only: the conversations the target answered, in their dataset order
-                convs = [convs[i] for i in sorted(picks)]
+                convs, extra_convs = [convs[i] for i in sorted(picks)], [convs[i] for i in sorted(extra)]
         elif cfg.regen_only:
             raise ValueError("data.regen_only=true needs data.regenerate (a count or 'all')")
         rows, tstats = tokenize_conversations(tok, convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
@@ -351,6 +395,10 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
             print(f"data: data.val_rows={cfg.val_rows} capped to {n_val} (half of {len(rows)} conversations)",
                   flush=True)
         train, val = rows[: len(rows) - n_val], rows[len(rows) - n_val :]
+        if cfg.regenerate and cfg.regen_extra:  # after the first tranche's rows: its feature-cache shards stay valid
+            more, _ = tokenize_conversations(tok, extra_convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
+                                             cfg.enable_thinking)
+            train = train + more
     else:
         raise ValueError(f"data.kind={cfg.kind!r}: use 'code' or 'chat'")
     if not train:

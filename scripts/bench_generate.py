@@ -2,8 +2,11 @@
 ShareGPT first prompts of the target, greedy, one process.
 
     python scripts/bench_generate.py --target smollm2 --batch 64 --new 256 --threads 1 [--hf] [--dtype bfloat16]
+        [--prompts N --refill]
 
 Prints reply tokens/s for each, and whether the two produced the same tokens (greedy, fp32: they should).
+``--prompts N --refill``: N prompts (shortest first) through fixed batches of ``--batch`` one after another, and
+through models/core/refill.py's continuous batching at the same batch size.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from data.chat import load_conversations, render_chat
 from data.regenerate import stop_token_ids
 from models.core.generate import generate_batch
+from models.core.refill import Request, generate_refill
 from models.core.target import load_causal_lm
 
 
@@ -45,6 +49,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-prompt", type=int, default=128)
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate on the same prompts")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts in all (default: one batch)")
+    ap.add_argument("--refill", action="store_true", help="also time continuous batching (models/core/refill.py)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = load_causal_lm(a.target, a.dtype)
@@ -57,13 +63,28 @@ def main() -> None:
         ids = tok(render_chat(tok, c[:j], True), add_special_tokens=False)["input_ids"]
         if len(ids) <= a.max_prompt:
             prompts.append(ids)
-    prompts = sorted(prompts, key=len)[: a.batch]
+    prompts = sorted(prompts, key=len)[: max(a.batch, a.prompts)]
     stops = stop_token_ids(tok, model)
-    result = {"target": a.target, "dtype": a.dtype, "batch": len(prompts), "new": a.new, "threads": a.threads}
+    result = {"target": a.target, "dtype": a.dtype, "batch": a.batch, "prompts": len(prompts), "new": a.new,
+              "threads": a.threads}
     with torch.no_grad():
         t = time.perf_counter()
-        ours = generate_batch(model, prompts, stops, stops[0], a.new)
+        ours = [r for b in range(0, len(prompts), a.batch)
+                for r in generate_batch(model, prompts[b : b + a.batch], stops, stops[0], a.new)]
         secs = time.perf_counter() - t
+        if a.refill:
+            todo, got = [Request(i, p, i) for i, p in enumerate(prompts)], {}
+
+            def pull(n):
+                out = todo[:n]
+                del todo[:n]
+                return out
+
+            t = time.perf_counter()
+            generate_refill(model, pull, got.__setitem__, stops, stops[0], a.new, batch_size=a.batch)
+            rsecs = time.perf_counter() - t
+            result["refill_tok_per_s"] = round(sum(map(len, got.values())) / rsecs, 1)
+            result["refill_same_tokens"] = [got[i] for i in range(len(prompts))] == ours
         result["ours_tok_per_s"] = round(sum(map(len, ours)) / secs, 1)
         if a.hf:
             t = time.perf_counter()

@@ -450,6 +450,30 @@ def test_drafting_precision_switch_is_lossless_and_close(weights):
         Eagle3ChainProposer(dr, weights="fp8")
 
 
+def test_drafting_weights_auto_follow_the_target_dtype():
+    """The registry's EAGLE-3 proposers default to ``weights: auto``: a bf16 target drafts with the bf16 copy, a
+    float32 one with the drafter itself; an explicit precision is kept."""
+    from models import registry
+    from models.core.kernels import cast_copy
+    from models.core.target import FrozenTarget
+    from models.methods.eagle3.kernels import inference_copy
+    from tests.test_decode import drafters
+    from tests.test_decode import target as target_fixture
+
+    tgt = target_fixture.__wrapped__()
+    dr = drafters.__wrapped__(tgt)["eagle"]
+    half = FrozenTarget(cast_copy(tgt.model, torch.bfloat16), tgt.tokenizer)
+    for name, opts in (("eagle3", {"num_speculative_tokens": 2}),
+                       ("eagle3_tree", {"depth": 2, "top_k": 2, "total_tokens": 4})):
+        spec = next(p for p in registry.method("eagle3").proposers if p.name == name)
+        assert spec.defaults["weights"] == "auto"
+        for target, want in ((tgt, dr), (half, inference_copy(dr, "bfloat16"))):
+            made = spec.make(dr, target, **{**spec.defaults, **opts})
+            assert made.drafter is want, (name, target.model.dtype)
+        kept = spec.make(dr, half, **{**spec.defaults, **opts, "weights": "float32"})
+        assert kept.drafter is dr
+
+
 def test_hidden_noise_perturbs_training_only():
     """draft.config.hidden_noise: the fused state differs between two training-mode calls, never in eval mode."""
     torch.manual_seed(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,3 +308,77 @@ def test_regenerate_fills_the_code_corpus_cache_a_training_run_then_reads(tmp_pa
     assert [(g["continuations"], g["generated_now"]) for g in stats["regenerated"]] == [(3, 0)]
     with pytest.raises(ValueError, match="--temperature picks chat groups"):
         regenerate(over, [0.0], threads=0)
+
+
+def test_a_second_tranche_trains_only_and_leaves_the_first_and_its_held_out_rows_alone(tmp_path, tiny_llama,
+                                                                                     tiny_tokenizer, capsys):
+    """data.regen_extra=M: M more conversations, none of the first N, in their own keyed files (their dtype and
+    generator in the key); the first N's files are read as they are and the held-out rows do not move; the new
+    rows come after the old training rows (so the old feature-cache shards stay valid)."""
+    from data.sources import DataConfig, build_rows, regen_plan
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"question {i}?"},
+                                                         {"from": "gpt", "value": f"answer {i}"}]}) + "\n"
+                           for i in range(14)))
+    cfg = DataConfig(kind="chat", source=str(src), max_len=128, val_rows=2, regenerate=6, regen_only=True,
+                     regen_temperature=[0.0, 1.0], regen_new_tokens=3, regen_batch_size=2, regen_refill=False,
+                     cache_dir=str(tmp_path / "cache"))
+    train, val = build_rows(cfg, tiny_tokenizer, tiny_llama)
+    first = {p: p.read_bytes() for p in (tmp_path / "cache").glob("regen_chat_*.jsonl")}
+    more = DataConfig(**{**vars(cfg), "regen_extra": 5, "regen_extra_dtype": "bfloat16"})
+    stats: dict = {}
+    train2, val2 = build_rows(more, tiny_tokenizer, tiny_llama, stats)
+    assert val2 == val and train2[: len(train)] == train and len(train2) == len(train) + 5
+    assert {p: p.read_bytes() for p in first} == first  # the first tranche's files untouched
+    groups = stats["regenerated"]
+    assert [(g["extra"], g["from_cache"], g["generated_now"]) for g in groups] == [
+        (False, 3, 0), (False, 3, 0), (True, 0, 3), (True, 0, 2)]
+    keys = [json.loads(p.with_suffix(".key.json").read_text()) for p in map(Path, (g["cache"] for g in groups[2:]))]
+    assert all(k["dtype"] == "bfloat16" and k["generator"] == "draftsmith.refill/1" for k in keys)
+    convs = [[{"role": "user", "content": f"question {i}?"}] for i in range(14)]
+    a = {i for _, g in regen_plan(more, tiny_tokenizer, convs) for i in g}
+    b = {i for _, g in regen_plan(more, tiny_tokenizer, convs, extra=True) for i in g}
+    assert len(a) == 6 and len(b) == 5 and not a & b
+    # more than are left: the rest, said
+    rest = {i for _, g in regen_plan(DataConfig(**{**vars(more), "regen_extra": 50}), tiny_tokenizer, convs,
+                                     extra=True) for i in g}
+    assert rest == set(range(14)) - a and "only 8 of 14 conversations are left" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="regen_extra needs data.regen_only"):
+        build_rows(DataConfig(**{**vars(more), "regen_only": False}), tiny_tokenizer, tiny_llama)
+    with pytest.raises(ValueError, match="already takes all 14"):
+        regen_plan(DataConfig(**{**vars(more), "regenerate": "all"}), tiny_tokenizer, convs, extra=True)
+
+
+def test_refill_regeneration_resumes_to_the_same_records(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):
+    """Continuous batching (refill=True): greedy replies equal the fixed-batch ones; sampled ones do not depend on
+    the batch size; a run killed after its first records resumes to exactly an uninterrupted run's records."""
+    import data.regenerate as regen
+
+    convs = CONVS * 3
+    kw = dict(max_new_tokens=MAX_NEW, max_prompt_tokens=200)
+    fixed = regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "f.jsonl", batch_size=3, **kw)
+    assert regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "r.jsonl", batch_size=3,
+                                    refill=True, **kw) == fixed
+    hot = dict(kw, temperature=1.0, seed=5, refill=True)
+    whole = regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "a.jsonl", batch_size=4, **hot)
+    assert regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "b.jsonl", batch_size=2,
+                                    **hot) == whole
+    real_append, calls = regen._append, {"n": 0}
+
+    def killed_after_first_flush(path, records):
+        if path.name == "c.jsonl":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt
+        real_append(path, records)
+
+    monkeypatch.setattr(regen, "_append", killed_after_first_flush)
+    monkeypatch.setattr(regen._RefillRun.__init__, "__defaults__", (4,))  # flush every 4 conversations
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "c.jsonl", batch_size=3, **hot)
+    assert len(regen.load_done(tmp_path / "c.jsonl")) == 4
+    stats: dict = {}
+    assert regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "c.jsonl", batch_size=3,
+                                    stats=stats, **hot) == whole
+    assert stats == {"generated": len(convs) - 4, "from_cache": 4}

@@ -309,3 +309,34 @@ def test_bf16_autocast_trains_close_to_fp32_and_keeps_fp32_weights(target_dir, t
     assert all(v.dtype == torch.float32 for v in final_weights(tmp_path / "bf16").values() if v.is_floating_point())
     assert autocast_dtype(None, "cpu") is None and autocast_dtype("bfloat16", "cpu") == torch.bfloat16
     assert autocast_dtype("auto", "cpu") in (None, torch.bfloat16)
+
+
+def test_a_feature_cache_grows_with_its_rows(target_dir, tmp_path, monkeypatch):
+    """Rows that extend the cache's rows (a second data tranche after the first): the full shards are kept, the
+    old partial one and the new ones are built, and every row reads what a cache built at once holds. Fewer or
+    other rows are refused, and nothing is deleted then."""
+    target = FrozenTarget.from_pretrained(str(target_dir))
+    rows, _ = build_rows(DataConfig(max_rows=12, max_len=48, val_rows=2), target.tokenizer)
+    old, new = rows[:6], rows[:6] + rows[6:9]
+    FeatureCache(tmp_path / "grow", target, old, [1], dtype="float32", shard_rows=4).build(show_progress=False)
+    kept = (tmp_path / "grow" / "shard_00000.safetensors").stat().st_mtime_ns
+    built: list[int] = []
+    real = FeatureCache._build_shard
+    monkeypatch.setattr(FeatureCache, "_build_shard", lambda self, i: (built.append(i), real(self, i)))
+    grown = FeatureCache(tmp_path / "grow", target, new, [1], dtype="float32", shard_rows=4)
+    meta = grown.build(show_progress=False)
+    assert built == [1, 2] and meta["rows"] == 9
+    assert (tmp_path / "grow" / "shard_00000.safetensors").stat().st_mtime_ns == kept
+    once = FeatureCache(tmp_path / "once", target, new, [1], dtype="float32", shard_rows=4)
+    once.build(show_progress=False)
+    for r in range(9):
+        got, want = grown.get(r), once.get(r)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    files = sorted(p.name for p in (tmp_path / "grow").iterdir())
+    for other in (old, rows[1:10]):  # fewer rows, or rows that do not extend the cache's
+        with pytest.raises(ValueError, match="other data"):
+            FeatureCache(tmp_path / "grow", target, other, [1], dtype="float32", shard_rows=4).build(False)
+    assert sorted(p.name for p in (tmp_path / "grow").iterdir()) == files
+    # a cache whose rows fit in one partial shard grows too
+    FeatureCache(tmp_path / "small", target, rows[:2], [1], dtype="float32", shard_rows=4).build(False)
+    FeatureCache(tmp_path / "small", target, rows[:7], [1], dtype="float32", shard_rows=4).build(False)

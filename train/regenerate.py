@@ -26,7 +26,7 @@ from data.sources import (
     chat_conversations,
     pack_cache_file,
     regen_cache_path,
-    regen_plan,
+    regen_groups,
     regen_temperatures,
     regenerate_chat,
 )
@@ -91,8 +91,10 @@ def ship(overrides: list[str]) -> dict:
     dest = Path(data_cfg.shipped_dir)
     dest.mkdir(parents=True, exist_ok=True)
     files = []
-    for temp, group in regen_plan(data_cfg, tok, convs):
-        path = regen_cache_path(data_cfg, target.model, tok, "chat", [convs[i] for i in group], temp)
+    for temp, group, gen, extra, refill in regen_groups(data_cfg, target.model, tok, convs):
+        path = regen_cache_path(data_cfg, gen, tok, "chat", [convs[i] for i in group], temp, refill)
+        if extra and not path.exists():
+            continue  # data.regen_extra's group not generated yet: nothing to ship
         packed = dest / (path.name + ".gz")
         recs = pack_cache_file(path, packed)
         key = path.with_suffix(".key.json")
@@ -108,7 +110,8 @@ def ship(overrides: list[str]) -> dict:
         made_now = sum(r.get("new_tokens", 0) for r in recs)  # records written before the count existed have none
         counted = sum("new_tokens" in r for r in recs)
         secs, made = sum(b["seconds"] for b in spent), sum(b["new_tokens"] for b in spent)
-        files.append({"file": packed.name, "temperature": temp, "conversations": len(group), "done": len(recs),
+        files.append({"file": packed.name, "temperature": temp, "extra": extra,
+                      "dtype": str(gen.dtype).replace("torch.", ""), "refill": refill, "conversations": len(group), "done": len(recs),
                       "assistant_turns": len(replies), "assistant_tokens": n_tok, "generated_tokens": made_now,
                       "generated_tokens_counted_in": counted,
                       "bytes": packed.stat().st_size,

@@ -48,7 +48,7 @@ from models.core.target import FrozenTarget
 from models.core.vocab import build_draft_vocab, count_tokens
 from models.methods.eagle3 import export
 from models.methods.eagle3.config import Eagle3Config
-from models.methods.eagle3.kernels import DraftKV, cached_step
+from models.methods.eagle3.kernels import DraftKV, cached_step, drafting_weights
 from models.methods.eagle3.net import RANKS, Eagle3Drafter
 from models.methods.eagle3.proposers import Eagle3ChainProposer, Eagle3TreeProposer
 
@@ -161,8 +161,14 @@ def _size_tree(d: Eagle3Drafter, ckpt_dir: str | None, o: dict, verify_cost, t1_
                            "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
 
 
-def _tree(d, _t, max_nodes: int = MAX_TREE_NODES, size_for: float = 0, **o) -> Eagle3TreeProposer:
-    return Eagle3TreeProposer(d, **o, max_nodes=max(int(max_nodes), int(o["total_tokens"])))
+def _chain(d, t, weights: str = "auto", **o) -> Eagle3ChainProposer:
+    return Eagle3ChainProposer(d, **o, weights=drafting_weights(weights, t))
+
+
+def _tree(d, t, max_nodes: int = MAX_TREE_NODES, size_for: float = 0, weights: str = "auto",
+          **o) -> Eagle3TreeProposer:
+    return Eagle3TreeProposer(d, **o, max_nodes=max(int(max_nodes), int(o["total_tokens"])),
+                              weights=drafting_weights(weights, t))
 
 
 SPEC = MethodSpec(
@@ -171,10 +177,11 @@ SPEC = MethodSpec(
     default_num_speculative_tokens=lambda _d: DEFAULT_NUM_SPECULATIVE_TOKENS,  # an export's K without eval results
     check_config=depth_check("ttt_steps", "step_weight"),  # ttt_steps: the chain trained (training-time test)
     proposers=(
-        # weights: the drafting precision (float32 | bfloat16 | int8, ``inference_copy``)
+        # weights: the drafting precision (auto: the target's when bf16, else float32 | float32 | bfloat16 | int8;
+        # ``drafting_weights``, ``inference_copy``)
         # eval's variants: the same chain drafting in bf16 / int8, benchmarked side by side (what the switch buys)
-        ProposerSpec("eagle3", lambda d, _t, **o: Eagle3ChainProposer(d, **o),
-                     {"num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS, "weights": "float32"},
+        ProposerSpec("eagle3", _chain,
+                     {"num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS, "weights": "auto"},
                      batched=Eagle3ChainProposer.batched, recommend_rank=0,
                      variants={"eagle3_bf16": {"weights": "bfloat16"}, "eagle3_int8": {"weights": "int8"}}),
         # EAGLE-2 dynamic tree, sized for CPU (verify cost grows with nodes there; GPU: depth 6, top_k 10, 60)
@@ -182,7 +189,7 @@ SPEC = MethodSpec(
         # acceptance at T=0 (size_for 0) or at T=1 (size_for 1)
         ProposerSpec("eagle3_tree", _tree,
                      {"depth": 5, "top_k": 4, "total_tokens": "auto", "max_nodes": 32, "size_for": 0,
-                      "weights": "float32"}, chain=False, prepare=_prepare_tree, size=_size_tree,
+                      "weights": "auto"}, chain=False, prepare=_prepare_tree, size=_size_tree,
                      nodes=lambda o: int(o["total_tokens"]),
                      variants={"eagle3_tree_t1": {"size_for": 1}}),  # the tree sized for T=1 acceptance
     ),
