@@ -237,7 +237,8 @@ def test_on_policy_chat_data_extra_turns_regen_only_and_shipped(tmp_path, tiny_l
     cached = list((tmp_path / "cache").glob("regen_chat_*.jsonl"))
     assert len(cached) == 1
     ledger = [json.loads(x) for x in (cached[0].parent / ("ledger_" + cached[0].name)).read_text().splitlines()]
-    assert [b["items"] for b in ledger] == [2, 2] and all(b["seconds"] > 0 for b in ledger)
+    # continuous batching (the default): one ledger line per 16 finished conversations and one for the rest
+    assert [b["items"] for b in ledger] == [4] and all(b["seconds"] > 0 and b["refill"] for b in ledger)
     assert sum(b["new_tokens"] for b in ledger) == sum(json.loads(x)["new_tokens"]
                                                        for x in cached[0].read_text().splitlines()) > 0
     shipped = tmp_path / "shipped"
@@ -335,7 +336,7 @@ def test_a_second_tranche_trains_only_and_leaves_the_first_and_its_held_out_rows
     assert [(g["extra"], g["from_cache"], g["generated_now"]) for g in groups] == [
         (False, 3, 0), (False, 3, 0), (True, 0, 3), (True, 0, 2)]
     keys = [json.loads(p.with_suffix(".key.json").read_text()) for p in map(Path, (g["cache"] for g in groups[2:]))]
-    assert all(k["dtype"] == "bfloat16" and k["generator"] == "draftsmith.refill/1" for k in keys)
+    assert all(k["dtype"] == "bfloat16" and k["generator"] == "draftsmith.refill/2" for k in keys)
     convs = [[{"role": "user", "content": f"question {i}?"}] for i in range(14)]
     a = {i for _, g in regen_plan(more, tiny_tokenizer, convs) for i in g}
     b = {i for _, g in regen_plan(more, tiny_tokenizer, convs, extra=True) for i in g}

@@ -15,10 +15,13 @@ from models.core.target import load_causal_lm
 
 def gemm_table(model, reps: int, rows: Sequence[int] = (1, 2, 4, 8, 16, 64)) -> dict:
     """ms of ``F.linear(x[rows, H], W)`` for the first MLP's gate weight [I, H] and the lm_head [V, H], fp32 and
-    bf16: the kernels behind decoding's few rows (a flat bf16 row means a native bf16 dot product)."""
+    bf16, and of the same weight pre-packed for oneDNN (``packed``, models/core/packed.py: what the target runs
+    on a CPU): the kernels behind decoding's few rows (a flat bf16 row means a native bf16 dot product)."""
     import time
 
     import torch.nn.functional as F
+
+    from models.core.packed import PackedLinear, available
 
     weights = {"mlp_gate": model.model.layers[0].mlp.gate_proj.weight,
                "lm_head": model.get_output_embeddings().weight}
@@ -26,16 +29,23 @@ def gemm_table(model, reps: int, rows: Sequence[int] = (1, 2, 4, 8, 16, 64)) -> 
     for name, w32 in weights.items():
         for dt in (torch.float32, torch.bfloat16):
             w = w32.detach().to(dt)
-            row = {}
-            for n in rows:
-                x = torch.randn(n, w.shape[1]).to(dt)
-                best = float("inf")
-                for _ in range(reps + 1):
-                    t = time.perf_counter()
-                    F.linear(x, w)
-                    best = min(best, time.perf_counter() - t)
-                row[n] = round(best * 1e3, 3)
-            out[f"{name} {list(w.shape)} {str(dt).replace('torch.', '')}"] = row
+            kernels = {"": lambda x, w=w: F.linear(x, w)}
+            if available():
+                lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+                lin.weight = torch.nn.Parameter(w, requires_grad=False)
+                kernels[" packed"] = PackedLinear(lin)
+            for label, fn in kernels.items():
+                row = {}
+                for n in rows:
+                    x = torch.randn(n, w.shape[1]).to(dt)
+                    best = float("inf")
+                    with torch.no_grad():
+                        for _ in range(reps + 1):
+                            t = time.perf_counter()
+                            fn(x)
+                            best = min(best, time.perf_counter() - t)
+                    row[n] = round(best * 1e3, 3)
+                out[f"{name} {list(w.shape)} {str(dt).replace('torch.', '')}{label}"] = row
     return out
 
 
@@ -51,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--gemm", action="store_true",
-                    help="also time F.linear on the target's MLP and lm_head weights at 1..64 rows per dtype")
+                    help="also time F.linear (and the packed linear) on the target's MLP and lm_head weights at "
+                         "1..64 rows per dtype")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.threads:

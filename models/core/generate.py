@@ -30,9 +30,10 @@ from models.core.hf_compat import cache_kwargs
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose K/V live in a preallocated buffer (amortised doubling), returned as views."""
 
-    def __init__(self, capacity: int = 256):
+    def __init__(self, capacity: int = 256, grow_step: int = 0):
         super().__init__()
         self.capacity = max(1, int(capacity))
+        self.grow_step = grow_step  # 0: double when full; else grow to the need plus this many columns
         self.length = 0
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
@@ -40,17 +41,19 @@ class GrowingLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         b, h, _, d = key_states.shape
-        self._k = key_states.new_empty(b, h, self.capacity, d)
-        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        # zeros, not empty: attention may read the whole buffer with the unfilled columns masked
+        # (models/core/attention.py), and a masked NaN would still poison its weighted sum
+        self._k = key_states.new_zeros(b, h, self.capacity, d)
+        self._v = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
         self.is_initialized = True
 
     def _grow(self, need: int) -> None:
         cap = self.capacity
         while cap < need:
-            cap *= 2
+            cap = need + self.grow_step if self.grow_step else cap * 2
         for name in ("_k", "_v"):
             old = getattr(self, name)
-            new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
+            new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
         self.capacity = cap
@@ -91,8 +94,8 @@ class GrowingLayer(DynamicLayer):
 class GrowingCache(Cache):
     """A transformers ``Cache`` of ``GrowingLayer``s, one per decoder layer."""
 
-    def __init__(self, num_layers: int, capacity: int = 256):
-        super().__init__(layers=[GrowingLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int = 256, grow_step: int = 0):
+        super().__init__(layers=[GrowingLayer(capacity, grow_step) for _ in range(num_layers)])
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         for layer in self.layers:

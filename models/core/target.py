@@ -108,6 +108,14 @@ def load_causal_lm(
                               "with .model.layers and .model.norm (Llama/Mistral/Qwen/DeepSeek layout); "
                               "give target.name_or_path a causal LM") from None
     model.to(device).eval().requires_grad_(False)
+    if device == "cpu":  # bf16 decoding attention as two matmuls (models/core/attention.py; fp32 unchanged) and
+        # linear layers on weights laid out once for oneDNN (models/core/packed.py): same results, a fraction of the
+        # time at decoding's few rows
+        from models.core.attention import use_cpu_gqa
+        from models.core.packed import pack_linears
+
+        use_cpu_gqa(model)
+        pack_linears(model)
     check_finite_weights(model.named_parameters(), name_or_path, path)  # buffers may hold -inf masks
     if auto:
         from models.core.kernels import resolve_auto_dtype

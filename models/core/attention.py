@@ -1,0 +1,90 @@
+"""Decoding attention for bf16 on a CPU: grouped-query attention as two matmuls.
+
+torch's CPU ``scaled_dot_product_attention`` in bf16 is slow at decoding's few query rows: SmolLM2's shapes (9 query
+heads over 3 KV heads, head dim 64), one thread, quiet Zen 5 (``python scripts/bench_attention.py``):
+
+| rows × cached tokens × new | bf16 SDPA | these two matmuls | fp32 SDPA |
+|---|---|---|---|
+| 1 × 700 × 1 | 0.66 ms | 0.13 ms | 0.09 ms |
+| 1 × 700 × 5 | 0.30 ms | 0.22 ms | 0.23 ms |
+| 64 × 400 × 1 | 25.6 ms | 1.9 ms | 4.4 ms |
+
+so a bf16 decoding step spent more in attention than in its weights (30 layers × 0.66 ms at 700 tokens; two
+thirds of a regeneration step at batch 64). ``cpu_gqa`` reads each KV head once for its group of query heads (no
+``repeat_kv`` copy), computes the scores in the model dtype with fp32 accumulation, softmax in fp32, and the
+weighted sum in the model dtype. Longer queries (prefill, training), fp32 and other devices go to transformers'
+own SDPA unchanged. The mask is the one transformers builds for SDPA (boolean, True = attend; None = causal).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "draftsmith_cpu_gqa"
+MAX_QUERY = 16  # a draft tree's or a chain's verification rows, at most; longer queries are prefill
+
+
+def cpu_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """query [B, H, Q, D], key/value [B, KV, C, D] → ([B, Q, H, D], None), as transformers' attention functions."""
+    b, h, q, d = query.shape
+    kv, c = key.shape[1], key.shape[2]
+    if (query.device.type != "cpu" or query.dtype == torch.float32 or q > MAX_QUERY or h % kv
+            or dropout or kwargs.get("sliding_window") or getattr(module, "sinks", None) is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    g = h // kv  # query heads per KV head: head i reads KV head i // g (transformers' repeat_kv order)
+    scale = d**-0.5 if scaling is None else scaling
+    key, value, extra = _whole_buffers(key, value)
+    if extra and attention_mask is None:
+        attention_mask = torch.ones(q, c, dtype=torch.bool, device=query.device).tril(c - q)[None, None]
+    if extra:  # the buffer's columns past the filled ones: never attended
+        attention_mask = torch.nn.functional.pad(attention_mask[..., -c:], (0, extra),
+                                                 value=False if attention_mask.dtype == torch.bool else float("-inf"))
+        c += extra
+    s = torch.matmul(query.reshape(b, kv, g * q, d), key.transpose(-1, -2)).float().view(b, kv, g, q, c)
+    if attention_mask is None:  # transformers skipped a purely causal mask: query row i sees columns <= c - q + i
+        allowed = torch.ones(q, c, dtype=torch.bool, device=query.device).tril(c - q)
+        s = s.masked_fill(~allowed, float("-inf"))
+    elif attention_mask.dtype == torch.bool:  # [B or 1, 1, Q, C]
+        s = s.masked_fill(~attention_mask[:, :, None, :, -c:], float("-inf"))
+    else:  # an additive float mask
+        s = s + attention_mask[:, :, None, :, -c:].float()
+    p = torch.softmax(s * scale, dim=-1).to(value.dtype).view(b, kv, g * q, c)
+    out = torch.matmul(p, value).view(b, h, q, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _whole_buffers(key, value):
+    """(key, value, extra columns): a KV cache that preallocates (models/core/generate.py) hands attention views of
+    the filled columns of ``[B, KV, capacity, D]`` buffers; their batch stride is not C×D, and torch's bf16 batched
+    matmul then runs 5-15x slower than on the contiguous buffer (SmolLM2, 64 rows × 800 columns). The whole
+    buffers are used instead when both views start them, the columns past the view masked (they hold zeros or
+    finite stale states, never NaN: the buffers are zero-initialised)."""
+    kb, vb = key._base, value._base
+    if (kb is None or vb is None or key.is_contiguous() or kb.dim() != 4 or vb.dim() != 4
+            or not kb.is_contiguous() or not vb.is_contiguous()
+            or kb.shape[:2] != key.shape[:2] or kb.shape[3] != key.shape[3] or vb.shape != kb.shape
+            or key.data_ptr() != kb.data_ptr() or value.data_ptr() != vb.data_ptr()
+            or kb.shape[2] > 2 * key.shape[2] + 64):
+        return key, value, 0
+    return kb, vb, kb.shape[2] - key.shape[2]
+
+
+AttentionInterface.register(NAME, cpu_gqa_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def use_cpu_gqa(model) -> None:
+    """Switch a model that runs transformers' SDPA to ``cpu_gqa`` (same results in fp32 and for long queries:
+    those still go to SDPA); models with another attention implementation are left alone."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "_attn_implementation", None) != "sdpa":
+        return
+    try:
+        model.set_attn_implementation(NAME)
+    except (ValueError, AttributeError):  # a model class that refuses custom implementations keeps SDPA
+        pass

@@ -1,0 +1,99 @@
+"""models/core/attention.py: the bf16 decoding attention against transformers' SDPA, and the model switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.core.attention import NAME, cpu_gqa_attention, use_cpu_gqa
+
+
+def _reference(q, k, v, allowed):
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
+                                          v.float().repeat_interleave(g, 1), attn_mask=allowed).transpose(1, 2)
+
+
+@pytest.mark.parametrize("b,c,q", [(1, 40, 1), (3, 33, 5), (2, 17, 16)])
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+def test_bf16_decoding_attention_matches_sdpa(b, c, q, mask):
+    """Q ≤ 16 rows in bf16: the grouped matmuls agree with fp32 SDPA to bf16 precision, with transformers' three
+    mask forms (None = causal, boolean, additive), padding columns included."""
+    g = torch.Generator().manual_seed(b * 100 + c + q)
+    qh = torch.randn(b, 6, q, 8, generator=g).bfloat16()
+    k, v = (torch.randn(b, 2, c, 8, generator=g).bfloat16() for _ in range(2))
+    allowed = torch.ones(q, c, dtype=torch.bool).tril(c - q)[None, None].repeat(b, 1, 1, 1)
+    if mask != "none":
+        allowed[0, :, :, : min(3, c - q)] = False  # left padding of row 0 (each query keeps a column)
+    arg = {"none": None, "bool": allowed,
+           "float": torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")).bfloat16()}[mask]
+    out, weights = cpu_gqa_attention(None, qh, k, v, arg, scaling=8**-0.5)
+    assert weights is None and out.shape == (b, q, 6, 8) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _reference(qh, k, v, allowed), atol=2e-2, rtol=2e-2)
+
+
+def test_fp32_and_long_queries_go_to_sdpa_unchanged():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class M(torch.nn.Module):
+        num_key_value_groups, is_causal = 3, True
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, q in ((torch.float32, 1), (torch.bfloat16, 17)):
+        qh = torch.randn(1, 6, q, 8, generator=g).to(dtype)
+        k, v = (torch.randn(1, 2, 20, 8, generator=g).to(dtype) for _ in range(2))
+        allowed = torch.ones(q, 20, dtype=torch.bool).tril(20 - q)[None, None]
+        ours = cpu_gqa_attention(M(), qh, k, v, allowed)[0]
+        assert torch.equal(ours, sdpa_attention_forward(M(), qh, k, v, allowed)[0])
+
+
+def test_a_bf16_model_decodes_the_same_tokens_with_it(tiny_llama):
+    """The tiny Llama in bf16, SDPA against cpu_gqa: greedy decoding with a KV cache gives the same tokens and
+    close logits; fp32 models are switched too (their attention is SDPA's)."""
+    from models.core.hf_compat import cache_kwargs
+    from models.core.kernels import cast_copy
+
+    ref = cast_copy(tiny_llama, torch.bfloat16)
+    ours = cast_copy(tiny_llama, torch.bfloat16)
+    use_cpu_gqa(ours)
+    assert ours.config._attn_implementation == NAME and ref.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11]])
+    toks = {}
+    with torch.no_grad():
+        for name, m in (("sdpa", ref), ("ours", ours)):
+            out = m(ids, use_cache=True)
+            cache, x, seq, logits = out.past_key_values, out.logits[:, -1:].argmax(-1), [], []
+            for _ in range(12):
+                o = m(x, use_cache=True, **cache_kwargs(m, cache))
+                cache, x = o.past_key_values, o.logits[:, -1:].argmax(-1)
+                seq.append(int(x))
+                logits.append(o.logits[0, -1].float())
+            toks[name] = (seq, torch.stack(logits))
+    assert toks["sdpa"][0] == toks["ours"][0]
+    torch.testing.assert_close(toks["ours"][1], toks["sdpa"][1], atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("mask", ["none", "bool"])
+def test_views_of_a_preallocated_buffer_read_the_whole_buffer_masked(mask):
+    """K/V handed over as views of the filled columns of larger zero-initialised buffers (the preallocated KV
+    cache): attention runs on the contiguous buffers with the extra columns masked, and gives what it gives on
+    contiguous copies of the views."""
+    from models.core.attention import _whole_buffers
+
+    g = torch.Generator().manual_seed(7)
+    b, c, q, cap = 3, 20, 2, 50
+    kb, vb = torch.zeros(b, 2, cap, 8).bfloat16(), torch.zeros(b, 2, cap, 8).bfloat16()
+    kb[:, :, :c] = torch.randn(b, 2, c, 8, generator=g).bfloat16()
+    vb[:, :, :c] = torch.randn(b, 2, c, 8, generator=g).bfloat16()
+    k, v = kb[:, :, :c], vb[:, :, :c]
+    assert _whole_buffers(k, v)[2] == cap - c and _whole_buffers(k.contiguous(), v.contiguous())[2] == 0
+    qh = torch.randn(b, 6, q, 8, generator=g).bfloat16()
+    allowed = torch.ones(q, c, dtype=torch.bool).tril(c - q)[None, None].repeat(b, 1, 1, 1)
+    allowed[1, :, :, :4] = False
+    arg = None if mask == "none" else allowed
+    got = cpu_gqa_attention(None, qh, k, v, arg, scaling=8**-0.5)[0]
+    want = cpu_gqa_attention(None, qh, k.contiguous(), v.contiguous(), arg, scaling=8**-0.5)[0]
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    ref_mask = allowed if mask == "bool" else allowed.clone().fill_(True).tril(c - q)
+    torch.testing.assert_close(got.float(), _reference(qh, k, v, ref_mask[..., :q, :]), atol=2e-2, rtol=2e-2)
