@@ -25,7 +25,8 @@ from data import corpus
 # The sampler behind regenerated text (models/core/generate.py): part of the cache key, since its random draws
 # differ from transformers' generate()
 GENERATOR = "draftsmith.generate/1"
-# continuous batching (models/core/refill.py): each reply sampled (inverse CDF) with a seed of its own, whatever its batch
+# continuous batching (models/core/refill.py): each reply sampled (inverse CDF) with a seed of its own, whatever
+# its batch
 REFILL_GENERATOR = "draftsmith.refill/2"
 
 

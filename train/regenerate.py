@@ -111,7 +111,8 @@ def ship(overrides: list[str]) -> dict:
         counted = sum("new_tokens" in r for r in recs)
         secs, made = sum(b["seconds"] for b in spent), sum(b["new_tokens"] for b in spent)
         files.append({"file": packed.name, "temperature": temp, "extra": extra,
-                      "dtype": str(gen.dtype).replace("torch.", ""), "refill": refill, "conversations": len(group), "done": len(recs),
+                      "dtype": str(gen.dtype).replace("torch.", ""), "refill": refill,
+                      "conversations": len(group), "done": len(recs),
                       "assistant_turns": len(replies), "assistant_tokens": n_tok, "generated_tokens": made_now,
                       "generated_tokens_counted_in": counted,
                       "bytes": packed.stat().st_size,

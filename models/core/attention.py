@@ -31,31 +31,47 @@ def cpu_gqa_attention(module, query, key, value, attention_mask, dropout: float 
                       is_causal=None, **kwargs):
     """query [B, H, Q, D], key/value [B, KV, C, D] → ([B, Q, H, D], None), as transformers' attention functions."""
     b, h, q, d = query.shape
-    kv, c = key.shape[1], key.shape[2]
-    if (query.device.type != "cpu" or query.dtype == torch.float32 or q > MAX_QUERY or h % kv
-            or dropout or kwargs.get("sliding_window") or getattr(module, "sinks", None) is not None):
+    c = key.shape[2]
+    if (not use_grouped(query, key) or dropout or kwargs.get("sliding_window")
+            or getattr(module, "sinks", None) is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    g = h // kv  # query heads per KV head: head i reads KV head i // g (transformers' repeat_kv order)
+    if attention_mask is None:  # transformers skipped a purely causal mask: query row i sees columns <= c - q + i
+        attention_mask = torch.ones(q, c, dtype=torch.bool, device=query.device).tril(c - q)
     scale = d**-0.5 if scaling is None else scaling
+    return grouped_attention(query, key, value, attention_mask, scale).transpose(1, 2).contiguous(), None
+
+
+def grouped_attention(query, key, value, mask, scale: float):
+    """softmax(q kᵀ · scale + mask) v for few query rows: query [B, H, Q, D], key/value [B, KV, C, D] with H a
+    multiple of KV (head i reads KV head i // (H / KV), transformers' repeat_kv order) → [B, H, Q, D]. ``mask``:
+    None (every column), boolean (True = attend) or additive, broadcastable to [B, 1 or KV, Q, C]. Scores and
+    softmax in fp32; the matmuls in the inputs' dtype."""
+    b, h, q, d = query.shape
+    kv, c = key.shape[1], key.shape[2]
+    g = h // kv
     key, value, extra = _whole_buffers(key, value)
-    if extra and attention_mask is None:
-        attention_mask = torch.ones(q, c, dtype=torch.bool, device=query.device).tril(c - q)[None, None]
     if extra:  # the buffer's columns past the filled ones: never attended
-        attention_mask = torch.nn.functional.pad(attention_mask[..., -c:], (0, extra),
-                                                 value=False if attention_mask.dtype == torch.bool else float("-inf"))
+        if mask is None:
+            mask = torch.ones(q, c, dtype=torch.bool, device=query.device)
+        mask = torch.nn.functional.pad(mask[..., -c:], (0, extra),
+                                       value=False if mask.dtype == torch.bool else float("-inf"))
         c += extra
     s = torch.matmul(query.reshape(b, kv, g * q, d), key.transpose(-1, -2)).float().view(b, kv, g, q, c)
-    if attention_mask is None:  # transformers skipped a purely causal mask: query row i sees columns <= c - q + i
-        allowed = torch.ones(q, c, dtype=torch.bool, device=query.device).tril(c - q)
-        s = s.masked_fill(~allowed, float("-inf"))
-    elif attention_mask.dtype == torch.bool:  # [B or 1, 1, Q, C]
-        s = s.masked_fill(~attention_mask[:, :, None, :, -c:], float("-inf"))
-    else:  # an additive float mask
-        s = s + attention_mask[:, :, None, :, -c:].float()
+    if mask is not None:
+        while mask.dim() < 4:
+            mask = mask[None]
+        m = mask[:, :, None, :, -c:]  # [B or 1, 1 or KV, 1, Q, C] against the scores' [B, KV, G, Q, C]
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
     p = torch.softmax(s * scale, dim=-1).to(value.dtype).view(b, kv, g * q, c)
-    out = torch.matmul(p, value).view(b, h, q, d)
-    return out.transpose(1, 2).contiguous(), None
+    return torch.matmul(p, value).view(b, h, q, d)
+
+
+def use_grouped(query, key) -> bool:
+    """Whether ``grouped_attention`` beats torch's SDPA here: a bf16/fp16 query of at most ``MAX_QUERY`` rows on
+    a CPU (fp32 SDPA is as fast, and other devices have their own kernels)."""
+    return (query.device.type == "cpu" and query.dtype != torch.float32 and query.shape[2] <= MAX_QUERY
+            and query.shape[1] % key.shape[1] == 0)
 
 
 def _whole_buffers(key, value):

@@ -2,9 +2,9 @@
 
 ``F.linear`` on a CPU re-lays out its weight for the GEMM kernel on every call; at decoding's few rows that
 costs more than the arithmetic. oneDNN can lay the weight out once (``mkldnn._reorder_linear_weight``) and run
-``mkldnn._linear_pointwise`` on it (the same sums, another order: equal to rounding). SmolLM2's shapes, one thread, Zen 5 with two
-regeneration processes beside it (``python -m eval.bench.probe --target smollm2 --threads 1 --gemm`` times both
-on any machine), ms:
+``mkldnn._linear_pointwise`` on it (the same sums, another order: equal to rounding). SmolLM2's shapes, one
+thread, Zen 5 with two regeneration processes beside it (``python -m eval.bench.probe --target smollm2 --threads 1
+--gemm`` times both on any machine), ms:
 
 | weight | dtype | rows | F.linear | packed |
 |---|---|---|---|---|

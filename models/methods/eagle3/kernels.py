@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.core.attention import grouped_attention, use_grouped
+from models.core.packed import PackedLinear, pack_linears
+from models.core.packed import available as packed_available
 from models.core.rope import apply_rope, rope_cos_sin
 from models.methods.eagle3.net import Eagle3Drafter, _expand_kv
 
@@ -38,8 +41,9 @@ class DraftKV:
         end = start + k.shape[2]
         if self.k is None or end > self.k.shape[2]:
             cap = max(64, 2 * end)
-            grown_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            grown_v = v.new_empty(grown_k.shape)
+            # zeros: grouped attention may read the whole buffer, the unfilled columns masked (models/core/attention.py)
+            grown_k = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
+            grown_v = v.new_zeros(grown_k.shape)
             if self.k is not None:
                 grown_k[:, :, :start] = self.k[:, :, :start]
                 grown_v[:, :, :start] = self.v[:, :, :start]
@@ -119,6 +123,7 @@ def inference_copy(drafter: Eagle3Drafter, weights: str = "float32") -> Eagle3Dr
             drafter.__dict__["_infer_cache"] = infer_ref
     if weights == "bfloat16":
         out = out.to(torch.bfloat16)
+        pack_linears(out)  # inference only: oneDNN's pre-packed weights (models/core/packed.py)
     else:
         attn, mlp = out.midlayer.self_attn, out.midlayer.mlp
         linears = ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj")),
@@ -151,11 +156,22 @@ def _inference_weights(drafter: Eagle3Drafter) -> dict:
         w_qkv = torch.cat([m.weight for m in mods[:3]]).detach()
         b_qkv = None if attn.q_proj.bias is None else torch.cat([m.bias for m in mods[:3]]).detach()
         w_gu = torch.cat([m.weight for m in mods[3:5]]).detach()
-        qkv = lambda x: F.linear(x, w_qkv, b_qkv)  # noqa: E731
-        gate_up = lambda x: F.linear(x, w_gu)  # noqa: E731
+        qkv, gate_up = _fused_linear(w_qkv, b_qkv), _fused_linear(w_gu, None)
     cached = {"key": key, "qkv": qkv, "gate_up": gate_up, "cos": None, "sin": None}
     drafter.__dict__["_infer_cache"] = cached
     return cached
+
+
+def _fused_linear(w: Tensor, b: Tensor | None):
+    """x → x wᵀ + b for a fused weight: oneDNN-packed when that is available (no gradients flow through a
+    proposer's drafting), else ``F.linear``."""
+    if not packed_available():
+        return lambda x: F.linear(x, w, b)
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    if b is not None:
+        lin.bias = nn.Parameter(b, requires_grad=False)
+    return PackedLinear(lin)
 
 
 def rope_at(drafter: Eagle3Drafter, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +217,10 @@ def entry_out(drafter: Eagle3Drafter, q: Tensor, keys: Tensor, values: Tensor, m
     to [B, nh, M, C]; None = all), o_proj, residual, SwiGLU (gate/up fused) → ``drafter.carry(a)`` [B, M, H]."""
     layer, attn, mlp = drafter.midlayer, drafter.midlayer.self_attn, drafter.midlayer.mlp
     w = _inference_weights(drafter)
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(attn.head_dim))
+    if use_grouped(q, keys):  # bf16 drafting on a CPU: two matmuls, not bf16 SDPA (models/core/attention.py)
+        o = grouped_attention(q, keys, values, mask, 1.0 / math.sqrt(attn.head_dim))
+    else:
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(attn.head_dim))
     a = residual + attn.out(o)
     gu = w["gate_up"](layer.post_attention_layernorm(a))
     inter = gu.shape[-1] // 2
