@@ -108,8 +108,8 @@ REAL_ARGS ?=
 REAL_SET_ARGS ?= max_new_tokens=32 require_n_prompts=true $(REAL_ARGS)
 REAL_EVAL = $(BIN)/python -m eval target=smollm2 $(SMOLLM2_CKPTS) draft_model=null prompt_tokens=640 \
 	repetitions=1 threads=1
-# On-policy data at the field's scale: 6000 ShareGPT conversations answered by SmolLM2 itself
-# (conf/data/sharegpt_smollm2_onpolicy.yaml), one process per temperature at one thread each (two 1-thread processes
+# On-policy data at the field's scale: 2 × 6000 ShareGPT conversations answered by SmolLM2 itself (two tranches,
+# conf/data/sharegpt_smollm2_onpolicy.yaml), one process per temperature at one thread each (two 1-thread processes
 # beat one 2-thread process on 2 cores), resumable; then what the cache holds is packed into
 # data/shipped/smollm2_sharegpt/ (gzip + manifest), which a fresh machine unpacks instead of regenerating.
 SMOLLM2_DATA ?= +recipe=eagle3_smollm2_onpolicy

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from models.core.target import FrozenTarget
 from models.registry import load_drafter
-from tests.test_train_loop import cfg_for
+from tests.test_train_loop import cfg_for, final_weights
 from train.loop import run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,6 +95,17 @@ def test_warm_start_goes_on_from_a_shipped_drafter_on_a_fresh_machine(target_dir
     best = json.loads((fresh / "best" / "eval.json").read_text())
     shipped = json.loads((dest / "final" / "eval.json").read_text())
     assert best["sim_tau"] >= shipped["sim_tau"]
+    # grown data (a second tranche) and a longer schedule: the shipped drafter goes on, its draft vocabulary kept
+    # (the one its head was trained over, not the one the grown rows would pick)
+    grown = tmp_path / "grown"
+    run(cfg_for(target_dir, grown, "train.steps=6", "train.keep_best=true", "train.eval_every=1",
+                "data.max_rows=40", "train.mode=offline", f"train.feature_cache={tmp_path / 'feat'}",
+                f"train.warm_start={dest}"))
+    steps = [json.loads(x)["step"] for x in (grown / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))
+    shipped_w, grown_w = load_file(str(dest / "final" / "model.safetensors")), final_weights(grown)
+    assert torch.equal(shipped_w["d2t"], grown_w["d2t"])
+    assert not torch.equal(shipped_w["fc.weight"], grown_w["fc.weight"].to(shipped_w["fc.weight"].dtype))
     with pytest.raises(ValueError, match="different draft"):
         run(cfg_for(target_dir, tmp_path / "other", *over, "draft.config.ttt_steps=2", f"train.warm_start={dest}"))
     with pytest.raises(ValueError, match="ship_drafter"):
