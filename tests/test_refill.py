@@ -95,3 +95,17 @@ def test_bf16_model_generates(tiny_llama):
     half = cast_copy(tiny_llama, torch.bfloat16)
     got = _run(half, prompts, set(), 2, max_new=5)
     assert [len(g) for g in got] == [5] * 5
+
+
+def test_bf16_with_grouped_attention_over_whole_buffers(tiny_llama):
+    """The path regeneration runs: a bf16 target whose decoding attention is models/core/attention.py's (reading
+    the refill buffer whole, unfilled and dead columns masked). Greedy replies match each prompt decoded alone with
+    the same bf16 model and attention."""
+    from models.core.attention import use_cpu_gqa
+    from models.core.kernels import cast_copy
+
+    half = cast_copy(tiny_llama, torch.bfloat16)
+    use_cpu_gqa(half)
+    prompts = _prompts(10, tiny_llama.config.vocab_size, seed=6)
+    alone = [_run(half, [p], set(), 1, max_new=20)[0] for p in prompts]
+    assert _run(half, prompts, set(), 4, max_new=20, refill_at=0.25) == alone

@@ -57,13 +57,16 @@ def grouped_attention(query, key, value, mask, scale: float):
         mask = torch.nn.functional.pad(mask[..., -c:], (0, extra),
                                        value=False if mask.dtype == torch.bool else float("-inf"))
         c += extra
-    s = torch.matmul(query.reshape(b, kv, g * q, d), key.transpose(-1, -2)).float().view(b, kv, g, q, c)
+    s = torch.matmul(query.reshape(b, kv, g * q, d), key.transpose(-1, -2)).float().view(b, kv, g, q, c) * scale
     if mask is not None:
         while mask.dim() < 4:
             mask = mask[None]
         m = mask[:, :, None, :, -c:]  # [B or 1, 1 or KV, 1, Q, C] against the scores' [B, KV, G, Q, C]
-        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
-    p = torch.softmax(s * scale, dim=-1).to(value.dtype).view(b, kv, g * q, c)
+        # the lowest finite score, not -inf: a query row with every column masked (a left-padding position in a
+        # batched prefill) then averages instead of giving NaN, whose K/V would poison the next layer (0 × NaN)
+        low = torch.finfo(s.dtype).min
+        s = s.masked_fill(~m, low) if m.dtype == torch.bool else (s + m.float()).clamp_min(low)
+    p = torch.softmax(s, dim=-1).to(value.dtype).view(b, kv, g * q, c)
     return torch.matmul(p, value).view(b, h, q, d)
 
 
