@@ -289,6 +289,11 @@ def test_regenerate_then_ship_writes_packed_files_and_a_manifest(tmp_path, targe
     assert manifest["target"]["embed_fingerprint"] and manifest["data_config"]["regenerate"] == 4
     assert (tmp_path / "shipped" / "manifest.json").exists()
     assert (tmp_path / "shipped" / files[0.0]["file"]).exists()
+    # a second tranche: its generated group ships beside the first's, marked, with its dtype and generator
+    more = over + ["data.regen_extra=2", "data.regen_extra_dtype=bfloat16"]
+    regenerate(more, [1.0], threads=0)
+    extra = [f for f in ship(more)["files"] if f["extra"]]
+    assert [(f["temperature"], f["done"], f["dtype"], f["refill"]) for f in extra] == [(1.0, 1, "bfloat16", True)]
 
 
 def test_regenerate_fills_the_code_corpus_cache_a_training_run_then_reads(tmp_path, target_dir):
