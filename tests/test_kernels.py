@@ -42,9 +42,11 @@ def test_probe_cli_writes_the_probe_and_the_gemm_table(target_dir, tmp_path, cap
     assert got["bandwidth"]["ar_tokens_per_s_bound"] > 0
     rows = {k.split(" ")[0] + " " + k.split("] ")[1] for k in got["gemm_ms"]}
     want = {f"{w} {d}" for w in ("mlp_gate", "lm_head") for d in ("float32", "bfloat16")}
-    from models.core.packed import available
+    from models.core.packed import available, packs
 
-    assert rows == want | ({f"{r} packed" for r in want} if available() else set())
+    packed = {f"{w} {d} packed" for w in ("mlp_gate", "lm_head") for d in ("float32", "bfloat16")
+              if available() and packs(getattr(torch, d))}
+    assert rows == want | packed
     assert all(v > 0 for t in got["gemm_ms"].values() for v in t.values())
     assert json.loads(capsys.readouterr().out) == got
 

@@ -21,7 +21,7 @@ def gemm_table(model, reps: int, rows: Sequence[int] = (1, 2, 4, 8, 16, 64)) -> 
 
     import torch.nn.functional as F
 
-    from models.core.packed import PackedLinear, available
+    from models.core.packed import PackedLinear, available, packs
 
     weights = {"mlp_gate": model.model.layers[0].mlp.gate_proj.weight,
                "lm_head": model.get_output_embeddings().weight}
@@ -30,7 +30,7 @@ def gemm_table(model, reps: int, rows: Sequence[int] = (1, 2, 4, 8, 16, 64)) -> 
         for dt in (torch.float32, torch.bfloat16):
             w = w32.detach().to(dt)
             kernels = {"": lambda x, w=w: F.linear(x, w)}
-            if available():
+            if available() and packs(dt):
                 lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
                 lin.weight = torch.nn.Parameter(w, requires_grad=False)
                 kernels[" packed"] = PackedLinear(lin)

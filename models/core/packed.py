@@ -20,6 +20,8 @@ saved or deep-copied.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,8 +45,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (w.device.type != "cpu" or x.dtype != w.dtype or (torch.is_grad_enabled() and
-                                                              (x.requires_grad or w.requires_grad))):
+        if (w.device.type != "cpu" or x.dtype != w.dtype or not packs(w.dtype)
+                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return F.linear(x, w, self.bias)
         b = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), b, "none", [], "")
@@ -56,6 +58,15 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@functools.cache
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN runs this dtype's packed linear on this CPU: fp32 always, bf16 where oneDNN says it has a bf16
+    path (an AVX2-only CPU has none, and the op would fail there)."""
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def available() -> bool:
