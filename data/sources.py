@@ -284,9 +284,11 @@ def regenerate_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats:
     return out, picks[0], picks[1]
 
 
-def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]], extra: bool = False) -> list[tuple[float, list[int]]]:
+def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]], extra: bool = False,
+               plen: dict[int, int] | None = None) -> list[tuple[float, list[int]]]:
     """(temperature, conversation indices) per regeneration group: ``chat_regen_count`` picks, dealt round-robin
-    over ``regen_temperature`` in order of first-prompt length. ``extra``: the groups of ``regen_extra``'s picks."""
+    over ``regen_temperature`` in order of first-prompt length. ``extra``: the groups of ``regen_extra``'s picks.
+    ``plen``: the first-prompt lengths, when a caller already has them (rendering 17k conversations takes a while)."""
     n = chat_regen_count(cfg, len(convs))
     if extra and n == len(convs):
         raise ValueError(f"data.regen_extra={cfg.regen_extra}: data.regenerate={cfg.regenerate!r} already takes all "
@@ -297,7 +299,7 @@ def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]], extra: bool = Fals
         # A reply that would start past max_len is cut from every training row, so generating it only costs time
         # (a long prompt also pads its whole batch): sample among conversations whose first prompt fits in
         # max_len // 2 tokens, and batch them by length.
-        plen = {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
+        plen = plen if plen is not None else {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
         fits = [i for i in range(len(convs)) if plen[i] <= cfg.max_len // 2]
         picks = random.Random(cfg.seed).sample(fits, min(n, len(fits)))
         want, name = (cfg.regen_extra, "data.regen_extra") if extra else (n, "data.regenerate")
@@ -317,7 +319,10 @@ def regen_groups(cfg: DataConfig, model, tok, convs: list[list[dict]]):
     """Every regeneration group as (temperature, conversation indices, the model that generates it, extra?,
     refill?): the first ``regenerate`` picks with the target as it is, then ``regen_extra``'s in
     ``regen_extra_dtype``."""
-    for temp, group in regen_plan(cfg, tok, convs):
+    plen = None
+    if cfg.regen_extra and chat_regen_count(cfg, len(convs)) < len(convs):  # both plans read the same lengths
+        plen = {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
+    for temp, group in regen_plan(cfg, tok, convs, plen=plen):
         yield temp, group, model, False, cfg.regen_refill
     if cfg.regen_extra:
         from data.features import resolve_compute_dtype
@@ -326,7 +331,7 @@ def regen_groups(cfg: DataConfig, model, tok, convs: list[list[dict]]):
 
         dt = resolve_compute_dtype(cfg.regen_extra_dtype)
         gen = cast_copy(model, parse_dtype(dt)) if dt and parse_dtype(dt) != model.dtype else model
-        for temp, group in regen_plan(cfg, tok, convs, extra=True):
+        for temp, group in regen_plan(cfg, tok, convs, extra=True, plen=plen):
             yield temp, group, gen, True, cfg.regen_extra_refill
 
 
