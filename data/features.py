@@ -33,8 +33,8 @@ _FIX = "free space, or point train.feature_cache at a larger disk"
 
 
 def _key(meta: dict) -> dict:
-    """What decides the content, bar the layer set (a superset serves a subset; checked apart) and the rows, which
-    are checked shard by shard (``_valid_shards``)."""
+    """What decides the content, bar the layer set (a superset serves a subset) and the rows (rows that extend the
+    cache's own reuse its full shards): both checked apart."""
     return {k: meta[k] for k in ("target", "dtype", "shard_rows")}
 
 
