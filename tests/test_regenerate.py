@@ -289,6 +289,11 @@ def test_regenerate_then_ship_writes_packed_files_and_a_manifest(tmp_path, targe
     assert manifest["target"]["embed_fingerprint"] and manifest["data_config"]["regenerate"] == 4
     assert (tmp_path / "shipped" / "manifest.json").exists()
     assert (tmp_path / "shipped" / files[0.0]["file"]).exists()
+    # a cache unpacked from the shipped files has no ledger of its own: shipping again keeps the shipped one's timing
+    for led in (tmp_path / "cache").glob("ledger_*"):
+        led.unlink()
+    again = {f["temperature"]: f for f in ship(over)["files"]}
+    assert again[0.0]["timed_batches"] == 1 and again[0.0]["new_tokens_per_s"] == files[0.0]["new_tokens_per_s"]
     # a second tranche: its generated group ships beside the first's, marked, with its dtype and generator
     more = over + ["data.regen_extra=2", "data.regen_extra_dtype=bfloat16"]
     regenerate(more, [1.0], threads=0)

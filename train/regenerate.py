@@ -100,8 +100,10 @@ def ship(overrides: list[str]) -> dict:
         key = path.with_suffix(".key.json")
         (dest / key.name).write_text(key.read_text())
         ledger = ledger_path(path)
+        if not ledger.exists():  # a cache unpacked from the shipped files: its ledger is the shipped one
+            ledger = dest / ledger.name
         spent = [json.loads(x) for x in ledger.read_text().splitlines()] if ledger.exists() else []
-        if spent:
+        if spent and ledger != dest / ledger.name:
             (dest / ledger.name).write_text(ledger.read_text())
         # every assistant turn shipped (one whose prompt outgrew data.max_len keeps its dataset text: counted here,
         # not in new_tokens, which counts what the target generated)
