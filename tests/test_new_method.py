@@ -46,8 +46,8 @@ def test_nothing_outside_its_package_and_yaml_names_the_toy():
                            capture_output=True, text=True, check=True).stdout.split()
     hits = []
     for rel in files:
-        if rel.startswith(ALLOWED) or not (ROOT / rel).is_file():
-            continue
+        if rel.startswith(ALLOWED) or not (ROOT / rel).is_file() or b"\0" in (ROOT / rel).read_bytes():
+            continue  # binary files (shipped .gz data) hold no code; their bytes spell "toy" by chance
         for i, line in enumerate((ROOT / rel).read_text(errors="replace").splitlines(), 1):
             if re.search(r"\btoy\b", line, re.I):
                 hits.append(f"{rel}:{i}: {line.strip()}")

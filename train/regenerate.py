@@ -86,8 +86,7 @@ def ship(overrides: list[str]) -> dict:
     if not data_cfg.shipped_dir:
         raise ValueError("data.shipped_dir is not set: where should the regenerated data ship to?")
     target = instantiate(cfg.target)
-    tok = target.tokenizer
-    convs, read = chat_conversations(data_cfg)
+    tok, (convs, read) = target.tokenizer, chat_conversations(data_cfg)
     dest = Path(data_cfg.shipped_dir)
     dest.mkdir(parents=True, exist_ok=True)
     files = []
