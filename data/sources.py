@@ -50,8 +50,8 @@ class DataConfig:
     # one temperature, or a list: the regenerated prefixes are split round-robin over them (e.g. [0, 1]: half
     # greedy, half sampled at T=1 — the settings the drafter will serve at)
     regen_temperature: float | list[float] = 0.0
-    # chat: continuous batching (a finished reply's row takes the next prompt; ~2x the tokens/s of fixed batches,
-    # whose rows idle until their longest reply ends); false: fixed batches of regen_batch_size conversations
+    # chat: continuous batching (a finished reply's row takes the next prompt, where fixed batches idle until their
+    # longest reply ends: docs/throughput.md); false: fixed batches of regen_batch_size conversations
     regen_refill: bool = True
     cache_dir: str = "runs/data_cache"
     seed: int = 0
