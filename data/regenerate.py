@@ -3,9 +3,9 @@
 A drafter imitates the target; trained on the target's *own* outputs rather than a fixed dataset's
 answers, it learns the distribution it will be verified against and gets more tokens accepted.
 
-Both entry points are resumable: each finished item is appended to a JSON-lines file as ``{"index": i, ...}``
-(flushed in batches); a rerun reads that file, checks the stored items still match the inputs, and generates only
-the missing ones.
+Both entry points are resumable (data/resumable.py): each finished item is appended to a JSON-lines file as
+``{"index": i, ...}`` (flushed in batches); a rerun reads that file, checks the stored items still match the inputs,
+and generates only the missing ones.
 
 Conversations go through continuous batching (``refill=True``, models/core/refill.py): a reply that ends hands
 its row to the next prompt, and reply ``t`` of conversation ``i`` samples with a seed of its own, so a record is the
@@ -18,10 +18,8 @@ uninterrupted one (same ``batch_size``). Greedy output does not depend on either
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,65 +27,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from data import resumable
 from data.chat import render_chat
 from data.chat_spans import closing_token, special_strings
-from models.core.checkpoint import out_of_space_as_error
 from models.core.generate import generate_batch
 
 _PROBE = "Zq7 probe reply"  # a reply text no template contains, to find what closes a turn
-
-
-# ------------------------------------------------------------------------------------ jsonl resume
-
-
-def load_done(out_path: Path, repair: bool = True) -> dict[int, dict]:
-    """Finished items by index. A torn last line (crash mid-write) is cut off so appends stay valid jsonl
-    (``repair=False``: only skipped, for a reader beside a running writer)."""
-    done: dict[int, dict] = {}
-    if not out_path.exists():
-        return done
-    raw = out_path.read_bytes()
-    good_end = 0
-    pos = 0
-    for line in raw.splitlines(keepends=True):
-        start, pos = pos, pos + len(line)
-        if not line.strip():
-            good_end = pos
-            continue
-        try:
-            rec = json.loads(line)
-            complete = line.endswith(b"\n")
-        except json.JSONDecodeError:
-            rec, complete = None, False
-        if rec is None or not complete:
-            if pos < len(raw):  # not the last line: the file is corrupt, not merely torn
-                raise ValueError(f"{out_path}: line starting at byte {start} is not valid JSON; "
-                                 "fix or delete the file to regenerate")
-            break
-        if not isinstance(rec, dict) or not isinstance(rec.get("index"), int):
-            raise ValueError(f"{out_path}: record at byte {start} has no integer 'index'")
-        done[rec["index"]] = rec
-        good_end = pos
-    if repair and good_end < len(raw):
-        with open(out_path, "r+b") as fh:
-            fh.truncate(good_end)
-    return done
-
-
-def _append(out_path: Path, records: list[dict]) -> None:
-    """One batch's records in a single write (a kill leaves all of them or a torn tail that load_done cuts)."""
-    if not records:
-        return
-    data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode()
-    with out_of_space_as_error(out_path, "free space, or set data.cache_dir on a larger disk"):
-        fd = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            view = memoryview(data)
-            while view:  # a regular file takes it in one call; loop only for a short write
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # ------------------------------------------------------------------------------ gpt-oss (harmony)
@@ -176,64 +121,6 @@ def _generate_batch(
 
 def _pad_id(tok: PreTrainedTokenizerBase, stops: list[int]) -> int:
     return tok.pad_token_id if tok.pad_token_id is not None else stops[0]
-
-
-def _batch_seed(seed: int, first_index: int) -> int:
-    return (seed * 1_000_003 + first_index) % (2**62)
-
-
-def _run_resumable(
-    items: Sequence[Any],
-    out_path: Path,
-    batch_size: int,
-    same_input: Callable[[Any, dict], bool],
-    process_batch: Callable[[list[int]], list[dict]],
-    desc: str,
-    stats: dict | None = None,
-) -> dict[int, dict]:
-    """Items in fixed batches (``range(b, b + batch_size)``), each seeded by its first index: a batch the cache
-    holds only part of (a kill between its records) is generated again whole, so every item's sample is the one
-    an uninterrupted run draws, however far an earlier run got. ``stats`` gets ``generated`` / ``from_cache``."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = load_done(out_path)
-    _check_done(items, done, out_path, same_input)
-    batches = [list(range(b, min(b + batch_size, len(items)))) for b in range(0, len(items), batch_size)]
-    todo = [idx for idx in batches if not all(i in done for i in idx)]
-    n_todo = sum(len(idx) for idx in todo)
-    if stats is not None:
-        stats.update(generated=n_todo, from_cache=len(items) - n_todo)
-    ledger = ledger_path(out_path)
-    with tqdm(total=len(items), initial=len(items) - n_todo, desc=desc, unit="item") as bar:
-        for idx in todo:
-            t0 = time.time()
-            records = process_batch(idx)
-            _append(out_path, records)
-            # the throughput ledger: what each batch generated and how long it took, across resumed runs
-            _append(ledger, [{"first": idx[0], "items": len(idx), "seconds": round(time.time() - t0, 2),
-                              "new_tokens": sum(r.get("new_tokens", 0) for r in records),
-                              "threads": torch.get_num_threads()}])
-            for rec in records:
-                done[rec["index"]] = rec
-            bar.update(len(idx))
-    return done
-
-
-def _check_done(items: Sequence[Any], done: dict[int, dict], out_path: Path,
-                same_input: Callable[[Any, dict], bool]) -> None:
-    for i, rec in done.items():
-        if i >= len(items) or not same_input(items[i], rec):
-            raise ValueError(f"{out_path}: stored item {i} does not match input item {i}; the file was written for "
-                             "other inputs — use another out_path or delete it")
-
-
-def ledger_path(out_path: Path) -> Path:
-    """The per-batch throughput records beside a regeneration file (``ledger_<its name>``: a glob for the cache
-    files, ``regen_*.jsonl``, does not take it for one)."""
-    out_path = Path(out_path)
-    return out_path.with_name("ledger_" + out_path.name)
 
 
 def _same_conversation(conv: list[dict], rec: dict) -> bool:
@@ -346,13 +233,13 @@ def regenerate_conversations(
             if not active:
                 break
             outs = _generate_batch(model, prompts, stops, pad_id, max_new_tokens, temperature,
-                                   _batch_seed(seed, idx[0]) + step)
+                                   resumable.batch_seed(seed, idx[0]) + step)
             for i, new in zip(active, outs):
                 state.answer(i, new)
             step += 1
         return [state.record(i) for i in idx]
 
-    done = _run_resumable(convs, out_path, batch_size, _same_conversation, process_batch,
+    done = resumable.run_resumable(convs, out_path, batch_size, _same_conversation, process_batch,
                           "regenerate conversations", stats)
     return [done[i]["messages"] for i in range(len(convs))]
 
@@ -365,8 +252,8 @@ def _refill_conversations(model, state: _Conversations, out_path: Path, batch_si
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = load_done(out_path)
-    _check_done(state.convs, done, out_path, _same_conversation)
+    done = resumable.load_done(out_path)
+    resumable.check_done(state.convs, done, out_path, _same_conversation)
     run = _RefillRun(state, done, out_path, seed)
     if stats is not None:
         stats.update(generated=len(run.todo), from_cache=len(state.convs) - len(run.todo))
@@ -407,7 +294,7 @@ class _RefillRun:
             if len(self.ready) >= self.flush_every:
                 self.flush()
             return None
-        return Request(i, ids, (_batch_seed(self.seed, i) * 1_000_003 + self.turn[i]) % (2**62))
+        return Request(i, ids, (resumable.batch_seed(self.seed, i) * 1_000_003 + self.turn[i]) % (2**62))
 
     def pull(self, n: int) -> list:
         reqs: list = []
@@ -433,9 +320,9 @@ class _RefillRun:
     def flush(self) -> None:
         if not self.ready:
             return
-        _append(self.out_path, self.ready)
+        resumable.append(self.out_path, self.ready)
         now = time.time()
-        _append(ledger_path(self.out_path), [{
+        resumable.append(resumable.ledger_path(self.out_path), [{
             "first": min(r["index"] for r in self.ready), "items": len(self.ready),
             "seconds": round(now - self.t_flush, 2), "new_tokens": sum(r["new_tokens"] for r in self.ready),
             "threads": torch.get_num_threads(), "refill": True}])
@@ -471,10 +358,10 @@ def regenerate_continuations(
 
     def process_batch(idx: list[int]) -> list[dict]:
         outs = _generate_batch(model, [items[i] for i in idx], stops, pad_id, max_new_tokens, temperature,
-                               _batch_seed(seed, idx[0]))
+                               resumable.batch_seed(seed, idx[0]))
         return [{"index": i, "input_ids": items[i] + new, "loss_mask": [0] * len(items[i]) + [1] * len(new),
                  "new_tokens": len(new)} for i, new in zip(idx, outs)]
 
-    done = _run_resumable(items, out_path, batch_size, same_input, process_batch, "regenerate continuations",
+    done = resumable.run_resumable(items, out_path, batch_size, same_input, process_batch, "regenerate continuations",
                           stats)
     return [{"input_ids": done[i]["input_ids"], "loss_mask": done[i]["loss_mask"]} for i in range(len(items))]

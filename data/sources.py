@@ -113,7 +113,7 @@ def pack_cache_file(path: Path, packed: Path) -> list[dict]:
     import gzip
     import os
 
-    from data.regenerate import load_done
+    from data.resumable import load_done
 
     done = load_done(path, repair=False) if path.exists() else {}
     recs = [done[i] for i in sorted(done)]

@@ -365,6 +365,7 @@ def test_refill_regeneration_resumes_to_the_same_records(tmp_path, tiny_llama, t
     """Continuous batching (refill=True): greedy replies equal the fixed-batch ones; sampled ones do not depend on
     the batch size; a run killed after its first records resumes to exactly an uninterrupted run's records."""
     import data.regenerate as regen
+    from data import resumable
 
     convs = CONVS * 3
     kw = dict(max_new_tokens=MAX_NEW, max_prompt_tokens=200)
@@ -375,7 +376,7 @@ def test_refill_regeneration_resumes_to_the_same_records(tmp_path, tiny_llama, t
     whole = regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "a.jsonl", batch_size=4, **hot)
     assert regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "b.jsonl", batch_size=2,
                                     **hot) == whole
-    real_append, calls = regen._append, {"n": 0}
+    real_append, calls = resumable.append, {"n": 0}
 
     def killed_after_first_flush(path, records):
         if path.name == "c.jsonl":
@@ -384,11 +385,11 @@ def test_refill_regeneration_resumes_to_the_same_records(tmp_path, tiny_llama, t
                 raise KeyboardInterrupt
         real_append(path, records)
 
-    monkeypatch.setattr(regen, "_append", killed_after_first_flush)
+    monkeypatch.setattr(resumable, "append", killed_after_first_flush)
     monkeypatch.setattr(regen._RefillRun.__init__, "__defaults__", (4,))  # flush every 4 conversations
     with pytest.raises(KeyboardInterrupt):
         regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "c.jsonl", batch_size=3, **hot)
-    assert len(regen.load_done(tmp_path / "c.jsonl")) == 4
+    assert len(resumable.load_done(tmp_path / "c.jsonl")) == 4
     stats: dict = {}
     assert regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "c.jsonl", batch_size=3,
                                     stats=stats, **hot) == whole

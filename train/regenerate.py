@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from data.regenerate import ledger_path
+from data.resumable import ledger_path
 from data.sources import (
     build_rows,
     chat_conversations,
