@@ -134,6 +134,9 @@ def test_end_to_end_results_have_every_measurement(full, env):
         assert e["tokens_per_s"]["median"] > 0 and e["bound"] > 0
         assert e["efficiency"] == pytest.approx(e["decode_speedup"]["median"] / e["bound"])
         assert all(math.isnan(a) or 0 <= a <= 1 for a in e["acceptance_by_pos"])
+        win = e["tau_by_window"]  # every round under one reply window, the same τ in all
+        assert sum(win["rounds"]) == e["rounds"]
+        assert sum(t * n for t, n in zip(win["tau"], win["rounds"])) == pytest.approx(e["tau"] * e["rounds"])
         assert e["lossless"] is (True if e["temperature"] == 0 else None)
         assert (e["vs_hf_prompt_lookup"] is not None) == (e["temperature"] == 0)
         assert set(e["by_category"]) == {"code"}
@@ -151,6 +154,30 @@ def test_end_to_end_results_have_every_measurement(full, env):
     assert set(r["peers"]) == {"hf_greedy", "hf_prompt_lookup", "hf_assisted"}
     assert all(p["matches_ar"] and p["tokens_per_s"]["median"] > 0 for p in r["peers"].values())
     assert r["peers"]["hf_prompt_lookup"]["settings"]["prompt_lookup_num_tokens"] == 3
+
+
+def test_tau_by_reply_window_places_each_round_where_it_began():
+    """Rounds pooled by the 32-token reply window their first token falls in (reply token 0 is the prefill's)."""
+    from eval.bench.stats import TAU_WINDOW, Pooled
+    from eval.decode.result import DecodeResult
+
+    assert TAU_WINDOW == 32
+    # rounds begin at reply tokens 1, 4, 5, 30, 35, 36: windows 0, 0, 0, 0, 1, 1
+    r = DecodeResult(tokens=list(range(40)), accepted=[2, 0, 24, 4, 0, 3])
+    pool = Pooled()
+    pool.add(r, None)
+    pool.add(DecodeResult(tokens=list(range(3)), accepted=[1]), None)  # a second prompt: window 0
+    assert pool.window_rounds == [5, 2] and pool.window_tokens == [3 + 1 + 25 + 5 + 2, 1 + 4]
+    assert pool.tau_by_window == [36 / 5, 5 / 2]
+    assert sum(pool.window_tokens) == pool.accepted + pool.rounds
+    from eval.bench.report import _window_md
+
+    row = {"method": "eagle3", "kind": "eagle3", "temperature": 0.0,
+           "tau_by_window": {"tokens": TAU_WINDOW, "tau": pool.tau_by_window, "rounds": pool.window_rounds}}
+    assert _window_md({"runs": [row]})[-1] == "| eagle3 | 0 | 7.20 | 2.50 |"
+    assert "| 0-31 | 32-63 |" in _window_md({"runs": [row]})[-3]
+    one = {**row, "tau_by_window": {"tokens": TAU_WINDOW, "tau": [1.5], "rounds": [4]}}
+    assert _window_md({"runs": [one]}) == []  # one window: the τ column already says it
 
 
 def test_batch_sweep_and_recommendation(full):

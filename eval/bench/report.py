@@ -159,6 +159,24 @@ def _acceptance_md(r: dict) -> list[str]:
             continue
         acc = e["acceptance_by_pos"] + [None] * (depth - len(e["acceptance_by_pos"]))
         lines.append(f"| {e['method']} | {_temp(e['temperature'])} | " + " | ".join(_f(a) for a in acc) + " |")
+    return lines + _window_md(r)
+
+
+def _window_md(r: dict) -> list[str]:
+    """τ by reply window (rounds by the reply token they began at), when the replies span more than one."""
+    runs = [e for e in r["runs"] if not is_baseline(e) and "tau_by_window" in e]
+    n = max((len(e["tau_by_window"]["tau"]) for e in runs), default=0)
+    if n < 2:
+        return []
+    size = runs[0]["tau_by_window"]["tokens"]
+    lines = ["", "## τ by reply window", "",
+             f"τ of the rounds that began in each {size}-token window of the replies (the start of a reply against "
+             "its later parts).", "",
+             "| method | T | " + " | ".join(f"{w * size}-{(w + 1) * size - 1}" for w in range(n)) + " |",
+             "|---|---|" + "---|" * n]
+    for e in runs:
+        taus = e["tau_by_window"]["tau"] + [None] * (n - len(e["tau_by_window"]["tau"]))
+        lines.append(f"| {e['method']} | {_temp(e['temperature'])} | " + " | ".join(_f(x) for x in taus) + " |")
     return lines
 
 

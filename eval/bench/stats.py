@@ -18,6 +18,8 @@ from eval.decode.result import DecodeResult
 
 log = logging.getLogger("eval")
 
+TAU_WINDOW = 32  # reply tokens per window of ``Pooled.tau_by_window``
+
 
 # --------------------------------------------------------------------------------------------- aggregation
 @dataclass
@@ -33,8 +35,11 @@ class Pooled:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    window_rounds: list[int] = field(default_factory=list)  # [w]: rounds that began in reply tokens [32w, 32w+32)
+    window_tokens: list[int] = field(default_factory=list)  # [w]: the tokens those rounds produced
 
     def add(self, r: DecodeResult, v: Mapping[int, float] | None) -> None:
+        self._add_windows(r)
         self.rounds += r.rounds
         self.accepted += sum(r.accepted)
         self.drafted += sum(r.drafted)
@@ -50,9 +55,28 @@ class Pooled:
         self.verify_s += r.verify_s
         self.prefill_s += r.prefill_s
 
+    def _add_windows(self, r: DecodeResult) -> None:
+        """Each round under the reply window its first token falls in (the prefill emits reply token 0; a round
+        emits its accepted drafts + 1, never past max_new_tokens)."""
+        pos = 1
+        for a in r.accepted:
+            w = pos // TAU_WINDOW
+            while len(self.window_rounds) <= w:
+                self.window_rounds.append(0)
+                self.window_tokens.append(0)
+            self.window_rounds[w] += 1
+            self.window_tokens[w] += a + 1
+            pos += a + 1
+
     @property
     def tau(self) -> float:
         return (self.accepted + self.rounds) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def tau_by_window(self) -> list[float]:
+        """τ of the rounds that began in each ``TAU_WINDOW``-token window of the replies (is a reply's start
+        harder to draft than its middle? a short max_new_tokens measures only the start)."""
+        return [n / r if r else float("nan") for n, r in zip(self.window_tokens, self.window_rounds)]
 
     @property
     def acceptance(self) -> list[float]:
@@ -131,6 +155,7 @@ def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSett
             e: dict[str, Any] = {
                 "method": m.name, "kind": m.kind, "temperature": temp, "tau": pool.tau,
                 "acceptance_by_pos": pool.acceptance, "rounds": pool.rounds,
+                "tau_by_window": {"tokens": TAU_WINDOW, "tau": pool.tau_by_window, "rounds": pool.window_rounds},
                 "tokens": sum(map(sum, single["ntoks"][key])) // s.repetitions,
                 "time_s": stats_of([sum(t) for t in single["times"][key]]), "tokens_per_s": tok_s,
                 "speedup": stats_of([tps_of(single, key, r) / tps_of(single, ark, r) for r in reps]),
