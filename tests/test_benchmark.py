@@ -147,6 +147,11 @@ def test_end_to_end_results_have_every_measurement(full, env):
             k = r["methods"][e["method"]]["num_speculative_tokens"]
             if k is not None:  # chains never try deeper than K
                 assert len(e["acceptance_by_pos"]) <= k and e["k_mean"] <= k
+    # the reduced-vocabulary drafters (draft_ids) and only they: the share of AR's tokens they can draft
+    with_vocab = {m.name for m in build_methods(env.target, list(KINDS), env.ckpts, env.draft, OPTIONS)[0]
+                  if getattr(m.model, "draft_ids", None) is not None}
+    assert set(r["draft_vocab"]) == with_vocab and with_vocab
+    assert all(0 <= v["covers_ar_tokens"] <= 1 and v["size"] > 0 for v in r["draft_vocab"].values())
     cm = r["cost_model"]
     assert cm["verify"][0] == 1.0 and {8, 3} <= set(cm["verify"])  # tree size 8 and chain K=3 were measured
     assert set(cm["batch"]) == {1, 2} and cm["t_ar_step_s"][0.0] > 0
@@ -178,6 +183,18 @@ def test_tau_by_reply_window_places_each_round_where_it_began():
     assert "| 0-31 | 32-63 |" in _window_md({"runs": [row]})[-3]
     one = {**row, "tau_by_window": {"tokens": TAU_WINDOW, "tau": [1.5], "rounds": [4]}}
     assert _window_md({"runs": [one]}) == []  # one window: the τ column already says it
+
+
+def test_draft_vocab_coverage_counts_ar_tokens_the_draft_vocabulary_holds():
+    from types import SimpleNamespace
+
+    from eval.bench.stats import draft_vocab_coverage
+
+    methods = [SimpleNamespace(name="ar", model=None), SimpleNamespace(name="eagle3", model=SimpleNamespace(
+        draft_ids=torch.tensor([3, 5, 9])))]
+    assert draft_vocab_coverage(methods, [[3, 4, 5], [9, 9, 1, 2, 3]]) == {
+        "eagle3": {"size": 3, "covers_ar_tokens": 5 / 8}}
+    assert draft_vocab_coverage(methods, []) == {}
 
 
 def test_batch_sweep_and_recommendation(full):

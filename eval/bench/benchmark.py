@@ -106,7 +106,7 @@ from eval.bench.setup import (
     Method,
     Prompt,
 )
-from eval.bench.stats import Pooled, lossless_single, summaries
+from eval.bench.stats import Pooled, draft_vocab_coverage, lossless_single, summaries
 from eval.bench.training import collect as collect_training
 from eval.decode.result import DecodeResult
 from eval.decode.single import decode_ar, speculative_decode
@@ -281,6 +281,7 @@ def _results(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[
         "cost_model": costs,
         "precision": judge.summary(),
         "methods": {m.name: _lossless_entry(m, mismatches[m.name]) for m in methods},
+        "draft_vocab": draft_vocab_coverage(methods, single["tokens0"][methods[0].name][0]),
         # AR's T=0 tokens (every prompt, first repetition): equal digests = token-identical output across runs
         "ar_tokens_sha256": hashlib.sha256(json.dumps(single["tokens0"][methods[0].name][0]).encode()).hexdigest(),
     }

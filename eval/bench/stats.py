@@ -83,6 +83,21 @@ class Pooled:
         return [a / t if t else float("nan") for a, t in zip(self.pos_accepts, self.pos_tries)]
 
 
+def draft_vocab_coverage(methods: Sequence[Method], ar_tokens: Sequence[Sequence[int]]) -> dict[str, dict]:
+    """For each drafter with a reduced draft vocabulary (``draft_ids``: the target id of every draft id), the share
+    of AR's T=0 tokens it can draft at all: at T=0 a draft outside it is always rejected, so this bounds the
+    acceptance at every depth."""
+    toks = [t for row in ar_tokens for t in row]
+    out = {}
+    for m in methods:
+        ids = getattr(m.model, "draft_ids", None)
+        if ids is None or not toks:
+            continue
+        vocab = set(ids.tolist())
+        out[m.name] = {"size": len(vocab), "covers_ar_tokens": sum(t in vocab for t in toks) / len(toks)}
+    return out
+
+
 def stats_of(xs: Sequence[float]) -> dict:
     """median / min / max / spread (half the range: with a handful of repetitions a range is the honest spread)."""
     xs = [float(x) for x in xs]
