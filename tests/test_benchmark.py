@@ -8,7 +8,7 @@ What is checked:
   count; strict JSON; the markdown table and PNGs are written;
 - the lossless check flags a method whose tokens are perturbed, and an engine whose verifier accepts every
   draft, and the CLI then exits 1;
-- crossover and the dynamic-K policy on hand-made tables with hand-computed answers;
+- (crossover, the dynamic-K policy and the other hand-made tables: tests/test_bench_accounting.py)
 - conversation prompts: chat template, round-robin over categories, per-category results;
 - one-line errors: temperature / top_p out of range, a checkpoint for another target or of another method,
   unknown methods; missing checkpoints are skipped with a warning.
@@ -28,7 +28,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from eval.bench.benchmark import all_lossless, run_benchmark, write_json
-from eval.bench.cost_model import choose_k, crossover_batch_size, draft_round_costs, predicted_speedup
+from eval.bench.cost_model import choose_k, crossover_batch_size
 from eval.bench.report import console_summary, markdown, write_report
 from eval.bench.setup import BenchSettings, Method, Prompt, build_methods, load_prompts
 from eval.decode import ladder
@@ -161,42 +161,6 @@ def test_end_to_end_results_have_every_measurement(full, env):
     assert r["peers"]["hf_prompt_lookup"]["settings"]["prompt_lookup_num_tokens"] == 3
 
 
-def test_tau_by_reply_window_places_each_round_where_it_began():
-    """Rounds pooled by the 32-token reply window their first token falls in (reply token 0 is the prefill's)."""
-    from eval.bench.stats import TAU_WINDOW, Pooled
-    from eval.decode.result import DecodeResult
-
-    assert TAU_WINDOW == 32
-    # rounds begin at reply tokens 1, 4, 5, 30, 35, 36: windows 0, 0, 0, 0, 1, 1
-    r = DecodeResult(tokens=list(range(40)), accepted=[2, 0, 24, 4, 0, 3])
-    pool = Pooled()
-    pool.add(r, None)
-    pool.add(DecodeResult(tokens=list(range(3)), accepted=[1]), None)  # a second prompt: window 0
-    assert pool.window_rounds == [5, 2] and pool.window_tokens == [3 + 1 + 25 + 5 + 2, 1 + 4]
-    assert pool.tau_by_window == [36 / 5, 5 / 2]
-    assert sum(pool.window_tokens) == pool.accepted + pool.rounds
-    from eval.bench.report import _window_md
-
-    row = {"method": "eagle3", "kind": "eagle3", "temperature": 0.0,
-           "tau_by_window": {"tokens": TAU_WINDOW, "tau": pool.tau_by_window, "rounds": pool.window_rounds}}
-    assert _window_md({"runs": [row]})[-1] == "| eagle3 | 0 | 7.20 | 2.50 |"
-    assert "| 0-31 | 32-63 |" in _window_md({"runs": [row]})[-3]
-    one = {**row, "tau_by_window": {"tokens": TAU_WINDOW, "tau": [1.5], "rounds": [4]}}
-    assert _window_md({"runs": [one]}) == []  # one window: the τ column already says it
-
-
-def test_draft_vocab_coverage_counts_ar_tokens_the_draft_vocabulary_holds():
-    from types import SimpleNamespace
-
-    from eval.bench.stats import draft_vocab_coverage
-
-    methods = [SimpleNamespace(name="ar", model=None), SimpleNamespace(name="eagle3", model=SimpleNamespace(
-        draft_ids=torch.tensor([3, 5, 9])))]
-    assert draft_vocab_coverage(methods, [[3, 4, 5], [9, 9, 1, 2, 3]]) == {
-        "eagle3": {"size": 3, "covers_ar_tokens": 5 / 8}}
-    assert draft_vocab_coverage(methods, []) == {}
-
-
 def test_batch_sweep_and_recommendation(full):
     b = full["batch"]
     assert b["batch_sizes"] == [1, 2] and set(b["ar_tokens_per_s"]) == {1, 2}
@@ -310,23 +274,6 @@ def test_the_baseline_is_plain_decoding_chosen_by_its_spec(env, monkeypatch):
         run_benchmark(env.target, methods[1:], env.prompts, settings())
 
 
-def test_the_recommended_k_comes_from_the_spec_ranks():
-    """``recommended_for``: the swept chain whose proposer has the lowest ``ProposerSpec.recommend_rank`` (a new
-    method declares its own; none ranked → no recommendation)."""
-    from eval.bench.benchmark import recommendation
-
-    names = ("ngram", "mtp", "peagle")
-    pol = {n: {"recommended_num_speculative_tokens": {1: i + 1, 2: 0}, "best_positive_num_speculative_tokens": i + 1}
-           for i, n in enumerate(names)}
-    chains = [Method(n, n) for n in names]
-    ranks = {m.name: m.proposer_spec().recommend_rank for m in chains}
-    assert ranks == {"ngram": 4, "mtp": 2, "peagle": None}
-    r = recommendation(chains, pol)
-    assert r["recommended_for"] == "mtp" and r["recommended_num_speculative_tokens"] == 2
-    assert r["recommended_num_speculative_tokens_by_batch"] == {1: 2, 2: 0} and r["speculation_pays_at_batch_1"]
-    assert recommendation(chains[2:], pol) == {}
-
-
 def _accept_everything(proposal, logits, sampling):
     """A broken verifier: takes every drafted token without looking at the target."""
     n = proposal.size
@@ -340,44 +287,6 @@ def test_lossless_check_catches_a_broken_verifier(env, monkeypatch):
                                                                  peers=False))
     assert r["methods"]["ar"]["lossless"] is True  # AR never verifies
     assert r["methods"]["eagle3"]["lossless"] is False and r["lossless"] is False
-
-
-def test_crossover_on_hand_made_speedups():
-    assert crossover_batch_size([1, 2, 4, 8, 16], [1.8, 1.3, 1.05, 0.9, 0.7]) == 8
-    assert crossover_batch_size([1, 2, 4], [1.5, 1.2, 1.01]) is None
-    assert crossover_batch_size([4, 1, 2], [0.9, 1.2, 1.1]) == 4  # sorted by batch size first
-    assert crossover_batch_size([1, 2], [0.95, 1.2]) == 1
-
-
-def test_dynamic_k_policy_on_hand_made_tables():
-    acc = [0.8, 0.5, 0.2]
-    # E(K) = 1 + Σ_j Π_{i<=j} α_i (models/core/acceptance.py chain_tau, tested in test_acceptance.py): 1, 1.8, 2.2, 2.28
-    c = 0.1
-    w1 = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}  # batch 1: verifying more tokens is almost free
-    w2 = {0: 1.1, 1: 1.4, 2: 1.7, 3: 2.0}
-    w8 = {0: 2.0, 1: 3.5, 2: 5.0, 3: 6.5}  # batch 8: compute-bound, every extra token costs
-    # B=1: K=1 → 1.8/1.2 = 1.5, K=2 → 2.2/1.4 = 1.571, K=3 → 2.28/1.6 = 1.425
-    k, pred = choose_k(acc, c, w1, 1, 3)
-    assert k == 2 and pred == pytest.approx({0: 1.0, 1: 1.5, 2: 2.2 / 1.4, 3: 2.28 / 1.6})
-    # B=2: K=1 → 1.8·1.1/(0.2+1.4) = 1.2375, K=2 → 2.42/2.1 = 1.152, K=3 → 2.508/2.6 = 0.965
-    k, pred = choose_k(acc, c, w2, 2, 3)
-    assert k == 1 and pred[1] == pytest.approx(1.2375) and pred[3] == pytest.approx(2.508 / 2.6)
-    # B=8: K=1 → 3.6/4.3 = 0.837 < 1: speculation off, unless K >= 1 is forced (the exporter's number)
-    assert choose_k(acc, c, w8, 8, 3)[0] == 0
-    assert choose_k(acc, c, w8, 8, 3, k_min=1)[0] == 1
-    assert crossover_batch_size([1, 2, 8], [predicted_speedup(acc, c, w, b, 2) for b, w in
-                                            ((1, w1), (2, w2), (8, w8))]) == 8
-    # unmeasured K are interpolated: v(1) between v(0) = 1.0 and v(2) = 1.2
-    assert predicted_speedup(acc, c, {0: 1.0, 2: 1.2}, 1, 1) == pytest.approx(1.8 / (0.1 + 1.1))
-    # a measured batched drafting cost d_B(K) replaces B·K·c: a drafter costing 0.05 per round for all 8 rows
-    # (one forward for the batch) keeps speculation on at B=8 (K=1: 3.6/3.55) where B·K·c = 0.8 turned it off
-    flat = {1: 0.05, 2: 0.05, 3: 0.05}
-    assert predicted_speedup(acc, c, w8, 8, 1, draft=flat) == pytest.approx(1.8 * 2.0 / (0.05 + 3.5))
-    assert choose_k(acc, c, w8, 8, 3, draft=flat)[0] == 1
-    assert choose_k(acc, c, w2, 2, 3, draft={1: 0.2, 2: 0.4, 3: 0.6})[1] == pytest.approx(choose_k(acc, c, w2, 2, 3)[1])
-    # the microbenchmark's shape, the in-situ level: B=1 at K_ref is exactly K_ref·c
-    d = draft_round_costs(0.05, 2, {1: {1: 1e-3, 2: 2e-3}, 4: {1: 1e-3, 2: 3e-3}})
-    assert d[1] == pytest.approx({1: 0.05, 2: 0.1}) and d[4] == pytest.approx({1: 0.05, 2: 0.15})
 
 
 def test_conversation_prompts_by_category(env, tmp_path):
