@@ -400,8 +400,8 @@ def test_cli_run_writes_report(env, tmp_path):
                                                                    "temperatures=[0]", "peers=false"))
     res = run(cfg)
     assert set(res["skipped"]) == {"draft_model", "mtp", "dflash", "peagle"}
-    assert set(res["methods"]) == {"ar", "ngram", "eagle3", "eagle3_bf16", "eagle3_int8", "eagle3_tree",
-                                   "eagle3_tree_t1", "medusa"}
+    assert set(res["methods"]) == {"ar", "ngram", "eagle3", "eagle3_bf16", "eagle3_int8", "eagle3_lookup",
+                                   "eagle3_tree", "eagle3_tree_t1", "eagle3_tree_lookup", "medusa"}
     assert res["lossless"] and res["methods"]["eagle3_int8"]["options"]["weights"] == "int8"  # conf variants
     assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "tau_speedup.png",
                                                      "acceptance.png", "batch_speedup.png", "learning_curve.png"}

@@ -77,12 +77,14 @@ def test_eval_config_method_rows_are_the_specs():
     assert cfg["variants"] == registry.variants()
     assert {"eagle3_bf16": {"method": "eagle3", "weights": "bfloat16"},  # the shipped ones (a registered test
             "eagle3_int8": {"method": "eagle3", "weights": "int8"},     # method may add its own after them)
-            "eagle3_tree_t1": {"method": "eagle3_tree", "size_for": 1}}.items() <= cfg["variants"].items()
+            "eagle3_lookup": {"method": "eagle3", "lookup": 2},
+            "eagle3_tree_t1": {"method": "eagle3_tree", "size_for": 1},
+            "eagle3_tree_lookup": {"method": "eagle3_tree", "lookup": 2}}.items() <= cfg["variants"].items()
     # every proposer then its variants, in registry order; AR (the one baseline) first
     want = [n for name, (_, p) in table.items() for n in (name, *p.variants)]
     assert cfg["methods"] == want
-    assert want[:12] == ["ar", "ngram", "draft_model", "eagle3", "eagle3_bf16", "eagle3_int8", "eagle3_tree",
-                         "eagle3_tree_t1", "medusa", "mtp", "dflash", "peagle"]
+    assert want[:14] == ["ar", "ngram", "draft_model", "eagle3", "eagle3_bf16", "eagle3_int8", "eagle3_lookup",
+                         "eagle3_tree", "eagle3_tree_t1", "eagle3_tree_lookup", "medusa", "mtp", "dflash", "peagle"]
     assert registry.baseline().name == cfg["methods"][0]
     for key in ("methods", "checkpoints", "draft_model", "options", "variants"):  # no second copy in the yaml
         assert key not in OmegaConf.load(CONF / "eval.yaml"), key
@@ -99,7 +101,7 @@ def test_eval_config_command_line_overrides_and_unknown_options():
                        "methods=[ar,eagle3]", "draft_model=null",
                        "+variants.fast={method: eagle3, num_speculative_tokens: 4}",
                        "options.dflash.num_speculative_tokens=null")
-    assert cfg.options.eagle3 == {"num_speculative_tokens": 4, "weights": "auto"}
+    assert cfg.options.eagle3 == {"num_speculative_tokens": 4, "weights": "auto", "lookup": 0}
     assert cfg.options.dflash.num_speculative_tokens is None
     assert cfg.checkpoints.eagle3 == "runs/x/final" and list(cfg.methods) == ["ar", "eagle3"]
     assert cfg.draft_model is None and cfg.variants.fast == {"method": "eagle3", "num_speculative_tokens": 4}

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from models.core.acceptance import best_by_cost, rank_accuracy
 from models.core.config_checks import depth_check
+from models.core.lookup import LookupFirst, with_lookup
 from models.core.proposal import MAX_TREE_NODES
 from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS, MethodSpec, ProposerSpec
 from models.core.target import FrozenTarget
@@ -161,14 +162,16 @@ def _size_tree(d: Eagle3Drafter, ckpt_dir: str | None, o: dict, verify_cost, t1_
                            "predicted_bound": {k: round(v, 3) for k, v in pred.items()}}}
 
 
-def _chain(d, t, weights: str = "auto", **o) -> Eagle3ChainProposer:
-    return Eagle3ChainProposer(d, **o, weights=drafting_weights(weights, t))
+def _chain(d, t, weights: str = "auto", lookup: int = 0, **o) -> Eagle3ChainProposer | LookupFirst:
+    chain = Eagle3ChainProposer(d, **o, weights=drafting_weights(weights, t))
+    return with_lookup(chain, lookup, chain.num_speculative_tokens)
 
 
-def _tree(d, t, max_nodes: int = MAX_TREE_NODES, size_for: float = 0, weights: str = "auto",
-          **o) -> Eagle3TreeProposer:
-    return Eagle3TreeProposer(d, **o, max_nodes=max(int(max_nodes), int(o["total_tokens"])),
+def _tree(d, t, max_nodes: int = MAX_TREE_NODES, size_for: float = 0, weights: str = "auto", lookup: int = 0,
+          **o) -> Eagle3TreeProposer | LookupFirst:
+    tree = Eagle3TreeProposer(d, **o, max_nodes=max(int(max_nodes), int(o["total_tokens"])),
                               weights=drafting_weights(weights, t))
+    return with_lookup(tree, lookup, int(o["depth"]))  # a lookup chain as deep as the tree
 
 
 SPEC = MethodSpec(
@@ -180,17 +183,22 @@ SPEC = MethodSpec(
         # weights: the drafting precision (auto: the target's when bf16, else float32 | float32 | bfloat16 | int8;
         # ``drafting_weights``, ``inference_copy``)
         # eval's variants: the same chain drafting in bf16 / int8, benchmarked side by side (what the switch buys)
+        # lookup: prompt lookup first (models/core/lookup.py ``with_lookup``): a round whose context's last
+        # lookup..3 tokens occurred before drafts what followed them, free; 0 = off. eagle3_lookup /
+        # eagle3_tree_lookup: the same drafter behind it, each its own row
         ProposerSpec("eagle3", _chain,
-                     {"num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS, "weights": "auto"},
+                     {"num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS, "weights": "auto", "lookup": 0},
                      batched=Eagle3ChainProposer.batched, recommend_rank=0,
-                     variants={"eagle3_bf16": {"weights": "bfloat16"}, "eagle3_int8": {"weights": "int8"}}),
+                     variants={"eagle3_bf16": {"weights": "bfloat16"}, "eagle3_int8": {"weights": "int8"},
+                               "eagle3_lookup": {"lookup": 2}}),
         # EAGLE-2 dynamic tree, sized for CPU (verify cost grows with nodes there; GPU: depth 6, top_k 10, 60)
         # total_tokens auto: sized by the cost model (``_size_tree``; depth and top_k are then caps), for the
         # acceptance at T=0 (size_for 0) or at T=1 (size_for 1)
         ProposerSpec("eagle3_tree", _tree,
                      {"depth": 5, "top_k": 4, "total_tokens": "auto", "max_nodes": 32, "size_for": 0,
-                      "weights": "auto"}, chain=False, prepare=_prepare_tree, size=_size_tree,
+                      "weights": "auto", "lookup": 0}, chain=False, prepare=_prepare_tree, size=_size_tree,
                      nodes=lambda o: int(o["total_tokens"]),
-                     variants={"eagle3_tree_t1": {"size_for": 1}}),  # the tree sized for T=1 acceptance
+                     # eagle3_tree_t1: the tree sized for T=1 acceptance
+                     variants={"eagle3_tree_t1": {"size_for": 1}, "eagle3_tree_lookup": {"lookup": 2}}),
     ),
 )

@@ -73,10 +73,10 @@ class Eagle3ChainProposer(_Eagle3Base):
     @classmethod
     def batched(cls, rows: list[Eagle3ChainProposer]) -> Eagle3ChainBatchProposer | PerRowProposers:
         """One proposer for a batch of these (one midlayer pass per drafting step for all rows); rows with
-        different drafters or settings draft one after another instead."""
+        different drafters or settings, or behind prompt lookup (``lookup``), draft one after another instead."""
         p0 = rows[0]
         key = lambda p: (p.drafter, p.num_speculative_tokens, p.sample_drafts)  # noqa: E731
-        if any(key(p) != key(p0) for p in rows):
+        if not all(isinstance(p, Eagle3ChainProposer) for p in rows) or any(key(p) != key(p0) for p in rows):
             return PerRowProposers(rows)
         return Eagle3ChainBatchProposer(p0.drafter, p0.num_speculative_tokens, p0.sample_drafts)
 
