@@ -167,12 +167,14 @@ bench-real: install
 	$(REAL_EVAL) prompts=humaneval n_prompts=164 "methods=[ar,ngram,eagle3_tree,dflash,mtp,medusa]" "temperatures=[0]" \
 		"batch_sizes=[]" out_dir=bench/results_smollm2_humaneval $(REAL_SET_ARGS); he=$$?; wait $$mt; exit $$(( $$? | he ))
 # The on-policy EAGLE-3 (smollm2-onpolicy-ship) on the sets its issue names: all 80 MT-Bench first turns at T=0 and
-# T=1 (chain of K=4, and the tree) beside all 164 HumanEval prompts at T=0, one thread each, 32 new tokens
+# T=1 (chain of K=4 and the tree, each also behind prompt lookup) beside all 164 HumanEval prompts at T=0, one thread
+# each, 32 new tokens
 # (target.dtype=auto: the target in the dtype whose plain decoding is fastest here, bf16 on AVX-512 BF16: the
 # baseline is the best AR this machine does)
 ONPOLICY_EVAL = $(BIN)/python -m eval target=smollm2 target.dtype=auto \
 	checkpoints.eagle3=$(SMOLLM2_DRAFTERS)/eagle3_onpolicy/final draft_model=null prompt_tokens=640 repetitions=1 threads=1 "batch_sizes=[]" peers=false \
-	options.eagle3.num_speculative_tokens=4 "methods=[ar,ngram,eagle3,eagle3_tree]" $(REAL_SET_ARGS)
+	options.eagle3.num_speculative_tokens=4 "methods=[ar,ngram,eagle3,eagle3_tree,eagle3_lookup,eagle3_tree_lookup]" \
+	$(REAL_SET_ARGS)
 bench-onpolicy: install
 	$(ONPOLICY_EVAL) prompts=mt_bench n_prompts=80 out_dir=bench/results_smollm2_onpolicy_mt_bench & mt=$$!; \
 	$(ONPOLICY_EVAL) prompts=humaneval n_prompts=164 "temperatures=[0]" out_dir=bench/results_smollm2_onpolicy_humaneval; \
