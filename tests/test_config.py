@@ -101,7 +101,7 @@ def test_eval_config_command_line_overrides_and_unknown_options():
                        "methods=[ar,eagle3]", "draft_model=null",
                        "+variants.fast={method: eagle3, num_speculative_tokens: 4}",
                        "options.dflash.num_speculative_tokens=null")
-    assert cfg.options.eagle3 == {"num_speculative_tokens": 4, "weights": "auto", "lookup": 0}
+    assert cfg.options.eagle3 == {"num_speculative_tokens": 4, "weights": "auto", "lookup": 0, "lookup_tokens": 6}
     assert cfg.options.dflash.num_speculative_tokens is None
     assert cfg.checkpoints.eagle3 == "runs/x/final" and list(cfg.methods) == ["ar", "eagle3"]
     assert cfg.draft_model is None and cfg.variants.fast == {"method": "eagle3", "num_speculative_tokens": 4}

@@ -18,8 +18,9 @@ import torch
 from eval.decode.batch import speculative_decode_batch
 from eval.decode.single import decode_ar, speculative_decode
 from models import registry
-from models.core.lookup import LookupFirst, PromptLookup, with_lookup
+from models.core.lookup import LookupFirst, PromptLookup, lookup_width, with_lookup
 from models.core.proposal import Proposal, Sampling, batch_proposer
+from models.methods.eagle3 import LOOKUP_TOKENS
 from models.methods.eagle3.proposers import Eagle3ChainProposer, Eagle3TreeProposer
 from tests.test_decode import MixedProposer, chi2_pvalue, drafters, exact_joint, sharp_tiny_llama, target  # noqa: F401
 
@@ -115,14 +116,16 @@ def test_the_lookup_variants_build_it(target, drafters):  # noqa: F811
     table = registry.variants()
     assert table["eagle3_lookup"] == {"method": "eagle3", "lookup": 2}
     assert table["eagle3_tree_lookup"] == {"method": "eagle3_tree", "lookup": 2}
-    make, _ = registry.make_proposer_factory("eagle3", d, target, options={"lookup": 2})
-    assert isinstance(make(None), LookupFirst) and make(None).lookup.num_speculative_tokens == 3
-    assert make(5).model.num_speculative_tokens == 5 and make(5).lookup.num_speculative_tokens == 5
-    make, _ = registry.make_proposer_factory("eagle3", d, target)
-    assert isinstance(make(None), Eagle3ChainProposer)  # lookup 0: the chain itself
-    opts = {"lookup": 1, "total_tokens": 8, "depth": 3, "top_k": 2}
+    make, o = registry.make_proposer_factory("eagle3", d, target, options={"lookup": 2})
+    assert isinstance(make(None), LookupFirst) and make(None).lookup.num_speculative_tokens == LOOKUP_TOKENS
+    # the chain's K varies (the dynamic-K policy), the lookup's length stays its own
+    assert make(2).model.num_speculative_tokens == 2 and make(2).lookup.num_speculative_tokens == LOOKUP_TOKENS
+    assert lookup_width(o) == LOOKUP_TOKENS  # the verification width the cost tables cover
+    make, o = registry.make_proposer_factory("eagle3", d, target)
+    assert isinstance(make(None), Eagle3ChainProposer) and lookup_width(o) == 0  # lookup 0: the chain itself
+    opts = {"lookup": 1, "lookup_tokens": 5, "total_tokens": 8, "depth": 2, "top_k": 2}
     make, _ = registry.make_proposer_factory("eagle3_tree", d, target, options=opts)
-    tree = make(None)
-    assert isinstance(tree.model, Eagle3TreeProposer) and tree.lookup.num_speculative_tokens == 3
+    tree = make(None)  # a lookup chain longer than the tree is deep
+    assert isinstance(tree.model, Eagle3TreeProposer) and tree.lookup.num_speculative_tokens == 5
     with pytest.raises(ValueError, match="lookup must be 0"):
         registry.make_proposer_factory("eagle3", d, target, options={"lookup": 9})

@@ -110,6 +110,7 @@ from eval.bench.stats import Pooled, draft_vocab_coverage, lossless_single, summ
 from eval.bench.training import collect as collect_training
 from eval.decode.result import DecodeResult
 from eval.decode.single import decode_ar, speculative_decode
+from models.core.lookup import lookup_width
 from models.core.proposal import Sampling
 from models.core.target import FrozenTarget
 
@@ -245,7 +246,9 @@ def _cost_tables(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
     the cost model sizes (e.g. Medusa num_nodes: auto), before any decoding."""
     drafting = [m for m in methods if not m.baseline]
     chains = [m for m in drafting if m.chain]
-    longest = max([int(m.num_speculative_tokens) for m in chains] or [0])
+    # a lookup round (models/core/lookup.py) verifies its own chain, whatever the method's K or tree
+    longest = max([int(m.num_speculative_tokens) for m in chains] + [lookup_width(m.options) for m in drafting]
+                  or [0])
     trees = [m.nodes for m in drafting if not m.chain]
     widths = [*range(1, longest + 2), *(n + 1 for n in trees),
               *(w for w in (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if w <= max(trees or [0]))]

@@ -93,6 +93,12 @@ class LookupFirst:
         return self.model.propose(max_depth)
 
 
+def lookup_width(options: dict) -> int:
+    """Tokens a lookup round of a proposer with these options drafts at most (0: no lookup): the verification
+    widths a cost table must cover."""
+    return int(options.get("lookup_tokens", 0)) if options.get("lookup") else 0
+
+
 def with_lookup(proposer: Proposer, min_ngram: int, num_speculative_tokens: int) -> Proposer:
     """``proposer`` behind prompt lookup of ``num_speculative_tokens`` tokens when the context's last
     ``min_ngram``..3 tokens occurred before (a method's ``lookup`` option); ``min_ngram`` 0: ``proposer`` itself."""
