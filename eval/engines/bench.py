@@ -112,8 +112,10 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
 def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int,
                      num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, target_name: str = "tiny-code",
                      threads: int = 1, prompts_from: str | None = None, prompt_tokens: int = 64,
-                     server: bool = False, target_type: str = "f32", draft_ks: list[int] | None = None) -> dict:
-    """``draft_ks``: serve each drafter at each of these K (rows NAME_kK), else at its export's K."""
+                     server: bool = False, target_type: str = "f32", draft_ks: list[int] | None = None,
+                     lookup: bool = False) -> dict:
+    """``draft_ks``: serve each drafter at each of these K (rows NAME_kK), else at its export's K. ``lookup``: each
+    drafter row also behind llama.cpp's own prompt lookup (row NAME..._lookup, ``L.lookup_run``)."""
     from eval.bench.setup import load_prompts
     from eval.engines import llamacpp as L
     from eval.engines import llamacpp_server as LS
@@ -143,6 +145,8 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
             runs.append({"name": row, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
                          "num_speculative_tokens": k, "method": meta["method"]})
             harness[row] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, k)
+            if lookup:
+                runs.append({**runs[-1], **L.lookup_run(m["spec_type"], k), "name": f"{row}_lookup"})
     ar = E.ar_outputs(target, ids, max_new)
     engine = (LS.serve if server else L.serve)(tgt, prompts, max_new, runs, threads)
     base = engine["ar"].get("tokens_per_s") if engine["ar"]["ok"] else None
@@ -314,6 +318,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target-type", default="f32", choices=TARGET_TYPES,
                    help="llama.cpp: the target GGUF: converted to f32 (the harness's precision), bf16 or q8_0, or "
                         "source (the target's own GGUF file as shipped, e.g. smollm2's Q4_1)")
+    p.add_argument("--lookup", action="store_true",
+                   help="llama.cpp: each drafter also behind the engine's prompt lookup (--spec-type "
+                        "ngram-simple,<draft>: a round whose context repeats drafts from it, others from the drafter; "
+                        "the harness's eagle3_lookup)")
     p.add_argument("--out", default="bench/engines")
     p.add_argument("--combine", metavar="ROOT", help="only write ROOT/results.md from ROOT/*/results.json")
     return p
@@ -341,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 require_rows(method)
             res = measure_llamacpp(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.num_speculative_tokens,
                                    a.target, a.threads, a.prompts, a.prompt_tokens, a.server, a.target_type,
-                                   a.draft_k)
+                                   a.draft_k, a.lookup)
         except ExportError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

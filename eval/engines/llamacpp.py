@@ -138,7 +138,21 @@ def ngram_run(num_speculative_tokens: int, n: int = 3) -> dict:
     ``num_speculative_tokens`` (its defaults, a 12-token match and 48 drafts, almost never fire on a short
     request)."""
     return {"name": "ngram", "spec_type": "ngram-simple", "num_speculative_tokens": num_speculative_tokens,
-            "extra": ["--spec-ngram-simple-size-n", str(n), "--spec-ngram-simple-size-m", str(num_speculative_tokens)]}
+            "extra": _ngram_args(n, num_speculative_tokens)}
+
+
+def lookup_run(draft_spec_type: str, num_speculative_tokens: int, n: int = 2) -> dict:
+    """A drafter behind llama.cpp's prompt lookup: ``--spec-type ngram-simple,<draft>`` tries its types in a fixed
+    priority, the n-gram ones first (common/speculative.cpp ``common_speculative_init``), and a round the lookup
+    drafts for skips the drafter (``common_speculative_draft``), as the harness's ``lookup`` option
+    (models/core/lookup.py) does; the last ``n`` tokens are matched (the harness: 2..3), and every draft is capped
+    at ``--spec-draft-n-max``, the lookup's included."""
+    return {"spec_type": f"ngram-simple,{draft_spec_type}", "extra": _ngram_args(n, num_speculative_tokens)}
+
+
+def _ngram_args(n: int, m: int) -> list[str]:
+    """ngram-simple's settings: match the last ``n`` tokens, draft ``m``."""
+    return ["--spec-ngram-simple-size-n", str(n), "--spec-ngram-simple-size-m", str(m)]
 
 
 def sum_counts(parts: Sequence[dict]) -> dict:

@@ -41,6 +41,8 @@ SERVED = ["eagle3", "dflash_full", "dspark_full", "dspark"]
 LAYOUTS = {"eagle3_speculators": "eagle3"}
 SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash_full": "draft-dflash", "dspark_full": "draft-dspark"}
 SERVER_RUNS = ["ar", "ngram", *SPEC_TYPES]
+# llama-server only: EAGLE-3 behind the engine's prompt lookup (--spec-type ngram-simple,draft-eagle3)
+SERVER_ONLY = ["eagle3_lookup"]
 
 
 def export_gguf(ckpt: Path, out: Path, k: int | None = None) -> Path:
@@ -155,7 +157,9 @@ def _build(root: Path, runs_dir: Path) -> dict:
                  "num_speculative_tokens": manifests["dspark_full"]["num_speculative_tokens"]})
     engine = L.serve(tgt_gguf, prompts, MAX_NEW, runs)
     # llama-server, as users serve: AR, n-gram and the drafters of each spec type, one server process each
-    server = LS.serve(tgt_gguf, prompts, MAX_NEW, [r for r in runs if r["name"] in SERVER_RUNS])
+    eagle = next(r for r in runs if r["name"] == "eagle3")
+    lookup = {**eagle, **L.lookup_run(eagle["spec_type"], eagle["num_speculative_tokens"]), "name": "eagle3_lookup"}
+    server = LS.serve(tgt_gguf, prompts, MAX_NEW, [r for r in runs if r["name"] in SERVER_RUNS] + [lookup])
     return {"engine": engine, "server": server, "harness": harness, "prompts": prompts, "manifests": manifests,
             "train_seconds": train_seconds,
             "n_candidates": len(cands), "n_prompts": len(prompts)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engines.served_llamacpp import LAYOUTS, SERVED, SERVER_RUNS, llamacpp_results
+from tests.engines.served_llamacpp import LAYOUTS, SERVED, SERVER_ONLY, SERVER_RUNS, llamacpp_results
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -54,6 +54,8 @@ def test_llamacpp_decodes_losslessly(served, name):
     r = _run(served, name)
     bad = matches_harness(tok, served["prompts"], served["harness"]["ar"]["outputs"], r["texts"])
     assert not bad, f"{name}: prompts {bad} differ from draftsmith's AR"
+    if name in SERVER_ONLY:  # the lookup in front drafted, and the server took its drafts with the drafter's
+        assert sum(r["drafted_by_request"]) > 0 and sum(r["accepted_by_request"]) > 0
     if name == "ar":  # the engine's AR is exactly the harness's N tokens, no more
         pairs = zip(served["prompts"], served["harness"]["ar"]["outputs"])
         full = [tok.decode([*p["input_ids"], *h]) for p, h in pairs]
@@ -120,7 +122,7 @@ def _server(served: dict, name: str) -> dict:
     return r
 
 
-@pytest.mark.parametrize("name", SERVER_RUNS)
+@pytest.mark.parametrize("name", SERVER_RUNS + SERVER_ONLY)
 def test_llama_server_decodes_losslessly(served, name):
     """llama-server's completion of every prompt is exactly draftsmith's AR tokens, drafting or not."""
     from eval.engines.llamacpp import matches_harness
@@ -130,6 +132,8 @@ def test_llama_server_decodes_losslessly(served, name):
     r = _server(served, name)
     bad = matches_harness(tok, served["prompts"], served["harness"]["ar"]["outputs"], r["texts"])
     assert not bad, f"{name}: prompts {bad} differ from draftsmith's AR"
+    if name in SERVER_ONLY:  # the lookup in front drafted, and the server took its drafts with the drafter's
+        assert sum(r["drafted_by_request"]) > 0 and sum(r["accepted_by_request"]) > 0
 
 
 @pytest.mark.parametrize("name", SERVER_DRAFTS)
