@@ -161,7 +161,7 @@ def _acceptance_md(r: dict) -> list[str]:
         lines.append(f"| {e['method']} | {_temp(e['temperature'])} | " + " | ".join(_f(a) for a in acc) + " |")
     for name, v in (r.get("draft_vocab") or {}).items():
         lines += ["", f"{name}'s draft vocabulary ({v['size']} ids) holds {_f(100 * v['covers_ar_tokens'], 1)} % of "
-                  "AR's T=0 tokens: at T=0 no depth accepts more often than that."]
+                  "AR's T=0 tokens: at T=0 no depth accepts the drafter's own drafts more often than that."]
     return lines + _window_md(r)
 
 
