@@ -121,7 +121,6 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
     from eval.engines import llamacpp_server as LS
     from models.core.target import FrozenTarget
     from models.export import llamacpp as G
-    from models.registry import load_drafter
 
     if not L.available() or (server and not LS.available()):
         tools = (*L.TOOLS, LS.TOOL) if server else L.TOOLS
@@ -137,16 +136,7 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
             {**L.ngram_run(num_speculative_tokens), "method": "ngram"}]
     harness = {}
     for name, ckpt in checkpoints.items():  # name: the row's label (a method, or e.g. dspark for a dflash drafter)
-        d, meta = load_drafter(Path(ckpt), target)
-        g = G.export_gguf(d, out / "exports" / name, target, target_name=target_name, meta=meta, overwrite=True)
-        m = G.check_gguf(g)
-        for k in draft_ks or [m["num_speculative_tokens"]]:  # one draft file; K is the engine's --spec-draft-n-max
-            row = f"{name}_k{k}" if draft_ks else name
-            runs.append({"name": row, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
-                         "num_speculative_tokens": k, "method": meta["method"]})
-            harness[row] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, k)
-            if lookup:
-                runs.append({**runs[-1], **L.lookup_run(m["spec_type"], k), "name": f"{row}_lookup"})
+        _drafter_runs(name, ckpt, target, target_name, out, ids, max_new, draft_ks, lookup, runs, harness)
     ar = E.ar_outputs(target, ids, max_new)
     engine = (LS.serve if server else L.serve)(tgt, prompts, max_new, runs, threads)
     base = engine["ar"].get("tokens_per_s") if engine["ar"]["ok"] else None
@@ -172,6 +162,26 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "results.md").write_text(render(res))
     return res
+
+
+def _drafter_runs(name: str, ckpt: str, target, target_name: str, out: Path, ids: list, max_new: int,
+                  draft_ks: list[int] | None, lookup: bool, runs: list[dict], harness: dict) -> None:
+    """One drafter's llama.cpp runs (exported to GGUF once; a row per K, and behind the lookup when asked) appended
+    to ``runs``, with the harness's counts for each K in ``harness``."""
+    from eval.engines import llamacpp as L
+    from models.export import llamacpp as G
+    from models.registry import load_drafter
+
+    d, meta = load_drafter(Path(ckpt), target)
+    g = G.export_gguf(d, out / "exports" / name, target, target_name=target_name, meta=meta, overwrite=True)
+    m = G.check_gguf(g)
+    for k in draft_ks or [m["num_speculative_tokens"]]:  # one draft file; K is the engine's --spec-draft-n-max
+        row = f"{name}_k{k}" if draft_ks else name
+        runs.append({"name": row, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
+                     "num_speculative_tokens": k, "method": meta["method"]})
+        harness[row] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, k)
+        if lookup:
+            runs.append({**runs[-1], **L.lookup_run(m["spec_type"], k), "name": f"{row}_lookup"})
 
 
 def _engine_row(e: dict, base: float | None) -> dict:
