@@ -18,7 +18,7 @@ from torch import Tensor
 from models.core.proposal import Proposal, Proposer, Sampling, check_k
 from models.core.spec import DEFAULT_NUM_SPECULATIVE_TOKENS
 
-LOOKUP_MAX_NGRAM = 3  # the longest context suffix LookupFirst matches (vLLM's prompt_lookup_max default is 5)
+LOOKUP_MAX_NGRAM = 3  # the longest context suffix LookupFirst matches (the n-gram method's max_ngram default)
 
 
 class PromptLookup:
