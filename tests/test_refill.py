@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.core.refill import Request, generate_refill
+from models.core.refill import Request, generate_refill, prefill_groups
 from tests.test_generate import _prompts
 from tests.test_regenerate import manual_greedy  # one sequence, no padding, no cache: the reference
 
@@ -38,6 +38,17 @@ def test_greedy_equals_one_sequence_loop_through_refills(tiny_llama):
     for batch_size, refill_at, trickle in ((4, 0.25, 0), (3, 1.0, 0), (13, 0.125, 0), (1, 0.125, 0), (8, 0.125, 2)):
         got = _run(tiny_llama, prompts, stops, batch_size, refill_at=refill_at, trickle=trickle)
         assert got == refs, (batch_size, refill_at, trickle)
+
+
+def test_prefill_groups_bound_padding_and_keep_every_request():
+    lengths = [3, 40, 38, 5, 39, 4, 200, 12, 11, 36]
+    reqs = [Request(i, [5] * n, i) for i, n in enumerate(lengths)]
+    groups = prefill_groups(reqs, slack=1.25)
+    assert sorted(r.tag for g in groups for r in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) * max(len(r.prompt) for r in g) <= 1.25 * sum(len(r.prompt) for r in g)
+    assert [sorted(r.tag for r in g) for g in groups][:2] == [[6], [1, 2, 4, 7, 9]]  # the 200 alone; 12 joins 36-40 within 1.25
+    assert prefill_groups(reqs, slack=100.0) == [sorted(reqs, key=lambda r: -len(r.prompt))]  # one padded forward
 
 
 def test_long_runs_trim_the_buffer_and_stay_exact(tiny_llama):
