@@ -63,8 +63,9 @@ class DataConfig:
     regen_only: bool = False
     # chat, with regenerate=N below the number of conversations: M more, drawn apart from the first N (a second seeded
     # sample of the rest), regenerated into their own cache files and used for training only; the held-out split stays
-    # the last val_rows of the first N, and the first N's files are read as they are, so data grows in tranches
-    regen_extra: int = 0
+    # the last val_rows of the first N, and the first N's files are read as they are, so data grows in tranches.
+    # A list [M1, M2, ...]: tranches in turn, each drawn apart from all before it, its rows after theirs
+    regen_extra: int | list[int] = 0
     # the dtype the target computes those M in (null: its own; "auto": bf16 where the CPU has a bf16 dot product);
     # part of their cache key
     regen_extra_dtype: str | None = None
@@ -164,6 +165,15 @@ def regen_temperatures(cfg: DataConfig) -> list[float]:
     return temps
 
 
+def extra_tranches(cfg: DataConfig) -> list[int]:
+    """``regen_extra`` as a list of tranche sizes (an int M is one tranche; 0 none)."""
+    m = cfg.regen_extra
+    sizes = [int(x) for x in m] if isinstance(m, (list, tuple)) or hasattr(m, "__len__") else [int(m)] if m else []
+    if any(x < 1 for x in sizes):
+        raise ValueError(f"data.regen_extra={sizes}: give each tranche a number of conversations >= 1")
+    return sizes
+
+
 def regen_count(cfg: DataConfig, n_rows: int) -> int:
     """How many training windows get a target continuation: ``regenerate`` (an int) or "all"."""
     if isinstance(cfg.regenerate, str):
@@ -248,9 +258,9 @@ def _first_prompt_len(tok, conv: list[dict], cfg: DataConfig) -> int:
 def regenerate_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats: dict | None = None,
                     temperatures: list[float] | None = None) -> tuple[list[list[dict]], list[int], list[int]]:
     """(``convs`` with the assistant turns of ``chat_regen_count`` of them replaced by the target's own replies,
-    the indices replaced, the indices of ``regen_extra``'s). The picks are split round-robin over
-    ``regen_temperature`` (e.g. [0, 1]: half greedy, half T=1), each group batched and resumable in its own keyed
-    cache file; the others keep their dataset replies.
+    the indices replaced, the indices of ``regen_extra``'s: tranche by tranche, each in dataset order). The picks
+    are split round-robin over ``regen_temperature`` (e.g. [0, 1]: half greedy, half T=1), each group batched and
+    resumable in its own keyed cache file; the others keep their dataset replies.
     ``temperatures``: regenerate only those groups (one process per group, train/regenerate.py); the other groups'
     conversations come back as they were."""
     import time
@@ -258,9 +268,9 @@ def regenerate_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats:
     from data.regenerate import regenerate_conversations
 
     out = list(convs)
-    picks: tuple[list[int], list[int]] = ([], [])
+    picks: dict[int, list[int]] = {}
     for temp, group, gen, extra, refill in regen_groups(cfg, model, tok, convs):
-        picks[extra].extend(group)
+        picks.setdefault(extra, []).extend(group)
         if not group or (temperatures is not None and temp not in temperatures):
             continue
         inputs = [convs[i] for i in group]
@@ -277,18 +287,21 @@ def regenerate_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats:
         if stats is not None:
             made = counts["generated"]
             stats.setdefault("regenerated", []).append({
-                "temperature": temp, "continuations": len(group), "kind": "conversations", "extra": extra,
+                "temperature": temp, "continuations": len(group), "kind": "conversations", "extra": extra > 0,
+                "tranche": extra,
                 "from_cache": len(group) - made,
                 "generated_now": made, "seconds": round(secs, 1),
                 "items_per_s": round(made / secs, 2) if made and secs > 0 else None, "cache": str(path)})
-    return out, picks[0], picks[1]
+    extras = [i for k in sorted(picks) if k for i in sorted(picks[k])]
+    return out, picks.get(0, []), extras
 
 
-def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]], extra: bool = False,
+def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]], extra: int = 0,
                plen: dict[int, int] | None = None) -> list[tuple[float, list[int]]]:
     """(temperature, conversation indices) per regeneration group: ``chat_regen_count`` picks, dealt round-robin
-    over ``regen_temperature`` in order of first-prompt length. ``extra``: the groups of ``regen_extra``'s picks.
-    ``plen``: the first-prompt lengths, when a caller already has them (rendering 17k conversations takes a while)."""
+    over ``regen_temperature`` in order of first-prompt length. ``extra`` = k ≥ 1: the groups of ``regen_extra``'s
+    k-th tranche. ``plen``: the first-prompt lengths, when a caller already has them (rendering 17k conversations
+    takes a while)."""
     n = chat_regen_count(cfg, len(convs))
     if extra and n == len(convs):
         raise ValueError(f"data.regen_extra={cfg.regen_extra}: data.regenerate={cfg.regenerate!r} already takes all "
@@ -302,11 +315,14 @@ def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]], extra: bool = Fals
         plen = plen if plen is not None else {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
         fits = [i for i in range(len(convs)) if plen[i] <= cfg.max_len // 2]
         picks = random.Random(cfg.seed).sample(fits, min(n, len(fits)))
-        want, name = (cfg.regen_extra, "data.regen_extra") if extra else (n, "data.regenerate")
-        if extra:  # the rest of the fitting ones, sampled apart: the first picks stay exactly what they were
-            taken = set(picks)
+        want, name = (extra_tranches(cfg)[extra - 1], f"data.regen_extra tranche {extra}") if extra else \
+            (n, "data.regenerate")
+        taken: set[int] = set()
+        for k in range(1, extra + 1):  # the rest of the fitting ones, sampled apart: earlier picks stay as they were
+            taken |= set(picks)
             rest = [i for i in fits if i not in taken]
-            picks = random.Random(cfg.seed + 2).sample(rest, min(want, len(rest)))
+            size = extra_tranches(cfg)[k - 1]
+            picks = random.Random(cfg.seed + 1 + k).sample(rest, min(size, len(rest)))
         if len(picks) < want:
             print(f"data: {name}={want}, but only {len(picks)} of {len(convs)} conversations are left with a first "
                   f"prompt of <= {cfg.max_len // 2} tokens (data.max_len // 2); regenerating those", flush=True)
@@ -316,23 +332,24 @@ def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]], extra: bool = Fals
 
 
 def regen_groups(cfg: DataConfig, model, tok, convs: list[list[dict]]):
-    """Every regeneration group as (temperature, conversation indices, the model that generates it, extra?,
-    refill?): the first ``regenerate`` picks with the target as it is, then ``regen_extra``'s in
-    ``regen_extra_dtype``."""
+    """Every regeneration group as (temperature, conversation indices, the model that generates it, tranche (0: the
+    first, k: ``regen_extra``'s k-th), refill?): the first ``regenerate`` picks with the target as it is, then
+    ``regen_extra``'s tranches in ``regen_extra_dtype``."""
     plen = None
-    if cfg.regen_extra and chat_regen_count(cfg, len(convs)) < len(convs):  # both plans read the same lengths
+    if extra_tranches(cfg) and chat_regen_count(cfg, len(convs)) < len(convs):  # both plans read the same lengths
         plen = {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
     for temp, group in regen_plan(cfg, tok, convs, plen=plen):
         yield temp, group, model, False, cfg.regen_refill
-    if cfg.regen_extra:
+    if extra_tranches(cfg):
         from data.features import resolve_compute_dtype
         from models.core.kernels import cast_copy
         from models.core.target import parse_dtype
 
         dt = resolve_compute_dtype(cfg.regen_extra_dtype)
         gen = cast_copy(model, parse_dtype(dt)) if dt and parse_dtype(dt) != model.dtype else model
-        for temp, group in regen_plan(cfg, tok, convs, extra=True, plen=plen):
-            yield temp, group, gen, True, cfg.regen_extra_refill
+        for k in range(1, len(extra_tranches(cfg)) + 1):
+            for temp, group in regen_plan(cfg, tok, convs, extra=k, plen=plen):
+                yield temp, group, gen, k, cfg.regen_extra_refill
 
 
 def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats: dict | None) -> list[list[dict]]:
@@ -377,11 +394,11 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
         if cfg.regenerate:
             if model is None:
                 raise ValueError("data.regenerate needs the target model")
-            if cfg.regen_extra and not cfg.regen_only:
+            if extra_tranches(cfg) and not cfg.regen_only:
                 raise ValueError("data.regen_extra needs data.regen_only=true (the extra conversations train only)")
             convs, picks, extra = regenerate_chat(cfg, model, tok, convs, stats)
             if cfg.regen_only:  # on-policy only: the conversations the target answered, in their dataset order
-                convs, extra_convs = [convs[i] for i in sorted(picks)], [convs[i] for i in sorted(extra)]
+                convs, extra_convs = [convs[i] for i in sorted(picks)], [convs[i] for i in extra]
         elif cfg.regen_only:
             raise ValueError("data.regen_only=true needs data.regenerate (a count or 'all')")
         rows, tstats = tokenize_conversations(tok, convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
@@ -401,7 +418,8 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
             print(f"data: data.val_rows={cfg.val_rows} capped to {n_val} (half of {len(rows)} conversations)",
                   flush=True)
         train, val = rows[: len(rows) - n_val], rows[len(rows) - n_val :]
-        if cfg.regenerate and cfg.regen_extra:  # after the first tranche's rows: its feature-cache shards stay valid
+        # after the first tranche's rows, each tranche after the one before: earlier feature-cache shards stay valid
+        if cfg.regenerate and extra_tranches(cfg):
             more, _ = tokenize_conversations(tok, extra_convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
                                              cfg.enable_thinking)
             train = train + more

@@ -349,16 +349,27 @@ def test_a_second_tranche_trains_only_and_leaves_the_first_and_its_held_out_rows
     assert all(k["dtype"] == "bfloat16" and k["generator"] == "draftsmith.refill/2" for k in keys)
     convs = [[{"role": "user", "content": f"question {i}?"}] for i in range(14)]
     a = {i for _, g in regen_plan(more, tiny_tokenizer, convs) for i in g}
-    b = {i for _, g in regen_plan(more, tiny_tokenizer, convs, extra=True) for i in g}
+    b = {i for _, g in regen_plan(more, tiny_tokenizer, convs, extra=1) for i in g}
     assert len(a) == 6 and len(b) == 5 and not a & b
     # more than are left: the rest, said
     rest = {i for _, g in regen_plan(DataConfig(**{**vars(more), "regen_extra": 50}), tiny_tokenizer, convs,
-                                     extra=True) for i in g}
+                                     extra=1) for i in g}
     assert rest == set(range(14)) - a and "only 8 of 14 conversations are left" in capsys.readouterr().out
     with pytest.raises(ValueError, match="regen_extra needs data.regen_only"):
         build_rows(DataConfig(**{**vars(more), "regen_only": False}), tiny_tokenizer, tiny_llama)
     with pytest.raises(ValueError, match="already takes all 14"):
-        regen_plan(DataConfig(**{**vars(more), "regenerate": "all"}), tiny_tokenizer, convs, extra=True)
+        regen_plan(DataConfig(**{**vars(more), "regenerate": "all"}), tiny_tokenizer, convs, extra=1)
+    third = DataConfig(**{**vars(more), "regen_extra": [5, 2]})
+    stats3: dict = {}
+    train3, val3 = build_rows(third, tiny_tokenizer, tiny_llama, stats3)
+    assert val3 == val and train3[: len(train2)] == train2 and len(train3) == len(train2) + 2
+    assert [(g["tranche"], g["from_cache"], g["generated_now"]) for g in stats3["regenerated"]] == [
+        (0, 3, 0), (0, 3, 0), (1, 3, 0), (1, 2, 0), (2, 0, 1), (2, 0, 1)]
+    c = {i for _, g in regen_plan(third, tiny_tokenizer, convs, extra=2) for i in g}
+    assert {i for _, g in regen_plan(third, tiny_tokenizer, convs, extra=1) for i in g} == b
+    assert len(c) == 2 and not c & (a | b)
+    with pytest.raises(ValueError, match="each tranche a number of conversations"):
+        regen_plan(DataConfig(**{**vars(more), "regen_extra": [5, 0]}), tiny_tokenizer, convs, extra=1)
 
 
 def test_refill_regeneration_resumes_to_the_same_records(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):

@@ -111,7 +111,7 @@ def ship(overrides: list[str]) -> dict:
         made_now = sum(r.get("new_tokens", 0) for r in recs)  # records written before the count existed have none
         counted = sum("new_tokens" in r for r in recs)
         secs, made = sum(b["seconds"] for b in spent), sum(b["new_tokens"] for b in spent)
-        files.append({"file": packed.name, "temperature": temp, "extra": extra,
+        files.append({"file": packed.name, "temperature": temp, "extra": extra > 0, "tranche": extra,
                       "dtype": str(gen.dtype).replace("torch.", ""), "refill": refill,
                       "conversations": len(group), "done": len(recs),
                       "assistant_turns": len(replies), "assistant_tokens": n_tok, "generated_tokens": made_now,
