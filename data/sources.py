@@ -118,12 +118,15 @@ def pack_cache_file(path: Path, packed: Path) -> list[dict]:
 
     done = load_done(path, repair=False) if path.exists() else {}
     recs = [done[i] for i in sorted(done)]
+    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode()
+    if packed.exists() and gzip.decompress(packed.read_bytes()) == payload:
+        return recs  # nothing new: the shipped bytes stay (git sees no change, whatever wrote their header)
     packed.parent.mkdir(parents=True, exist_ok=True)
     tmp = packed.with_name(packed.name + f".tmp{os.getpid()}")
     try:
-        # mtime=0: the same records give the same bytes (git sees no change when nothing new was generated)
+        # mtime=0: the same records give the same bytes
         with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as fh:
-            fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode())
+            fh.write(payload)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -339,7 +342,7 @@ def regen_groups(cfg: DataConfig, model, tok, convs: list[list[dict]]):
     if extra_tranches(cfg) and chat_regen_count(cfg, len(convs)) < len(convs):  # both plans read the same lengths
         plen = {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
     for temp, group in regen_plan(cfg, tok, convs, plen=plen):
-        yield temp, group, model, False, cfg.regen_refill
+        yield temp, group, model, 0, cfg.regen_refill
     if extra_tranches(cfg):
         from data.features import resolve_compute_dtype
         from models.core.kernels import cast_copy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -243,6 +244,10 @@ def test_on_policy_chat_data_extra_turns_regen_only_and_shipped(tmp_path, tiny_l
                                                        for x in cached[0].read_text().splitlines()) > 0
     shipped = tmp_path / "shipped"
     assert len(pack_cache_file(cached[0], shipped / (cached[0].name + ".gz"))) == 4
+    gz = shipped / (cached[0].name + ".gz")  # shipping again with nothing new leaves the bytes, even another header
+    other = gzip.compress(gzip.decompress(gz.read_bytes()), mtime=12345)
+    gz.write_bytes(other)
+    assert len(pack_cache_file(cached[0], gz)) == 4 and gz.read_bytes() == other
 
     def no_generation(*a, **k):
         raise AssertionError("a shipped regeneration must not be generated again")
