@@ -29,7 +29,7 @@ from eval.bench.training import _jsonl, log_fit, x_for  # noqa: E402
 # for smaller targets, whose forward and drafter are cheaper
 GPU_TOKENS_PER_S = 4396.0
 # docs/throughput.md: regeneration on this CPU, two one-thread processes (fresh data has to be answered by the target)
-CPU_REGEN_TOKENS_PER_S = 176.0
+CPU_REGEN_TOKENS_PER_S = 396.0  # the third tranche, bf16, refill, grouped prefill, whole job
 
 
 def curve(run: Path) -> list[dict]:
