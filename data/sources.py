@@ -318,14 +318,13 @@ def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]], extra: int = 0,
         plen = plen if plen is not None else {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
         fits = [i for i in range(len(convs)) if plen[i] <= cfg.max_len // 2]
         picks = random.Random(cfg.seed).sample(fits, min(n, len(fits)))
-        want, name = (extra_tranches(cfg)[extra - 1], f"data.regen_extra tranche {extra}") if extra else \
-            (n, "data.regenerate")
+        sizes = extra_tranches(cfg)
+        want, name = (sizes[extra - 1], f"data.regen_extra tranche {extra}") if extra else (n, "data.regenerate")
         taken: set[int] = set()
         for k in range(1, extra + 1):  # the rest of the fitting ones, sampled apart: earlier picks stay as they were
             taken |= set(picks)
             rest = [i for i in fits if i not in taken]
-            size = extra_tranches(cfg)[k - 1]
-            picks = random.Random(cfg.seed + 1 + k).sample(rest, min(size, len(rest)))
+            picks = random.Random(cfg.seed + 1 + k).sample(rest, min(sizes[k - 1], len(rest)))
         if len(picks) < want:
             print(f"data: {name}={want}, but only {len(picks)} of {len(convs)} conversations are left with a first "
                   f"prompt of <= {cfg.max_len // 2} tokens (data.max_len // 2); regenerating those", flush=True)
