@@ -363,7 +363,8 @@ def test_regeneration_cache_is_per_target(tmp_path):
     """Two targets never share regenerated data: same family, shape and tokenizer but other weights (only the
     embedding fingerprint tells them apart) and another family each get their own cache file; the same target
     again gets the same file (a reuse)."""
-    from data.sources import DataConfig, regen_cache_path
+    from data.regen_cache import regen_cache_path
+    from data.sources import DataConfig
 
     cfg = DataConfig(cache_dir=str(tmp_path))
     prompts = [[5, 6, 7], [8, 9]]

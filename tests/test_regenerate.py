@@ -221,7 +221,8 @@ def test_first_exchanges_drops_leading_replies_and_cuts_after_n():
 def test_on_policy_chat_data_extra_turns_regen_only_and_shipped(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):
     """extra_turn_share keeps a second exchange for that share; regen_only trains on the regenerated conversations
     alone; a packed cache (pack_cache_file) is unpacked on a fresh cache_dir and nothing is generated again."""
-    from data.sources import DataConfig, build_rows, chat_conversations, pack_cache_file
+    from data.regen_cache import pack_cache_file
+    from data.sources import DataConfig, build_rows, chat_conversations
 
     src = tmp_path / "chats.jsonl"
     src.write_text("".join(json.dumps({"conversations": [

@@ -20,12 +20,11 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from data.regen_cache import pack_cache_file, regen_cache_path
 from data.resumable import ledger_path
 from data.sources import (
     build_rows,
     chat_conversations,
-    pack_cache_file,
-    regen_cache_path,
     regen_groups,
     regen_temperatures,
     regenerate_chat,
