@@ -119,17 +119,20 @@ smollm2-data: install
 	wait $$! && [ $$s = 0 ]
 	$(BIN)/python -m train.regenerate --ship $(SMOLLM2_DATA)
 
-# The long EAGLE-3 run on that data (resumable: run it again after any interruption, on any machine: the data
-# unpacks from data/shipped/); best/ holds the best held-out drafter so far, and smollm2-onpolicy-ship puts it in
-# the repo (fp16, with its training record) whenever it improved
-# On a fresh machine (no checkpoint in runs/) it goes on from the shipped drafter at its step (train.warm_start).
-ONPOLICY_SHIPPED = $(SMOLLM2_DRAFTERS)/eagle3_onpolicy
+# The long runs on that data and its one feature cache: EAGLE-3 (the default), then ONPOLICY=dflash|dspark|mtp
+# (resumable: run it again after any interruption, on any machine: the data unpacks from data/shipped/); best/ holds
+# the best held-out drafter so far, and smollm2-onpolicy-ship puts it in the repo as <method>_onpolicy (fp16, with its
+# training record) whenever it improved. On a fresh machine (no checkpoint in runs/) a run goes on from the shipped
+# drafter at its step (train.warm_start). Two runs side by side: ONPOLICY_ARGS=train.threads=1 each.
+ONPOLICY ?= eagle3
+ONPOLICY_ARGS ?=
+ONPOLICY_SHIPPED = $(SMOLLM2_DRAFTERS)/$(ONPOLICY)_onpolicy
 smollm2-onpolicy: install
-	$(BIN)/python -m train +recipe=eagle3_smollm2_onpolicy tracking=none \
+	$(BIN)/python -m train +recipe=$(ONPOLICY)_smollm2_onpolicy tracking=none $(ONPOLICY_ARGS) \
 		$$([ -f $(ONPOLICY_SHIPPED)/final/model.safetensors ] && echo train.warm_start=$(ONPOLICY_SHIPPED))
 smollm2-onpolicy-ship: install
-	$(BIN)/python scripts/ship_drafter.py runs/eagle3_smollm2_onpolicy $(ONPOLICY_SHIPPED) --best \
-		--replace --recipe eagle3_smollm2_onpolicy --target smollm2
+	$(BIN)/python scripts/ship_drafter.py runs/$(ONPOLICY)_smollm2_onpolicy $(ONPOLICY_SHIPPED) --best \
+		--replace --recipe $(ONPOLICY)_smollm2_onpolicy --target smollm2
 
 # The recipe by measurement: every variant of scripts/ablation.py (ours, EAGLE's lr, TTT 7, speculators' frozen head
 # + 3 equal steps + noise, 8k/16k vocabularies) on the same on-policy data and cache, compared at equal CPU minutes

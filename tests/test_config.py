@@ -27,7 +27,8 @@ def _targets(node, path=""):
 
 
 def compose_with(group: str, option: str) -> DictConfig:
-    override = f"+recipe={option}" if group == "recipe" else f"{group}={option}"
+    # recipe and the overlays a recipe adds (onpolicy/) have no default in config.yaml: they are appended
+    override = f"+{group}={option}" if group in ("recipe", "onpolicy") else f"{group}={option}"
     extra = ["data.source=conversations.jsonl"] if (group, option) == ("data", "sharegpt") else []
     if group == "recipe" and option.endswith("_gpu"):  # GPU recipes: chat data, cuda target (composed on a CPU here)
         extra = ["data.source=conversations.jsonl", "target.device=cpu"]
@@ -125,17 +126,19 @@ def test_eval_refuses_an_option_a_method_does_not_declare_in_one_line_naming_its
     check_option_overrides(["options.eagle3.num_speculative_tokens=5", "+options.dflash.min_confidence=0.5"])
 
 
-def test_smollm2_recipes_share_one_feature_cache_that_stores_their_layers():
-    """Every *_smollm2 recipe reads one feature cache (the 30-layer target runs once): the same data rows, and
-    train.feature_layers holds each recipe's layers, so none of them is refused the cache another built."""
+@pytest.mark.parametrize("suffix", ["_smollm2", "_smollm2_onpolicy"])
+def test_smollm2_recipes_share_one_feature_cache_that_stores_their_layers(suffix):
+    """Every *_smollm2 recipe reads one feature cache (the 30-layer target runs once), and so does every
+    *_smollm2_onpolicy recipe (another cache: other rows): the same data rows, and the cache stores each recipe's
+    layers (train.feature_layers), so none of them is refused the cache another built."""
     from models.methods.dflash.config import default_layer_ids as dflash_ids
     from models.methods.eagle3.config import default_layer_ids as eagle3_ids
     from models.methods.peagle.config import default_layer_ids as peagle_ids
 
     L = 30  # SmolLM2-135M-Instruct
-    recipes = sorted(f.stem for f in (CONF / "recipe").glob("*_smollm2.yaml"))
-    assert {"eagle3_smollm2", "dflash_smollm2", "dspark_smollm2", "peagle_smollm2", "medusa_smollm2",
-            "mtp_smollm2"} <= set(recipes)
+    recipes = sorted(f.stem for f in (CONF / "recipe").glob(f"*{suffix}.yaml"))
+    methods = ("eagle3", "dflash", "dspark", "mtp") + (("peagle", "medusa") if suffix == "_smollm2" else ())
+    assert {f"{m}{suffix}" for m in methods} <= set(recipes)
     caches, datas = set(), set()
     for r in recipes:
         cfg = compose_with("recipe", r)
@@ -148,3 +151,4 @@ def test_smollm2_recipes_share_one_feature_cache_that_stores_their_layers():
                "mtp": list}[cfg.draft.method]()
         assert set(ids) <= set(cfg.train.feature_layers), (r, ids)
     assert len(caches) == 1 and len(datas) == 1
+    assert "onpolicy" in next(iter(caches)) if suffix.endswith("onpolicy") else "onpolicy" not in next(iter(caches))
