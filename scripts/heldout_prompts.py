@@ -1,0 +1,77 @@
+"""A recipe's held-out conversations as an eval prompt file: the first exchange's context (everything before the
+first reply) of each conversation in the split no recipe trains on, so `python -m eval prompts=FILE` measures a
+drafter on prompts from its own training distribution beside MT-Bench's.
+
+    python scripts/heldout_prompts.py +recipe=eagle3_smollm2_onpolicy --out runs/heldout_prompts.jsonl
+    python -m eval target=smollm2 ... prompts=runs/heldout_prompts.jsonl n_prompts=60
+
+The held-out split is the last ``data.val_rows`` of the first regenerated tranche in dataset order (data/sources.py
+``build_rows``); every picked conversation keeps its row (its first prompt fits in ``data.max_len // 2`` tokens), so
+the split is those picks' last ``val_rows``. Rows carry ``category`` "T0" or "T1": the temperature its training-time
+reply was sampled at. Chat data with ``data.regen_only`` only (the split is then defined by the picks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def heldout_rows(data_cfg, tok) -> list[dict]:
+    """The held-out conversations of ``data_cfg`` (a DataConfig) as prompt-file rows: {"question_id" (the
+    conversation's index in the dataset), "category" ("T0"/"T1"), "messages" (the context before the first reply)}."""
+    from data.sources import chat_conversations, regen_plan
+
+    if data_cfg.kind != "chat" or not data_cfg.regenerate or not data_cfg.regen_only:
+        raise ValueError("the held-out split is defined by the regenerated picks: needs chat data with "
+                         "data.regenerate and data.regen_only=true")
+    convs, _ = chat_conversations(data_cfg)
+    temp_of = {i: t for t, group in regen_plan(data_cfg, tok, convs) for i in group}
+    picks = sorted(temp_of)
+    n_val = min(data_cfg.val_rows, len(picks) // 2)
+    rows = []
+    for i in picks[len(picks) - n_val :]:
+        context = []
+        for m in convs[i]:
+            if m["role"] == "assistant":
+                break
+            context.append({"role": m["role"], "content": m["content"]})
+        rows.append({"question_id": i, "category": f"T{temp_of[i]:g}", "messages": context})
+    return rows
+
+
+def heldout_messages(overrides: list[str]) -> list[dict]:
+    """``heldout_rows`` of the data and target that Hydra ``overrides`` compose."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return heldout_rows(instantiate(cfg.data), instantiate(cfg.target).tokenizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="the prompt file to write (.jsonl)")
+    ap.add_argument("overrides", nargs="+", help="Hydra overrides, e.g. +recipe=eagle3_smollm2_onpolicy")
+    args = ap.parse_args(argv)
+    try:
+        rows = heldout_messages(args.overrides)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(args.out)
+    print(f"wrote {len(rows)} held-out prompts to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""scripts/heldout_prompts.py: the prompt file it writes holds exactly the conversations that build_rows holds out
+(their contexts render to the prefixes of the validation rows), none that a training row comes from."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from data.chat import render_chat
+from data.sources import DataConfig, build_rows
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("heldout_prompts", ROOT / "scripts" / "heldout_prompts.py")
+heldout_prompts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(heldout_prompts)
+
+
+def _prefix(tok, messages) -> list[int]:
+    return tok(render_chat(tok, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
+def test_heldout_prompts_are_the_validation_rows_contexts(tmp_path, tiny_llama, tiny_tokenizer):
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"question {i} " + "x " * (i % 5)},
+                                                         {"from": "gpt", "value": f"answer {i}"}]}) + "\n"
+                           for i in range(14)))
+    cfg = DataConfig(kind="chat", source=str(src), max_len=128, val_rows=3, regenerate=8, regen_only=True,
+                     regen_temperature=[0.0, 1.0], regen_new_tokens=3, regen_batch_size=2, regen_extra=[4],
+                     regen_extra_dtype="float32", cache_dir=str(tmp_path / "cache"))
+    train, val = build_rows(cfg, tiny_tokenizer, tiny_llama)
+    rows = heldout_prompts.heldout_rows(cfg, tiny_tokenizer)
+    assert len(rows) == len(val) == 3
+    assert [r["question_id"] for r in rows] == sorted(r["question_id"] for r in rows)
+    assert {r["category"] for r in rows} <= {"T0", "T1"}
+    for r, v in zip(rows, val):
+        p = _prefix(tiny_tokenizer, r["messages"])
+        assert v["input_ids"][: len(p)] == p
+    held = {tuple(_prefix(tiny_tokenizer, r["messages"])) for r in rows}
+    assert not any(tuple(t["input_ids"][: len(p)]) in held for t in train for p in map(list, held))
+    with pytest.raises(ValueError, match="data.regen_only=true"):
+        heldout_prompts.heldout_rows(DataConfig(**{**vars(cfg), "regen_only": False}), tiny_tokenizer)
+
+
+def test_main_writes_a_prompt_file_eval_reads(tmp_path, monkeypatch, tiny_tokenizer):
+    from eval.bench.setup import load_prompts
+
+    rows = [{"question_id": 7, "category": "T0", "messages": [{"role": "user", "content": "why is the sky blue?"}]}]
+    monkeypatch.setattr(heldout_prompts, "heldout_messages", lambda overrides: rows)
+    out = tmp_path / "p" / "heldout.jsonl"
+    assert heldout_prompts.main(["--out", str(out), "+recipe=x"]) == 0
+    got = load_prompts(tiny_tokenizer, 1, 64, out)
+    assert len(got) == 1 and got[0].ids == _prefix(tiny_tokenizer, rows[0]["messages"])
