@@ -5,8 +5,11 @@ which the fit reaches a goal.
 
     python scripts/learning_curve.py models/smollm2_drafters/eagle3_onpolicy --out bench/onpolicy_curve
     python scripts/learning_curve.py runs/eagle3_smollm2_onpolicy --goal-acc 0.6 --first-epoch
+    python scripts/learning_curve.py eagle3=models/smollm2_drafters/eagle3_onpolicy dflash=runs/dflash_smollm2_onpolicy
 
-Writes learning_curve.png, learning_curve.json and learning_curve.md under --out. Tokens past one epoch
+Writes learning_curve.png, learning_curve.json and learning_curve.md under --out. Several runs (NAME=DIR) are
+compared instead: each one's held-out numbers at the largest token count and CPU time every run reached, its best,
+and its gain per doubling of tokens, with their curves in one plot. Tokens past one epoch
 (``train_target_tokens`` in data_stats.json) are repeats of the same rows, not fresh data: ``--first-epoch`` fits the
 points of the first epoch only, and the report says how many epochs each point had seen.
 """
@@ -121,15 +124,80 @@ def plot(points: list[dict], proj: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def at_most(points: list[dict], key: str, x: float) -> dict:
+    """The last held-out record with ``key`` <= x (records are in step order): a measured point, not interpolated."""
+    return [p for p in points if p[key] <= x][-1]
+
+
+def compare(curves: dict[str, list[dict]]) -> tuple[str, dict]:
+    """Runs side by side at the largest target-token count and CPU time that every one of them reached."""
+    tokens = min(max(p["tokens_seen"] for p in c) for c in curves.values())
+    hours = min(max(p["cpu_hours"] for p in c) for c in curves.values())
+    rows = {}
+    for name, c in curves.items():
+        at_tok, at_h = at_most(c, "tokens_seen", tokens), at_most(c, "cpu_hours", hours)
+        best = max(c, key=lambda p: p["acc_0"])
+        rows[name] = {"at_tokens": at_tok, "at_hours": at_h, "best": best, "last": c[-1],
+                      "acc_0_per_doubling": log_fit(c, "acc_0")["b"] * math.log(2)}
+    lines = [f"Held-out numbers of each run at {tokens:,} target tokens and at {hours:.2f} training hours (the most "
+             "that every run reached; the last record at or below it), at its best slot-1 step, and the fit's gain "
+             "per doubling of tokens.", "",
+             "| drafter | slot-1 @ tokens | sim. τ @ tokens | slot-1 @ hours | sim. τ @ hours | best slot-1 (step) "
+             "| sim. τ there | gain per doubling | last step, tokens, hours |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        t, h, b, last = r["at_tokens"], r["at_hours"], r["best"], r["last"]
+        lines.append(f"| {name} | {t['acc_0']:.3f} | {t['sim_tau']:.2f} | {h['acc_0']:.3f} | {h['sim_tau']:.2f} | "
+                     f"{b['acc_0']:.3f} ({b['step']}) | {b['sim_tau']:.2f} | {r['acc_0_per_doubling']:+.3f} | "
+                     f"{last['step']}, {last['tokens_seen']:,}, {last['cpu_hours']:.2f} |")
+    return "\n".join(lines) + "\n", {"tokens": tokens, "hours": hours, "runs": rows}
+
+
+def named_runs(args: list[str]) -> dict[str, Path]:
+    """NAME=DIR (or DIR, named by its folder) -> {name: dir}."""
+    out = {}
+    for a in args:
+        name, _, path = a.rpartition("=")
+        path = Path(path)
+        out[name or path.name] = path
+    if len(out) < len(args):
+        raise SystemExit(f"error: two runs share a name in {args}; name them NAME=DIR")
+    return out
+
+
+def main_compare(runs: dict[str, Path], out: Path | None) -> int:
+    from eval.bench.training import plot as plot_runs
+    from eval.bench.training import run_summary
+
+    text, rep = compare({name: curve(run) for name, run in runs.items()})
+    print(text)
+    if out:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "learning_curve.md").write_text(text)
+        (out / "learning_curve.json").write_text(json.dumps({"runs": {n: str(r) for n, r in runs.items()}, **rep},
+                                                            indent=1))
+        plot_runs({n: run_summary(r / "final") for n, r in runs.items()}, out / "learning_curve.png", plt)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("run", type=Path, help="a run directory or a shipped drafter (val.jsonl, metrics.jsonl)")
+    ap.add_argument("run", nargs="+", help="a run directory or a shipped drafter (val.jsonl, metrics.jsonl); "
+                                           "several (NAME=DIR) are compared")
     ap.add_argument("--out", type=Path, help="where learning_curve.{png,json,md} go (default: print only)")
     ap.add_argument("--goal-acc", type=float, default=0.6, help="slot-1 agreement goal (issue 30: first draft 0.6)")
     ap.add_argument("--goal-tau", type=float, default=2.5, help="simulated τ goal")
     ap.add_argument("--gpu-tok-s", type=float, default=GPU_TOKENS_PER_S)
     ap.add_argument("--first-epoch", action="store_true", help="fit only points within the first epoch")
     a = ap.parse_args(argv)
+    if len(a.run) > 1:
+        return main_compare(named_runs(a.run), a.out)
+    a.run = Path(a.run[0])
     points = curve(a.run)
     stats = a.run / "data_stats.json"
     epoch = json.loads(stats.read_text()).get("train_target_tokens") if stats.exists() else None

@@ -74,3 +74,24 @@ def test_a_run_without_two_held_out_records_is_refused(tmp_path):
     run = _run(tmp_path, [1_000], a=0.1, b=0.01)
     with pytest.raises(SystemExit, match="has 1 held-out record"):
         LC.curve(run)
+
+
+def test_runs_are_compared_at_the_tokens_and_hours_every_one_reached(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    fast = _run(tmp_path / "a", [1_000, 2_000, 4_000, 8_000], a=0.0, b=0.05)   # 1, 2, 3, 4 minutes
+    slow = _run(tmp_path / "b", [1_000, 3_000], a=-0.1, b=0.05)                 # 1, 2 minutes, 3k tokens
+    text, rep = LC.compare({"fast": LC.curve(fast), "slow": LC.curve(slow)})
+    assert rep["tokens"] == 3_000 and rep["hours"] == pytest.approx(2 / 60, abs=1e-3)
+    f = rep["runs"]["fast"]
+    assert f["at_tokens"]["tokens_seen"] == 2_000  # the last measured point at or below 3k, not an interpolation
+    assert f["at_hours"]["step"] == 200 and f["best"]["step"] == 400 and f["last"]["tokens_seen"] == 8_000
+    assert f["acc_0_per_doubling"] == pytest.approx(0.05 * math.log(2), abs=1e-4)
+    assert rep["runs"]["slow"]["at_tokens"]["tokens_seen"] == 3_000
+    assert "| slow | " in text and "| fast | " in text
+    out = tmp_path / "out"
+    assert LC.main([f"fast={fast}", f"slow={slow}", "--out", str(out)]) == 0
+    assert json.loads((out / "learning_curve.json").read_text())["tokens"] == 3_000
+    assert (out / "learning_curve.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="share a name"):
+        LC.named_runs([str(fast), str(fast)])
