@@ -61,6 +61,12 @@ class DataConfig:
     # part of their cache key
     regen_extra_dtype: str | None = None
     regen_extra_refill: bool = True  # regen_refill for those M
+    # chat, with regen_only: tranches after regen_extra's of prompts that open no conversation: a later user turn
+    # (the 2nd, 3rd, ...; ShareGPT V3 has ~3x as many as first prompts) alone with its conversation's system turns,
+    # answered by the target (in regen_extra_dtype, regen_extra_refill). Drawn (seeded) among those of >=
+    # LATER_MIN_WORDS words whose prompt fits max_len // 2, never from a held-out conversation; training only.
+    # An int is one tranche, a list several, each drawn apart from all before it
+    regen_later: int | list[int] = 0
     # regenerated data shipped compressed (``<cache file name>.gz``, python -m train.regenerate --ship): a cache file
     # absent from cache_dir is first unpacked from here, so a fresh machine trains without regenerating
     shipped_dir: str | None = None
@@ -81,6 +87,41 @@ def extra_tranches(cfg: DataConfig) -> list[int]:
     if any(x < 1 for x in sizes):
         raise ValueError(f"data.regen_extra={sizes}: give each tranche a number of conversations >= 1")
     return sizes
+
+
+def later_tranches(cfg: DataConfig) -> list[int]:
+    """``regen_later`` as a list of tranche sizes."""
+    m = cfg.regen_later
+    sizes = [int(x) for x in m] if isinstance(m, (list, tuple)) or hasattr(m, "__len__") else [int(m)] if m else []
+    if any(x < 1 for x in sizes):
+        raise ValueError(f"data.regen_later={sizes}: give each tranche a number of prompts >= 1")
+    return sizes
+
+
+# A later turn shorter than this is mostly "continue", "shorter" or "thanks": nothing to answer on its own
+LATER_MIN_WORDS = 8
+# The key that marks a conversation made from a later turn, on its user message: [source conversation, user turn
+# number (2 = the second)]. Regeneration writes role and content only, so the key stays out of the data itself
+LATER_KEY = "later_turn_of"
+
+
+def later_turns(conv: list[dict], index: int) -> list[list[dict]]:
+    """One single-turn conversation per later user turn of ``conv`` (the ``index``-th source conversation) of >=
+    LATER_MIN_WORDS words that a reply follows: its system turns, that user turn (marked with LATER_KEY) and the
+    dataset's reply, which regeneration replaces."""
+    system = [m for m in conv if m["role"] == "system"]
+    users = [j for j, m in enumerate(conv) if m["role"] == "user"]
+    out = []
+    for n, j in enumerate(users[1:], start=2):
+        if len(conv[j]["content"].split()) >= LATER_MIN_WORDS and j + 1 < len(conv) and \
+                conv[j + 1]["role"] == "assistant":
+            out.append(system + [{**conv[j], LATER_KEY: [index, n]}, conv[j + 1]])
+    return out
+
+
+def source_count(convs: list[list[dict]]) -> int:
+    """How many of ``convs`` are source conversations: ``chat_conversations`` puts the later-turn ones after them."""
+    return next((i for i, c in enumerate(convs) if any(LATER_KEY in m for m in c)), len(convs))
 
 
 def regen_count(cfg: DataConfig, n_rows: int) -> int:
@@ -211,32 +252,60 @@ def regen_plan(cfg: DataConfig, tok, convs: list[list[dict]], extra: int = 0,
     over ``regen_temperature`` in order of first-prompt length. ``extra`` = k ≥ 1: the groups of ``regen_extra``'s
     k-th tranche. ``plen``: the first-prompt lengths, when a caller already has them (rendering 17k conversations
     takes a while)."""
-    n = chat_regen_count(cfg, len(convs))
-    if extra and n == len(convs):
+    n_src = source_count(convs)
+    n = chat_regen_count(cfg, n_src)
+    if extra and n == n_src:
         raise ValueError(f"data.regen_extra={cfg.regen_extra}: data.regenerate={cfg.regenerate!r} already takes all "
-                         f"{len(convs)} conversations")
-    if n == len(convs):
-        picks = list(range(len(convs)))
-    else:
-        # A reply that would start past max_len is cut from every training row, so generating it only costs time
-        # (a long prompt also pads its whole batch): sample among conversations whose first prompt fits in
-        # max_len // 2 tokens, and batch them by length.
-        plen = plen if plen is not None else {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
-        fits = [i for i in range(len(convs)) if plen[i] <= cfg.max_len // 2]
-        picks = random.Random(cfg.seed).sample(fits, min(n, len(fits)))
-        sizes = extra_tranches(cfg)
-        want, name = (sizes[extra - 1], f"data.regen_extra tranche {extra}") if extra else (n, "data.regenerate")
-        taken: set[int] = set()
-        for k in range(1, extra + 1):  # the rest of the fitting ones, sampled apart: earlier picks stay as they were
-            taken |= set(picks)
-            rest = [i for i in fits if i not in taken]
-            picks = random.Random(cfg.seed + 1 + k).sample(rest, min(sizes[k - 1], len(rest)))
-        if len(picks) < want:
-            print(f"data: {name}={want}, but only {len(picks)} of {len(convs)} conversations are left with a first "
-                  f"prompt of <= {cfg.max_len // 2} tokens (data.max_len // 2); regenerating those", flush=True)
-        picks = sorted(picks, key=lambda i: (plen[i], i))
+                         f"{n_src} conversations")
+    if n == n_src:
+        return _by_temperature(cfg, list(range(n_src)))
+    # A reply that would start past max_len is cut from every training row, so generating it only costs time (a long
+    # prompt also pads its whole batch): sample among conversations whose first prompt fits in max_len // 2 tokens,
+    # and batch them by length.
+    plen = plen if plen is not None else {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs[:n_src])}
+    fits = [i for i in range(n_src) if plen[i] <= cfg.max_len // 2]
+    picks = _tranche(fits, random.Random(cfg.seed).sample(fits, min(n, len(fits))), extra_tranches(cfg), extra,
+                     cfg.seed + 1)
+    sizes = extra_tranches(cfg)
+    want, name = (sizes[extra - 1], f"data.regen_extra tranche {extra}") if extra else (n, "data.regenerate")
+    if len(picks) < want:
+        print(f"data: {name}={want}, but only {len(picks)} of {n_src} conversations are left with a first "
+              f"prompt of <= {cfg.max_len // 2} tokens (data.max_len // 2); regenerating those", flush=True)
+    return _by_temperature(cfg, sorted(picks, key=lambda i: (plen[i], i)))
+
+
+def _tranche(pool: list[int], first: list[int], sizes: list[int], k: int, seed: int) -> list[int]:
+    """The k-th tranche of ``pool`` after ``first`` (k = 0: ``first`` itself): each one a seeded sample of what the
+    tranches before it left, so earlier picks stay as they were when a tranche is added."""
+    picks, taken = first, set()
+    for j in range(1, k + 1):
+        taken |= set(picks)
+        rest = [i for i in pool if i not in taken]
+        picks = random.Random(seed + j).sample(rest, min(sizes[j - 1], len(rest)))
+    return picks
+
+
+def _by_temperature(cfg: DataConfig, picks: list[int]) -> list[tuple[float, list[int]]]:
     temps = regen_temperatures(cfg)
     return [(temp, picks[j :: len(temps)]) for j, temp in enumerate(temps)]
+
+
+def later_plan(cfg: DataConfig, convs: list[list[dict]], k: int, plen: dict[int, int]) -> list[tuple[float, list[int]]]:
+    """(temperature, conversation indices) of ``regen_later``'s k-th tranche (k >= 1): later-turn conversations whose
+    prompt fits max_len // 2, none from the conversations the held-out split may hold (the last 2 x val_rows of the
+    first tranche, in dataset order: a margin over the rows tokenizing drops)."""
+    n_src = source_count(convs)
+    first = sorted(i for _, g in regen_plan(cfg, None, convs, plen=plen) for i in g)
+    held = set(first[max(len(first) - 2 * cfg.val_rows, 0):])
+    pool = [i for i in range(n_src, len(convs)) if plen[i] <= cfg.max_len // 2
+            and next(m[LATER_KEY][0] for m in convs[i] if LATER_KEY in m) not in held]
+    sizes = later_tranches(cfg)
+    picks = _tranche(pool, [], sizes, k, cfg.seed + 1000)
+    if len(picks) < sizes[k - 1]:
+        print(f"data: data.regen_later tranche {k}={sizes[k - 1]}, but only {len(picks)} of {len(convs) - n_src} "
+              f"later turns are left that fit (<= {cfg.max_len // 2} tokens, >= {LATER_MIN_WORDS} words, not held "
+              "out); regenerating those", flush=True)
+    return _by_temperature(cfg, sorted(picks, key=lambda i: (plen[i], i)))
 
 
 def regen_groups(cfg: DataConfig, model, tok, convs: list[list[dict]]):
@@ -244,20 +313,27 @@ def regen_groups(cfg: DataConfig, model, tok, convs: list[list[dict]]):
     first, k: ``regen_extra``'s k-th), refill?): the first ``regenerate`` picks with the target as it is, then
     ``regen_extra``'s tranches in ``regen_extra_dtype``."""
     plen = None
-    if extra_tranches(cfg) and chat_regen_count(cfg, len(convs)) < len(convs):  # both plans read the same lengths
+    more, later = extra_tranches(cfg), later_tranches(cfg)
+    if (more or later) and chat_regen_count(cfg, source_count(convs)) < source_count(convs):  # plans share lengths
         plen = {i: _first_prompt_len(tok, c, cfg) for i, c in enumerate(convs)}
     for temp, group in regen_plan(cfg, tok, convs, plen=plen):
         yield temp, group, model, 0, cfg.regen_refill
-    if extra_tranches(cfg):
+    if more or later:
         from data.features import resolve_compute_dtype
         from models.core.kernels import cast_copy
         from models.core.target import parse_dtype
 
         dt = resolve_compute_dtype(cfg.regen_extra_dtype)
         gen = cast_copy(model, parse_dtype(dt)) if dt and parse_dtype(dt) != model.dtype else model
-        for k in range(1, len(extra_tranches(cfg)) + 1):
+        for k in range(1, len(more) + 1):
             for temp, group in regen_plan(cfg, tok, convs, extra=k, plen=plen):
                 yield temp, group, gen, k, cfg.regen_extra_refill
+        for k in range(1, len(later) + 1):  # numbered after regen_extra's: their rows come after those
+            if plen is None:
+                raise ValueError(f"data.regen_later={cfg.regen_later}: data.regenerate={cfg.regenerate!r} takes "
+                                 "every conversation; the later turns are drawn beside a first tranche of some")
+            for temp, group in later_plan(cfg, convs, k, plen):
+                yield temp, group, gen, len(more) + k, cfg.regen_extra_refill
 
 
 def _regenerated_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats: dict | None) -> list[list[dict]]:
@@ -275,13 +351,17 @@ def chat_conversations(cfg: DataConfig) -> tuple[list[list[dict]], dict]:
     if read["skipped"]:  # never silently: say how many and the first reason
         print(f"data: skipped {read['skipped']} of {read['rows']} malformed rows in {cfg.source} "
               f"(data.skip_malformed=true; first: {read['first_error']})", flush=True)
+    if later_tranches(cfg) and not (cfg.regenerate and cfg.regen_only):
+        raise ValueError("data.regen_later needs data.regenerate and data.regen_only=true (the later-turn "
+                         "conversations are answered by the target and train only)")
+    later = [d for i, c in enumerate(convs) for d in later_turns(c, i)] if later_tranches(cfg) else []
     if cfg.max_turns is not None:
         if not 0.0 <= cfg.extra_turn_share <= 1.0:
             raise ValueError(f"data.extra_turn_share={cfg.extra_turn_share}: give a share in [0, 1]")
         rng = random.Random(cfg.seed + 1)
         longer = set(rng.sample(range(len(convs)), round(cfg.extra_turn_share * len(convs))))
         convs = [first_exchanges(c, int(cfg.max_turns) + (i in longer)) for i, c in enumerate(convs)]
-    return convs, read
+    return convs + later, read
 
 
 def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> tuple[list[dict], list[dict]]:
@@ -302,8 +382,9 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
         if cfg.regenerate:
             if model is None:
                 raise ValueError("data.regenerate needs the target model")
-            if extra_tranches(cfg) and not cfg.regen_only:
-                raise ValueError("data.regen_extra needs data.regen_only=true (the extra conversations train only)")
+            if (extra_tranches(cfg) or later_tranches(cfg)) and not cfg.regen_only:
+                raise ValueError("data.regen_extra and data.regen_later need data.regen_only=true (their "
+                                 "conversations train only)")
             convs, picks, extra = regenerate_chat(cfg, model, tok, convs, stats)
             if cfg.regen_only:  # on-policy only: the conversations the target answered, in their dataset order
                 convs, extra_convs = [convs[i] for i in sorted(picks)], [convs[i] for i in extra]
@@ -327,7 +408,7 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
                   flush=True)
         train, val = rows[: len(rows) - n_val], rows[len(rows) - n_val :]
         # after the first tranche's rows, each tranche after the one before: earlier feature-cache shards stay valid
-        if cfg.regenerate and extra_tranches(cfg):
+        if cfg.regenerate and (extra_tranches(cfg) or later_tranches(cfg)):
             more, _ = tokenize_conversations(tok, extra_convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
                                              cfg.enable_thinking)
             train = train + more

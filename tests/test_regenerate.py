@@ -361,7 +361,7 @@ def test_a_second_tranche_trains_only_and_leaves_the_first_and_its_held_out_rows
     rest = {i for _, g in regen_plan(DataConfig(**{**vars(more), "regen_extra": 50}), tiny_tokenizer, convs,
                                      extra=1) for i in g}
     assert rest == set(range(14)) - a and "only 8 of 14 conversations are left" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="regen_extra needs data.regen_only"):
+    with pytest.raises(ValueError, match="regen_extra and data.regen_later need data.regen_only"):
         build_rows(DataConfig(**{**vars(more), "regen_only": False}), tiny_tokenizer, tiny_llama)
     with pytest.raises(ValueError, match="already takes all 14"):
         regen_plan(DataConfig(**{**vars(more), "regenerate": "all"}), tiny_tokenizer, convs, extra=1)
@@ -411,3 +411,56 @@ def test_refill_regeneration_resumes_to_the_same_records(tmp_path, tiny_llama, t
     assert regenerate_conversations(tiny_llama, tiny_tokenizer, convs, tmp_path / "c.jsonl", batch_size=3,
                                     stats=stats, **hot) == whole
     assert stats == {"generated": len(convs) - 4, "from_cache": 4}
+
+
+def test_later_turn_prompts_are_a_training_tranche_that_leaves_earlier_data_and_the_held_out_split_alone(
+        tmp_path, tiny_llama, tiny_tokenizer):
+    """data.regen_later=M: M conversations made of a later user turn alone (>= LATER_MIN_WORDS words; system turns
+    kept), answered by the target, after every other tranche's rows; the first tranche, its held-out rows and its
+    files stay as they were, and no later turn comes from a conversation the held-out split may hold."""
+    from data.sources import LATER_KEY, DataConfig, build_rows, chat_conversations, later_plan, later_turns, regen_plan
+
+    def conv(i):
+        return [{"from": "system", "value": "Be brief."},
+                {"from": "human", "value": f"question {i}?"}, {"from": "gpt", "value": f"answer {i}"},
+                {"from": "human", "value": f"now please explain the same idea again in words number {i}"},
+                {"from": "gpt", "value": f"reply {i}"},
+                {"from": "human", "value": "thanks"}, {"from": "gpt", "value": "welcome"}]
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"conversations": conv(i)}) + "\n" for i in range(14)))
+    cfg = DataConfig(kind="chat", source=str(src), max_len=320, max_turns=1, val_rows=2, regenerate=6,
+                     regen_only=True, regen_temperature=[0.0, 1.0], regen_new_tokens=3, regen_batch_size=2,
+                     cache_dir=str(tmp_path / "cache"))
+    train, val = build_rows(cfg, tiny_tokenizer, tiny_llama)
+    first = {p: p.read_bytes() for p in (tmp_path / "cache").glob("regen_chat_*.jsonl")}
+
+    more = DataConfig(**{**vars(cfg), "regen_later": 4})
+    convs, _ = chat_conversations(more)
+    assert len(convs) == 14 + 14  # one later turn of each is long enough; "thanks" is not
+    assert convs[20] == [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "now please explain the same idea again in words number 6",
+                          LATER_KEY: [6, 2]},
+                         {"role": "assistant", "content": "reply 6"}]
+    assert later_turns([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], 0) == []
+    stats: dict = {}
+    train2, val2 = build_rows(more, tiny_tokenizer, tiny_llama, stats)
+    assert val2 == val and train2[: len(train)] == train and len(train2) == len(train) + 4
+    assert {p: p.read_bytes() for p in first} == first
+    assert [(g["tranche"], g["generated_now"]) for g in stats["regenerated"]] == [(0, 0), (0, 0), (1, 2), (1, 2)]
+    records = [json.loads(x) for g in stats["regenerated"][2:] for x in Path(g["cache"]).read_text().splitlines()]
+    assert all([m["role"] for m in r["messages"]] == ["system", "user", "assistant"] and
+               r["messages"][1]["content"].startswith("now please explain") for r in records)
+
+    plen = {i: 1 for i in range(len(convs))}  # every prompt fits
+    picked = sorted(i for _, g in regen_plan(more, tiny_tokenizer, convs, plen=plen) for i in g)
+    held = set(picked[-4:])  # the last 2 x val_rows of the first tranche, in dataset order
+    a = {i for _, g in later_plan(more, convs, 1, plen) for i in g}
+    two = DataConfig(**{**vars(more), "regen_later": [4, 50]})
+    b = {i for _, g in later_plan(two, convs, 2, plen) for i in g}
+    assert len(a) == 4 and not a & b and len(a | b) == 14 - len(held)
+    assert all(i >= 14 and convs[i][1][LATER_KEY][0] not in held for i in a | b)
+    with pytest.raises(ValueError, match="regen_later needs data.regenerate and data.regen_only"):
+        chat_conversations(DataConfig(**{**vars(more), "regen_only": False}))
+    with pytest.raises(ValueError, match="each tranche a number of prompts"):
+        chat_conversations(DataConfig(**{**vars(more), "regen_later": [3, 0]}))
