@@ -80,22 +80,22 @@ def regen_temperatures(cfg: DataConfig) -> list[float]:
     return temps
 
 
-def extra_tranches(cfg: DataConfig) -> list[int]:
-    """``regen_extra`` as a list of tranche sizes (an int M is one tranche; 0 none)."""
-    m = cfg.regen_extra
+def _tranche_sizes(m, key: str, what: str) -> list[int]:
+    """A tranche setting as a list of sizes (an int M is one tranche; 0 none)."""
     sizes = [int(x) for x in m] if isinstance(m, (list, tuple)) or hasattr(m, "__len__") else [int(m)] if m else []
     if any(x < 1 for x in sizes):
-        raise ValueError(f"data.regen_extra={sizes}: give each tranche a number of conversations >= 1")
+        raise ValueError(f"data.{key}={sizes}: give each tranche a number of {what} >= 1")
     return sizes
+
+
+def extra_tranches(cfg: DataConfig) -> list[int]:
+    """``regen_extra`` as a list of tranche sizes."""
+    return _tranche_sizes(cfg.regen_extra, "regen_extra", "conversations")
 
 
 def later_tranches(cfg: DataConfig) -> list[int]:
     """``regen_later`` as a list of tranche sizes."""
-    m = cfg.regen_later
-    sizes = [int(x) for x in m] if isinstance(m, (list, tuple)) or hasattr(m, "__len__") else [int(m)] if m else []
-    if any(x < 1 for x in sizes):
-        raise ValueError(f"data.regen_later={sizes}: give each tranche a number of prompts >= 1")
-    return sizes
+    return _tranche_sizes(cfg.regen_later, "regen_later", "prompts")
 
 
 # A later turn shorter than this is mostly "continue", "shorter" or "thanks": nothing to answer on its own
