@@ -111,8 +111,10 @@ REAL_EVAL = $(BIN)/python -m eval target=smollm2 $(SMOLLM2_CKPTS) draft_model=nu
 # On-policy data at the field's scale: 2 × 6000 ShareGPT conversations answered by SmolLM2 itself (two tranches,
 # conf/data/sharegpt_smollm2_onpolicy.yaml), one process per temperature at one thread each (two 1-thread processes
 # beat one 2-thread process on 2 cores), resumable; then what the cache holds is packed into
-# data/shipped/smollm2_sharegpt/ (gzip + manifest), which a fresh machine unpacks instead of regenerating.
-SMOLLM2_DATA ?= +recipe=eagle3_smollm2_onpolicy
+# data/shipped/smollm2_sharegpt/ (gzip + manifest), which a fresh machine unpacks instead of regenerating. The default
+# data config is the one the manifest records (every tranche, the later-turn ones included): shipping with one that
+# makes fewer files is refused.
+SMOLLM2_DATA ?= +recipe=eagle3_smollm2_onpolicy data=sharegpt_smollm2_onpolicy_later
 smollm2-data: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 0 --threads 1 $(SMOLLM2_DATA) & \
 	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 1 --threads 1 $(SMOLLM2_DATA); s=$$?; \

@@ -40,6 +40,7 @@ from models.core.checkpoint import (
     check_finite,
     out_of_space_as_error,
     trainable_state,
+    write_atomic,
 )
 
 TRAINER = "trainer.pt"
@@ -64,14 +65,7 @@ def set_rng_state(s: dict[str, Any]) -> None:
 
 
 def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with out_of_space_as_error(path, "free space"):
-            tmp.write_text(json.dumps(obj, indent=1))
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 def save_drafter(out: Path, module: nn.Module, meta: dict) -> None:

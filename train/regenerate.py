@@ -10,6 +10,7 @@ runs it that way. Exit status: 0; 2 with one ``error:`` line for bad input, as `
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -20,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from data.regen_cache import pack_cache_file, regen_cache_path
+from data.regen_cache import MANIFEST, pack_cache_file, payload_sha256, regen_cache_path
 from data.resumable import ledger_path
 from data.sources import (
     build_rows,
@@ -29,6 +30,7 @@ from data.sources import (
     regen_temperatures,
     regenerate_chat,
 )
+from models.core.checkpoint import write_atomic
 from train.__main__ import USER_ERRORS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -81,10 +83,12 @@ SOURCE_NOTE = ("ShareGPT V3 unfiltered cleaned split (the EAGLE and Medusa paper
                "data.regen_later (data/sources.py later_turns)")
 
 
-def ship(overrides: list[str]) -> dict:
+def ship(overrides: list[str], replace: bool = False) -> dict:
     """Pack what the regeneration cache holds now (complete records; a running job may add more later) into
-    ``data.shipped_dir`` as ``<cache file>.gz`` plus ``manifest.json``: what a fresh machine unpacks instead of
-    regenerating (a partial file resumes there). Nothing is generated."""
+    ``data.shipped_dir`` as ``<cache file>.gz`` plus ``manifest.json`` (each file's records and content sha256):
+    what a fresh machine unpacks instead of regenerating (a partial file resumes there). Nothing is generated.
+    Never ships less than is shipped (fewer or other records, or a manifest without a file it lists) unless
+    ``replace``."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     data_cfg = instantiate(cfg.data)
@@ -96,38 +100,15 @@ def ship(overrides: list[str]) -> dict:
     dest.mkdir(parents=True, exist_ok=True)
     files = []
     for temp, group, gen, extra, refill in regen_groups(data_cfg, target.model, tok, convs):
+        # unpacks / adds the shipped records the local cache lacks, and refuses a cache that disagrees with them
         path = regen_cache_path(data_cfg, gen, tok, "chat", [convs[i] for i in group], temp, refill)
-        if extra and not path.exists():
-            continue  # data.regen_extra's group not generated yet: nothing to ship
+        if not path.exists():
+            print(f"ship: nothing regenerated yet at T={temp:g}, tranche {extra} ({path.name})", flush=True)
+            continue
         packed = dest / (path.name + ".gz")
-        recs = pack_cache_file(path, packed)
-        key = path.with_suffix(".key.json")
-        (dest / key.name).write_text(key.read_text())
-        ledger = ledger_path(path)
-        if not ledger.exists():  # a cache unpacked from the shipped files: its ledger is the shipped one
-            ledger = dest / ledger.name
-        spent = [json.loads(x) for x in ledger.read_text().splitlines()] if ledger.exists() else []
-        if spent and ledger != dest / ledger.name:
-            (dest / ledger.name).write_text(ledger.read_text())
-        # every assistant turn shipped (one whose prompt outgrew data.max_len keeps its dataset text: counted here,
-        # not in new_tokens, which counts what the target generated)
-        replies = [m["content"] for r in recs for m in r["messages"] if m["role"] == "assistant"]
-        n_tok = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in replies)
-        made_now = sum(r.get("new_tokens", 0) for r in recs)  # records written before the count existed have none
-        counted = sum("new_tokens" in r for r in recs)
-        secs, made = sum(b["seconds"] for b in spent), sum(b["new_tokens"] for b in spent)
-        files.append({"file": packed.name, "temperature": temp, "extra": extra > 0, "tranche": extra,
-                      "dtype": str(gen.dtype).replace("torch.", ""), "refill": refill,
-                      "conversations": len(group), "done": len(recs),
-                      "assistant_turns": len(replies), "assistant_tokens": n_tok, "generated_tokens": made_now,
-                      "generated_tokens_counted_in": counted,
-                      "bytes": packed.stat().st_size,
-                      # the ledger: batches timed since it existed (earlier batches carry no timing)
-                      "timed_batches": len(spent), "timed_seconds": round(secs, 1), "timed_new_tokens": made,
-                      "new_tokens_per_s": round(made / secs, 1) if secs else None,
-                      "source_indices": group})
-        print(f"shipped {packed}: {len(recs)} of {len(group)} conversations at T={temp:g}, {n_tok} assistant "
-              f"tokens, {packed.stat().st_size / 1e6:.1f} MB", flush=True)
+        recs = pack_cache_file(path, packed, replace)
+        files.append(_file_entry(path, packed, dest, recs, tok, temp, extra, gen, refill, group))
+    _check_nothing_dropped(dest, [f["file"] for f in files], replace)
     ident = target.identity()
     manifest = {
         "what": "assistant replies regenerated by the target (models/core/generate.py; pure temperature sampling, no "
@@ -140,8 +121,53 @@ def ship(overrides: list[str]) -> dict:
                    "EAGLE/Medusa papers). Replies: output of SmolLM2-135M-Instruct (Apache-2.0).",
         "files": files,
     }
-    (dest / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    write_atomic(dest / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def _file_entry(path: Path, packed: Path, dest: Path, recs: list[dict], tok, temp: float, extra: int, gen, refill,
+                group: list[int]) -> dict:
+    """A shipped file's manifest entry; its key and ledger are copied beside it (atomically)."""
+    key = path.with_suffix(".key.json")
+    write_atomic(dest / key.name, key.read_text())
+    ledger = ledger_path(path)
+    if not ledger.exists():  # a cache unpacked from the shipped files: its ledger is the shipped one
+        ledger = dest / ledger.name
+    spent = [json.loads(x) for x in ledger.read_text().splitlines()] if ledger.exists() else []
+    if spent and ledger != dest / ledger.name:
+        write_atomic(dest / ledger.name, ledger.read_text())
+    # every assistant turn shipped (one whose prompt outgrew data.max_len keeps its dataset text: counted here,
+    # not in new_tokens, which counts what the target generated)
+    replies = [m["content"] for r in recs for m in r["messages"] if m["role"] == "assistant"]
+    n_tok = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in replies)
+    made_now = sum(r.get("new_tokens", 0) for r in recs)  # records written before the count existed have none
+    secs, made = sum(b["seconds"] for b in spent), sum(b["new_tokens"] for b in spent)
+    print(f"shipped {packed}: {len(recs)} of {len(group)} conversations at T={temp:g}, {n_tok} assistant "
+          f"tokens, {packed.stat().st_size / 1e6:.1f} MB", flush=True)
+    return {"file": packed.name, "temperature": temp, "extra": extra > 0, "tranche": extra,
+            "dtype": str(gen.dtype).replace("torch.", ""), "refill": refill,
+            "conversations": len(group), "done": len(recs),
+            "sha256": payload_sha256(gzip.decompress(packed.read_bytes())),
+            "assistant_turns": len(replies), "assistant_tokens": n_tok, "generated_tokens": made_now,
+            "generated_tokens_counted_in": sum("new_tokens" in r for r in recs),
+            "bytes": packed.stat().st_size,
+            # the ledger: batches timed since it existed (earlier batches carry no timing)
+            "timed_batches": len(spent), "timed_seconds": round(secs, 1), "timed_new_tokens": made,
+            "new_tokens_per_s": round(made / secs, 1) if secs else None,
+            "source_indices": group}
+
+
+def _check_nothing_dropped(dest: Path, shipping: list[str], replace: bool) -> None:
+    """A manifest that would no longer list a file the current one lists (shipped with another data config, e.g. the
+    later-turn tranches) is refused: the file would stay on disk, unverified and unread."""
+    mpath = dest / MANIFEST
+    if replace or not mpath.exists():
+        return
+    listed = [f.get("file") for f in json.loads(mpath.read_text(encoding="utf-8")).get("files", [])]
+    dropped = [f for f in listed if f not in shipping and (dest / f).exists()]
+    if dropped:
+        raise ValueError(f"{mpath} lists {len(dropped)} file(s) this data config does not make ({dropped[0]}, ...): "
+                         "ship with the data config the manifest records (data_config), or pass --replace-shipped")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,11 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--ship", action="store_true",
                     help="generate nothing: pack what the cache holds into data.shipped_dir, with a manifest")
+    ap.add_argument("--replace-shipped", action="store_true",
+                    help="with --ship: replace shipped files even by fewer or other records (never the default)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m train (e.g. +recipe=...)")
     args = ap.parse_args(argv)
     try:
         if args.ship:
-            ship(args.overrides)
+            ship(args.overrides, args.replace_shipped)
         else:
             regenerate(args.overrides, args.temperature, args.threads)
     except USER_ERRORS as e:

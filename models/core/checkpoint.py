@@ -69,6 +69,25 @@ class out_of_space_as_error:
         return False
 
 
+def write_atomic(path: Path | str, data: bytes | str, fix: str = "free space") -> None:
+    """``data`` → ``path`` through a temp file and one rename: a kill leaves the old file or the new, never a torn
+    or empty one (manifests, ledgers, JSON records that git tracks)."""
+    import os
+
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        with out_of_space_as_error(path, fix):
+            with open(tmp, "wb") as fh:
+                fh.write(data.encode() if isinstance(data, str) else data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _named_no_space(e: BaseException) -> NoSpaceError | None:
     seen = 0
     while e is not None and seen < 8:
