@@ -55,6 +55,8 @@ def check_eagle3(fmt: str, cfg: dict, t: Tensors, side: dict | None, target: Tar
     engines, the draft vocabulary and embedding. Returns (expected tensor shapes, target facts)."""
     native = fmt == "eagle3_native"
     layer = _check_native_header(cfg, where) if native else _check_speculators_header(cfg, where)
+    if not native:
+        _check_speculative_tokens(cfg, side, where)
     exp, (V, Vd, Ht) = _expected_shapes(native, cfg, layer, t, where)
     st = stamp_of(cfg)
     _check_layer_ids(native, cfg, side, target, st, where)
@@ -98,11 +100,24 @@ def _check_speculators_header(cfg: dict, where: str) -> dict:
         fail(where, "norm_before_fc and fc_norm are both true; speculators refuses the pair (mutually exclusive)")
     sc = cfg.get("speculators_config") or {}
     pm = sc.get("proposal_methods") or [{}]
-    if sc.get("algorithm") != "eagle3" or not isinstance(pm[0].get("speculative_tokens"), int):
+    if sc.get("algorithm") != "eagle3" or "speculative_tokens" not in pm[0]:
         fail(where, "speculators_config needs algorithm 'eagle3' and proposal_methods[0].speculative_tokens")
     if not (sc.get("verifier") or {}).get("name_or_path"):
         fail(where, "speculators_config.verifier.name_or_path is required (vLLM's base.py validation)")
     return layer
+
+
+def _check_speculative_tokens(cfg: dict, side: dict | None, where: str) -> None:
+    """vLLM serves proposal_methods[0].speculative_tokens as K: a positive integer, and (with a sidecar) the K
+    draftsmith.json records, the one the README and serving snippets name."""
+    k = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        fail(where, f"proposal_methods[0].speculative_tokens={k!r}: vLLM drafts that many tokens a round, it must "
+                     "be an integer >= 1")
+    want = (side or {}).get("num_speculative_tokens")
+    if want is not None and k != want:
+        fail(where, f"proposal_methods[0].speculative_tokens={k} but draftsmith.json says num_speculative_tokens="
+                     f"{want}; export again (--results sets K)")
 
 
 def _expected_shapes(native: bool, cfg: dict, layer: dict, t: Tensors, where: str
