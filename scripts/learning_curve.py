@@ -35,18 +35,40 @@ GPU_TOKENS_PER_S = 4396.0
 CPU_REGEN_TOKENS_PER_S = 396.0  # the third tranche, bf16, refill, grouped prefill, whole job
 
 
-def curve(run: Path) -> list[dict]:
-    """The held-out records: step, tokens seen, CPU hours of training, slot-1 agreement, simulated τ."""
-    out = []
+def held_out(run: Path) -> tuple[list[dict], int]:
+    """The held-out records (step, tokens seen, CPU hours of training, slot-1 agreement, simulated τ), and how
+    many were dropped for a value that is not a finite number (a NaN loss would otherwise poison every fit)."""
+    out, dropped = [], 0
     for r in _jsonl(run / "val.jsonl"):
         if r.get("tokens_seen") is None or r.get("val/acc_0") is None:
             continue
-        out.append({"step": r["step"], "tokens_seen": int(r["tokens_seen"]),
-                    "cpu_hours": round(float(r["elapsed_s"]) / 3600, 3),
-                    "acc_0": round(float(r["val/acc_0"]), 4), "sim_tau": round(float(r["val/sim_tau"]), 4)})
+        vals = [_finite(r.get(k)) for k in ("tokens_seen", "elapsed_s", "val/acc_0", "val/sim_tau")]
+        if None in vals:
+            dropped += 1
+            continue
+        tokens, elapsed, acc, tau = vals
+        out.append({"step": r["step"], "tokens_seen": int(tokens), "cpu_hours": round(elapsed / 3600, 3),
+                    "acc_0": round(acc, 4), "sim_tau": round(tau, 4)})
     if len(out) < 2:
-        raise SystemExit(f"error: {run}/val.jsonl has {len(out)} held-out record(s) with tokens_seen; a curve needs 2")
-    return out
+        raise SystemExit(f"error: {run}/val.jsonl has {len(out)} held-out record(s) with tokens_seen and finite "
+                         f"values ({dropped} non-finite dropped); a curve needs 2")
+    return out, dropped
+
+
+def curve(run: Path) -> list[dict]:
+    return held_out(run)[0]
+
+
+def _finite(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _dropped(n: int) -> str:
+    return f"{n} held-out record(s) with a non-finite value dropped"
 
 
 def cpu_rate(run: Path) -> float:
@@ -74,14 +96,16 @@ def project(points: list[dict], goals: dict[str, float], cpu_tok_s: float, gpu_t
     return out
 
 
-def markdown(points: list[dict], proj: dict, epoch_tokens: int | None, cpu_tok_s: float, gpu_tok_s: float) -> str:
+def markdown(points: list[dict], proj: dict, epoch_tokens: int | None, cpu_tok_s: float, gpu_tok_s: float,
+             dropped: int = 0) -> str:
     lines = ["| step | target tokens seen | epochs | training hours | held-out slot-1 | sim. τ |",
              "|---|---|---|---|---|---|"]
     for p in points:
         ep = f"{p['tokens_seen'] / epoch_tokens:.2f}" if epoch_tokens else "–"
         lines.append(f"| {p['step']} | {p['tokens_seen']:,} | {ep} | {p['cpu_hours']:.2f} | {p['acc_0']:.3f} | "
                      f"{p['sim_tau']:.3f} |")
-    lines += ["", f"Fit `y = a + b ln(tokens)` over {next(iter(proj.values()))['fit']['n']} points; cost at "
+    lines += ["", f"Fit `y = a + b ln(tokens)` over {next(iter(proj.values()))['fit']['n']} points"
+              f"{f' ({_dropped(dropped)})' if dropped else ''}; cost at "
               f"{cpu_tok_s:.0f} target tokens/s on this CPU (the run's median) and {gpu_tok_s:.0f} on one GPU; "
               f"regenerating that many fresh tokens here at {CPU_REGEN_TOKENS_PER_S:.0f}/s:", "",
               "| metric | a | b | r² | gain per doubling | goal | tokens to goal | train, CPU h | train, GPU h "
@@ -93,7 +117,8 @@ def markdown(points: list[dict], proj: dict, epoch_tokens: int | None, cpu_tok_s
         cpu = "–" if r["cpu_hours"] is None else f"{r['cpu_hours']:.3g}"
         gpu = "–" if r["gpu_hours"] is None else f"{r['gpu_hours']:.3g}"
         regen = "–" if r["regen_cpu_hours"] is None else f"{r['regen_cpu_hours']:.3g}"
-        lines.append(f"| {metric} | {f['a']:.3f} | {f['b']:.4f} | {f['r2']:.3f} | {r['per_doubling']:+.3f} | "
+        r2 = "undefined (flat)" if f["r2"] is None else f"{f['r2']:.3f}"
+        lines.append(f"| {metric} | {f['a']:.3f} | {f['b']:.4f} | {r2} | {r['per_doubling']:+.3f} | "
                      f"{r['goal']} | {tok} | {cpu} | {gpu} | {regen} |")
     return "\n".join(lines) + "\n"
 
@@ -106,7 +131,7 @@ def plot(points: list[dict], proj: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     xs = [p["tokens_seen"] for p in points]
-    hi = max(max(xs), *(r["tokens"] for r in proj.values() if r["tokens"] and r["tokens"] < 100 * max(xs)))
+    hi = max([*xs, *(r["tokens"] for r in proj.values() if r["tokens"] and r["tokens"] < 100 * max(xs))])
     grid = [min(xs) * (hi / min(xs)) ** (i / 50) for i in range(51)]
     for ax, (metric, title) in zip(axes, [("acc_0", "held-out slot-1 agreement"), ("sim_tau", "held-out sim. τ")]):
         ax.plot(xs, [p[metric] for p in points], "o", label="measured")
@@ -169,7 +194,10 @@ def main_compare(runs: dict[str, Path], out: Path | None) -> int:
     from eval.bench.training import plot as plot_runs
     from eval.bench.training import run_summary
 
-    text, rep = compare({name: curve(run) for name, run in runs.items()})
+    read = {name: held_out(run) for name, run in runs.items()}
+    text, rep = compare({name: c for name, (c, _) in read.items()})
+    text += "".join(f"\n{name}: {_dropped(d)}\n" for name, (_, d) in read.items() if d)
+    rep["dropped_non_finite"] = {name: d for name, (_, d) in read.items()}
     print(text)
     if out:
         import matplotlib
@@ -198,20 +226,21 @@ def main(argv: list[str] | None = None) -> int:
     if len(a.run) > 1:
         return main_compare(named_runs(a.run), a.out)
     a.run = Path(a.run[0])
-    points = curve(a.run)
+    points, dropped = held_out(a.run)
     stats = a.run / "data_stats.json"
     epoch = json.loads(stats.read_text()).get("train_target_tokens") if stats.exists() else None
     fitted = [p for p in points if not (a.first_epoch and epoch and p["tokens_seen"] > epoch)]
     cpu_tok_s = cpu_rate(a.run)
     proj = project(fitted, {"acc_0": a.goal_acc, "sim_tau": a.goal_tau}, cpu_tok_s, a.gpu_tok_s)
-    text = markdown(points, proj, epoch, cpu_tok_s, a.gpu_tok_s)
+    text = markdown(points, proj, epoch, cpu_tok_s, a.gpu_tok_s, dropped)
     print(text)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "learning_curve.md").write_text(text)
         (a.out / "learning_curve.json").write_text(json.dumps(
             {"run": str(a.run), "points": points, "epoch_tokens": epoch, "cpu_tokens_per_s": cpu_tok_s,
-             "gpu_tokens_per_s": a.gpu_tok_s, "first_epoch_only": a.first_epoch, "projection": proj}, indent=1))
+             "gpu_tokens_per_s": a.gpu_tok_s, "first_epoch_only": a.first_epoch, "dropped_non_finite": dropped,
+             "projection": proj}, indent=1))
         plot(points, proj, a.out / "learning_curve.png")
     return 0
 

@@ -115,16 +115,25 @@ def plot(training: Mapping[str, dict], path: Path, plt) -> Path | None:
     return path
 
 
-def log_fit(curve: Iterable[Mapping[str, Any]], metric: str = "acc_0", x: str = "tokens_seen") -> dict[str, float]:
+def log_fit(curve: Iterable[Mapping[str, Any]], metric: str = "acc_0", x: str = "tokens_seen") -> dict[str, Any]:
     """Least-squares ``metric = a + b ln(x)`` over the curve's points (held-out agreement grows about linearly in
-    the log of the data seen over the range a run covers); a, b, r² and the number of points. Needs two points
-    with distinct x."""
+    the log of the data seen over the range a run covers); a, b, r², the number of points fitted and of points
+    ``dropped`` for a non-finite x or metric (one NaN would make every sum NaN). r² is None when the fitted values
+    are all equal: it is undefined there, and 1 would read as a perfect fit. Needs two points with distinct x."""
     import math
 
-    pts = [(math.log(float(p[x])), float(p[metric])) for p in curve
-           if p.get(x) and p.get(metric) is not None and float(p[x]) > 0]
+    pts, dropped = [], 0
+    for p in curve:
+        if not p.get(x) or p.get(metric) is None:
+            continue
+        u, v = float(p[x]), float(p[metric])
+        if not (math.isfinite(u) and math.isfinite(v)):
+            dropped += 1
+        elif u > 0:
+            pts.append((math.log(u), v))
     if len({u for u, _ in pts}) < 2:
-        raise ValueError(f"a fit of {metric} against ln {x} needs two points with distinct {x}; have {len(pts)}")
+        raise ValueError(f"a fit of {metric} against ln {x} needs two points with distinct finite {x}; have "
+                         f"{len(pts)} ({dropped} non-finite dropped)")
     n = len(pts)
     mu, mv = sum(u for u, _ in pts) / n, sum(v for _, v in pts) / n
     suu = sum((u - mu) ** 2 for u, _ in pts)
@@ -132,7 +141,7 @@ def log_fit(curve: Iterable[Mapping[str, Any]], metric: str = "acc_0", x: str = 
     a = mv - b * mu
     ss_res = sum((v - a - b * u) ** 2 for u, v in pts)
     ss_tot = sum((v - mv) ** 2 for _, v in pts)
-    return {"a": a, "b": b, "r2": 1 - ss_res / ss_tot if ss_tot > 0 else 1.0, "n": n}
+    return {"a": a, "b": b, "r2": 1 - ss_res / ss_tot if ss_tot > 0 else None, "n": n, "dropped": dropped}
 
 
 def x_for(fit: Mapping[str, float], y: float) -> float:
