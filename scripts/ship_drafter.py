@@ -36,8 +36,20 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def check_finite(state: dict[str, torch.Tensor]) -> None:
+    """Refuses weights with a NaN or an inf, naming the first such tensor: a diverged run must not ship (fp16
+    keeps a NaN as it is, and the load against a target runs only with --target)."""
+    for k, v in state.items():
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            bad = int((~torch.isfinite(v)).sum())
+            raise ValueError(f"{k}: {bad} of its {v.numel()} values are not finite (NaN/inf); the run diverged, "
+                             "ship an earlier checkpoint")
+
+
 def to_fp16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp32 weights → fp16; integer buffers (vocabulary maps) unchanged. Refuses weights fp16 cannot hold."""
+    """fp32 weights → fp16; integer buffers (vocabulary maps) unchanged. Refuses non-finite weights first, then
+    finite ones fp16 cannot hold."""
+    check_finite(state)
     out = {}
     for k, v in state.items():
         if v.is_floating_point():
@@ -123,11 +135,15 @@ def _stage(run: Path, final: Path, tmp: Path, target: str | None) -> None:
     for f in final.iterdir():
         if f.is_file() and f.name != "model.safetensors":
             shutil.copy2(f, tmp / "final" / f.name)
-    save_file(to_fp16(load_file(str(final / "model.safetensors"))), str(tmp / "final" / "model.safetensors"))
+    try:
+        fp16 = to_fp16(load_file(str(final / "model.safetensors")))
+    except ValueError as e:
+        raise ValueError(f"{final / 'model.safetensors'}: {e}") from None
+    save_file(fp16, str(tmp / "final" / "model.safetensors"))
     for name in RECORD:
         if (run / name).exists():
             shutil.copy2(run / name, tmp / name)
-    if target is not None:  # loads as a drafter of its target, the fp16 weights finite
+    if target is not None:  # loads as a drafter of its target
         from models.core.target import FrozenTarget
         from models.registry import load_drafter
 
