@@ -69,12 +69,13 @@ def ship(run: Path, dest: Path, recipe: str | None, target: str | None, which: s
     if not (final / "model.safetensors").exists():
         raise FileNotFoundError(f"{final}/model.safetensors: " + ("no best drafter yet (train with "
                                 "train.keep_best=true)" if which == "best" else "not a finished run (train it first)"))
+    # first: a copy a killed --replace moved aside is dest again, so a ship without --replace refuses it
+    recover(dest)
     if dest.exists() and not (replace and (dest / "manifest.json").is_file() and (dest / "final").is_dir()):
         raise FileExistsError(f"{dest} exists; remove it yourself to ship a new drafter there"
                               + ("" if replace else " (or --replace an earlier shipped copy)"))
     # staged next to dest: os.replace cannot cross file systems (the system temp dir often is another one)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    recover(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".ship_{os.getpid()}_", dir=dest.parent))
     try:
         _stage(run, final, tmp, target)

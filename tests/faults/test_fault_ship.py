@@ -77,3 +77,22 @@ def test_a_killed_ship_is_cleaned_up_by_the_next(trained, tmp_path, capsys):
     assert f"removed {repo / f'.ship_{dead.pid}_x1'}" in err and f"put back {dest}" in err
     assert (dest / "manifest.json").is_file() and not (dest / "old_copy").exists()  # put back, then replaced
     assert sorted(p.name for p in repo.iterdir()) == [f".ship_{os.getpid()}_x2", ".ship_notes", "eagle3"]
+
+
+def test_a_killed_replace_is_put_back_and_refused_without_replace(trained, tmp_path, capsys):
+    """kill -9 between --replace's two renames leaves the old copy in the git-ignored .ship_old_<name> and no
+    destination. A later ship without --replace puts it back and refuses (the destination exists again); it used to
+    see no destination and replace the old copy with the new one."""
+    import os
+
+    repo = tmp_path / "repo"
+    dest = repo / "eagle3"
+    assert ship_drafter.main([str(trained), str(dest)]) == 0
+    (dest / "old_copy").write_text("the earlier ship")
+    os.replace(dest, repo / ".ship_old_eagle3")  # killed after moving the old copy aside
+    capsys.readouterr()
+    assert ship_drafter.main([str(trained), str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert f"put back {dest}" in err and f"error: {dest} exists" in err and "--replace" in err, err
+    assert (dest / "old_copy").read_text() == "the earlier ship" and (dest / "manifest.json").is_file()
+    assert sorted(p.name for p in repo.iterdir()) == ["eagle3"]
