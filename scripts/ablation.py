@@ -16,7 +16,6 @@ learning_curve.png.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -64,20 +63,48 @@ def train_all(names: list[str], a: argparse.Namespace) -> list[str]:
     return [n for n, rc in zip(names, rcs) if rc != 0]
 
 
+class Refused(Exception):
+    """A report that cannot be made: main prints its one line and exits 2."""
+
+
+def _last_record(path: Path) -> dict | None:
+    """A variant's last held-out record in val.jsonl (a torn last line, from a kill while writing, is skipped)."""
+    from eval.bench.training import _jsonl
+
+    try:
+        val = _jsonl(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise Refused(f"{path}: unreadable ({e})") from None
+    keys = ("step", "elapsed_s", "val/acc_0", "val/sim_tau")
+    val = [r for r in val if all(isinstance(r.get(k), (int, float)) for k in keys)]
+    return val[-1] if val else None
+
+
 def report(root: Path, names: list[str]) -> str:
     """results.md (last held-out record of each run, its minutes and tokens) and learning_curve.png."""
     from eval.bench.training import collect, plot
 
-    runs = [(n, str(root / n / "final")) for n in names if (root / n / "val.jsonl").exists()]
-    training = collect(runs)
+    if not root.is_dir():
+        raise Refused(f"{root}: no such directory (train the variants first: without --report)")
+    last = {n: _last_record(root / n / "val.jsonl") for n in names if (root / n / "val.jsonl").exists()}
+    waiting = [n for n in names if last.get(n) is None]
+    if len(waiting) == len(names):
+        raise Refused(f"{root}: no variant of {names} has a held-out record yet (<variant>/val.jsonl); train them "
+                      "first, or let train.eval_every steps pass")
+    runs = [(n, str(root / n / "final")) for n in names if last.get(n) is not None]
+    try:
+        training = collect(runs)
+    except (OSError, ValueError) as e:  # a damaged data_stats.json or metrics.jsonl
+        raise Refused(f"{root}: a variant's training record is unreadable ({e})") from None
     lines = ["| variant | overrides | steps | CPU min | target tokens | held-out slot-1 | sim. τ |",
              "|---|---|---|---|---|---|---|"]
     for name, _ in runs:
-        val = [json.loads(x) for x in (root / name / "val.jsonl").read_text().splitlines() if x.strip()]
-        last = val[-1]
-        lines.append(f"| {name} | {' '.join(VARIANTS[name]) or '(recipe)'} | {last['step']} | "
-                     f"{last['elapsed_s'] / 60:.1f} | {last.get('tokens_seen', '–')} | {last['val/acc_0']:.3f} | "
-                     f"{last['val/sim_tau']:.2f} |")
+        r = last[name]
+        lines.append(f"| {name} | {' '.join(VARIANTS[name]) or '(recipe)'} | {r['step']} | "
+                     f"{r['elapsed_s'] / 60:.1f} | {r.get('tokens_seen', '–')} | {r['val/acc_0']:.3f} | "
+                     f"{r['val/sim_tau']:.2f} |")
+    if waiting:
+        lines += ["", f"No held-out record yet: {', '.join(waiting)}."]
     text = "\n".join(lines) + "\n"
     (root / "results.md").write_text(text)
     import matplotlib
@@ -108,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: variants {failed} failed (their logs: {a.root}/<name>.log with --lanes); rerun to resume",
                   file=sys.stderr)
             return 2
-    print(report(a.root, names))
+    try:
+        print(report(a.root, names))
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

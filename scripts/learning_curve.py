@@ -35,11 +35,39 @@ GPU_TOKENS_PER_S = 4396.0
 CPU_REGEN_TOKENS_PER_S = 396.0  # the third tranche, bf16, refill, grouped prefill, whole job
 
 
+class Refused(SystemExit):
+    """A run this script cannot read: its message is one ``error:`` line, which main prints before exiting 2."""
+
+
+def _records(path: Path) -> list[dict]:
+    """A run's JSON-lines file; a torn line (a kill while writing) is skipped, a missing or unreadable file
+    refused."""
+    if not path.exists():
+        raise Refused(f"error: {path}: missing (a run directory or shipped drafter has one)")
+    try:
+        return _jsonl(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise Refused(f"error: {path}: unreadable ({e})") from None
+
+
+def _epoch_tokens(run: Path) -> int | None:
+    """data_stats.json's train_target_tokens (None without the file)."""
+    stats = run / "data_stats.json"
+    if not stats.exists():
+        return None
+    try:
+        return json.loads(stats.read_text()).get("train_target_tokens")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise Refused(f"error: {stats}: unreadable ({e})") from None
+
+
 def held_out(run: Path) -> tuple[list[dict], int]:
     """The held-out records (step, tokens seen, CPU hours of training, slot-1 agreement, simulated τ), and how
     many were dropped for a value that is not a finite number (a NaN loss would otherwise poison every fit)."""
+    if not run.is_dir():
+        raise Refused(f"error: {run}: no such run directory")
     out, dropped = [], 0
-    for r in _jsonl(run / "val.jsonl"):
+    for r in _records(run / "val.jsonl"):
         if r.get("tokens_seen") is None or r.get("val/acc_0") is None:
             continue
         vals = [_finite(r.get(k)) for k in ("tokens_seen", "elapsed_s", "val/acc_0", "val/sim_tau")]
@@ -50,7 +78,7 @@ def held_out(run: Path) -> tuple[list[dict], int]:
         out.append({"step": r["step"], "tokens_seen": int(tokens), "cpu_hours": round(elapsed / 3600, 3),
                     "acc_0": round(acc, 4), "sim_tau": round(tau, 4)})
     if len(out) < 2:
-        raise SystemExit(f"error: {run}/val.jsonl has {len(out)} held-out record(s) with tokens_seen and finite "
+        raise Refused(f"error: {run}/val.jsonl has {len(out)} held-out record(s) with tokens_seen and finite "
                          f"values ({dropped} non-finite dropped); a curve needs 2")
     return out, dropped
 
@@ -73,9 +101,9 @@ def _dropped(n: int) -> str:
 
 def cpu_rate(run: Path) -> float:
     """The run's median training rate (target tokens/s) over its logged steps."""
-    rates = [float(r["tok_per_s"]) for r in _jsonl(run / "metrics.jsonl") if r.get("tok_per_s")]
+    rates = [float(r["tok_per_s"]) for r in _records(run / "metrics.jsonl") if r.get("tok_per_s")]
     if not rates:
-        raise SystemExit(f"error: {run}/metrics.jsonl has no tok_per_s records")
+        raise Refused(f"error: {run}/metrics.jsonl has no tok_per_s records")
     return statistics.median(rates)
 
 
@@ -186,7 +214,7 @@ def named_runs(args: list[str]) -> dict[str, Path]:
         path = Path(path)
         out[name or path.name] = path
     if len(out) < len(args):
-        raise SystemExit(f"error: two runs share a name in {args}; name them NAME=DIR")
+        raise Refused(f"error: two runs share a name in {args}; name them NAME=DIR")
     return out
 
 
@@ -209,11 +237,23 @@ def main_compare(runs: dict[str, Path], out: Path | None) -> int:
         (out / "learning_curve.md").write_text(text)
         (out / "learning_curve.json").write_text(json.dumps({"runs": {n: str(r) for n, r in runs.items()}, **rep},
                                                             indent=1))
-        plot_runs({n: run_summary(r / "final") for n, r in runs.items()}, out / "learning_curve.png", plt)
+        try:
+            summaries = {n: run_summary(r / "final") for n, r in runs.items()}
+        except (OSError, UnicodeDecodeError, ValueError) as e:  # a damaged data_stats.json
+            raise Refused(f"error: a run's training record is unreadable ({e})") from None
+        plot_runs(summaries, out / "learning_curve.png", plt)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except Refused as e:
+        print(e.code, file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", nargs="+", help="a run directory or a shipped drafter (val.jsonl, metrics.jsonl); "
                                            "several (NAME=DIR) are compared")
@@ -227,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_compare(named_runs(a.run), a.out)
     a.run = Path(a.run[0])
     points, dropped = held_out(a.run)
-    stats = a.run / "data_stats.json"
-    epoch = json.loads(stats.read_text()).get("train_target_tokens") if stats.exists() else None
+    epoch = _epoch_tokens(a.run)
     fitted = [p for p in points if not (a.first_epoch and epoch and p["tokens_seen"] > epoch)]
     cpu_tok_s = cpu_rate(a.run)
     proj = project(fitted, {"acc_0": a.goal_acc, "sim_tau": a.goal_tau}, cpu_tok_s, a.gpu_tok_s)
