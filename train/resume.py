@@ -4,6 +4,7 @@ meta)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import warnings
@@ -51,9 +52,9 @@ def warm_start(t: Any, src: Path) -> int:
                          "scripts/ship_drafter.py wrote)")
     meta = read_meta(final)
     ckpt.check_compatible(meta, t.meta, final)
+    manifest = shipped_manifest(src, final)
     load_trainable_state(t.drafter, final / WEIGHTS)
-    manifest = src / "manifest.json"
-    start = int(meta.get("step") or (json.loads(manifest.read_text()).get("steps") if manifest.exists() else 0) or 0)
+    start = int(meta.get("step") or manifest.get("steps") or 0)
     check_resume_step(start, t.cfg.train.steps, final)
     if t.d.is_main:
         t.out_dir.mkdir(parents=True, exist_ok=True)
@@ -68,3 +69,34 @@ def warm_start(t: Any, src: Path) -> int:
             t.sched.step()
     t.log(f"warm start from {src} at step {start} (weights and record; fresh optimizer moments)")
     return start
+
+
+def shipped_manifest(src: Path, final: Path) -> dict:
+    """``src/manifest.json`` (scripts/ship_drafter.py's; {} for a drafter directory without one), after checking
+    that ``final``'s weights are the ones it shipped: its fp16_sha256 is what makes an edited or damaged file
+    refused here rather than trained on."""
+    path = src / "manifest.json"
+    if not path.exists():
+        return {}
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"train.warm_start: {path} is unreadable ({e}); ship the drafter again") from None
+    want = m.get("fp16_sha256") if isinstance(m, dict) else None
+    if not isinstance(want, str):
+        raise ValueError(f"train.warm_start: {path} records no fp16_sha256, so {final / WEIGHTS} cannot be checked "
+                         "against it; ship the drafter again (scripts/ship_drafter.py)")
+    have = _sha256(final / WEIGHTS)
+    if have != want:
+        raise ValueError(f"train.warm_start: {final / WEIGHTS} has sha256 {have}, but {path} records fp16_sha256 "
+                         f"{want}: the weights changed after they were shipped; restore them, or ship the drafter "
+                         "again (scripts/ship_drafter.py --replace)")
+    return m
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
