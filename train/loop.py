@@ -80,9 +80,11 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 @torch.no_grad()
 def evaluate(drafter, target: FrozenTarget, rows: list[dict], batch_size: int, pad_id: int,
-             cache: FeatureCache | None = None, teacher_ids: torch.Tensor | None = None) -> dict[str, float]:
-    """Held-out metrics, each step/head weighted by its number of scored positions. ``cache``: the held-out rows'
-    features (offline mode), read exactly as training reads its own; None runs the target on them."""
+             cache: FeatureCache | None = None, teacher_ids: torch.Tensor | None = None) -> dict[str, float | None]:
+    """Held-out metrics, each step/head weighted by its number of scored positions; None for one with no scored
+    position (e.g. a DFlash slot past every held-out row's trainable tokens: 0.0 would read as a perfect loss).
+    ``cache``: the held-out rows' features (offline mode), read exactly as training reads its own; None runs the
+    target on them."""
     drafter.eval()
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -99,7 +101,7 @@ def evaluate(drafter, target: FrozenTarget, rows: list[dict], batch_size: int, p
             sums[k] = sums.get(k, 0.0) + float(v) * w
             weights[k] = weights.get(k, 0.0) + w
     drafter.train()
-    out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
+    out: dict[str, float | None] = {k: sums[k] / weights[k] if weights[k] > 0 else None for k in sums}
     accs = [out[f"acc_{i}"] for i in range(len(out)) if f"acc_{i}" in out]
     out["sim_tau"] = chain_tau(accs)
     return out
@@ -341,7 +343,7 @@ def train_steps(t: Training, start: int) -> dict | None:
             bar.set_postfix(loss=f"{agg['loss']:.3f}", acc0=f"{agg.get('acc_0', 0):.2f}")
         if d.is_main and t.val_rows and done % cfg.train.eval_every == 0 and done != cfg.train.steps:
             ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id, t.val_cache, t.teacher_ids)
-            tracker.log({f"val/{k}": v for k, v in ev.items()}, done)
+            tracker.log({f"val/{k}": v for k, v in ev.items() if v is not None}, done)
             log_val(t, done, ev)
             keep_if_best(t, done, ev)
         if done % cfg.train.ckpt_every == 0 or done == cfg.train.steps:
@@ -461,12 +463,12 @@ def finish(t: Training) -> dict:
         if t.val_rows:
             ev = evaluate(t.drafter, t.target, t.val_rows, cfg.train.batch_size, t.pad_id, t.val_cache, t.teacher_ids)
             summary["val"] = ev
-            t.tracker.log({f"val/{k}": v for k, v in ev.items()}, cfg.train.steps)
+            t.tracker.log({f"val/{k}": v for k, v in ev.items() if v is not None}, cfg.train.steps)
             log_val(t, cfg.train.steps, ev)
             keep_if_best(t, cfg.train.steps, ev)
             with out_of_space_as_error(out_dir / "final" / "eval.json", "free space"):
                 (out_dir / "final" / "eval.json").write_text(json.dumps(ev, indent=1))
-            accs = [f"{ev[f'acc_{i}']:.3f}" for i in range(64) if f"acc_{i}" in ev]
+            accs = ["–" if ev[f"acc_{i}"] is None else f"{ev[f'acc_{i}']:.3f}" for i in range(64) if f"acc_{i}" in ev]
             t.log(f"held-out top-1 agreement with the target by position: {' '.join(accs)}")
             t.log(f"held-out simulated tau (greedy chain): {ev['sim_tau']:.2f}")
             # e.g. Medusa builds its static draft tree from these held-out numbers

@@ -48,8 +48,8 @@ def rank_accuracy(metrics: Mapping[str, float], steps: int, ranks: int, key: str
     missing = [n for n in need if n not in metrics]
     if missing:
         raise ValueError(f"rank accuracies need the held-out metrics {missing[:3]}...; {why_missing}".rstrip("; "))
-    cum = torch.tensor([[float(metrics[f"{key}{j}_{k}"]) for j in range(1, ranks + 1)] for k in range(steps)],
-                       dtype=torch.float64)
+    cum = torch.tensor([[_rate(metrics[f"{key}{j}_{k}"]) for j in range(1, ranks + 1)] for k in range(steps)],
+                       dtype=torch.float64)  # an unscored step (null held-out metric) is never accepted
     return torch.diff(cum, dim=1, prepend=torch.zeros(steps, 1, dtype=torch.float64)).clamp_min(0)
 
 

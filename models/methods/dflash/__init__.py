@@ -157,8 +157,8 @@ def _size_num_speculative_tokens(d: DFlashDrafter, ckpt_dir: str | None, o: dict
         return out
     o = out or o
     ev = json.loads(path.read_text())
-    acc = [float(ev[f"acc_{i}"]) for i in range(d.num_spec) if f"acc_{i}" in ev]
-    tau = chain_taus(acc)  # τ(k) of the first k slots' conditional agreement
+    acc = [ev[f"acc_{i}"] for i in range(d.num_spec) if f"acc_{i}" in ev]
+    tau = chain_taus(acc)  # τ(k) of the first k slots' conditional agreement; an unscored slot (null) adds nothing
     best, pred = best_by_cost(range(1, len(acc) + 1), tau.__getitem__, verify_cost)
     if o.get("verify_costs"):  # the head schedules each round's K: the block is its cap
         best = d.num_spec
