@@ -80,6 +80,10 @@ def run(cfg: DictConfig, require: list[str] | tuple[str, ...] = ()) -> dict:
 
         torch.set_num_threads(settings.threads)
     target = instantiate(cfg.target)
+    if cfg.get("fp32_logits", True):  # bf16/fp16 targets: argmax no longer ties on logits rounded to 8 bits
+        from models.core.packed import fp32_logits
+
+        fp32_logits(target.model)
     prompts = load_prompts(target.tokenizer, cfg.n_prompts, cfg.prompt_tokens, cfg.prompts)
     if len(prompts) < cfg.n_prompts:
         what = f"{cfg.prompts}" if cfg.prompts else "the held-out set"

@@ -51,12 +51,16 @@ def _build(tok, dtype: torch.dtype):
 
 
 def _swap(a: int, twin: int):
-    """A method exact up to the tie: its tokens are speculative decoding's, with the first ``a`` emitted as
-    ``twin`` (the other side of an exact tie)."""
+    """A method exact up to the tie: its tokens are speculative decoding's up to the first ``a``, emitted as
+    ``twin`` (the other side of an exact tie), then the target's greedy continuation of that prefix."""
     def run(target, proposer, ids, max_new, *args, **kw):
         r = speculative_decode(target, proposer, ids, max_new, *args, **kw)
         if a in r.tokens:
-            r.tokens[r.tokens.index(a)] = twin
+            k = r.tokens.index(a)
+            head = [*r.tokens[:k], twin]
+            ctx = torch.cat([ids, torch.tensor([head], dtype=ids.dtype)], dim=1)
+            rest = decode_ar(target, ctx, max_new - len(head)).tokens if len(head) < max_new else []
+            r.tokens[:] = head + list(rest)
         return r
     return run
 
@@ -134,3 +138,68 @@ def test_bf16_still_flags_a_broken_verifier_and_a_wrong_token(tiny_tokenizer, mo
     assert r["lossless"] is False and not all_lossless(r)
     md = markdown(r)
     assert "LOSSLESS CHECK FAILED" in md and "**FAIL**" in md
+
+
+def _swap_then_break(a: int, twin: int):
+    """The near-tie method, whose last token is then wrong: after a first divergence that AR's comparison tolerates,
+    only the certificate (every token on the run's own prefix) can see it."""
+    swap = _swap(a, twin)
+
+    def run(target, proposer, ids, max_new, *args, **kw):
+        r = swap(target, proposer, ids, max_new, *args, **kw)
+        if twin in r.tokens and r.tokens.index(twin) < len(r.tokens) - 1:
+            r.tokens[-1] = (r.tokens[-1] + 1) % target.vocab_size
+        return r
+    return run
+
+
+def test_the_certificate_checks_every_token_after_a_first_divergence(tiny_tokenizer):
+    t, prompts, a, twin, ar = _build(tiny_tokenizer, torch.bfloat16)
+    methods = _methods(t, a, twin)
+    near = methods[-1]
+    methods.append(Method("near_tie_broken", "ngram", near.make, num_speculative_tokens=near.num_speculative_tokens,
+                          options=near.options, decode=_swap_then_break(a, twin)))
+    r = run_benchmark(t, methods, prompts, _settings())
+    ok, bad = r["methods"]["near_tie"], r["methods"]["near_tie_broken"]
+    assert ok["lossless"] is True
+    cert = next(e["certificate"] for e in r["runs"] if e["method"] == "near_tie")
+    assert cert["tokens_checked"] == cert["tokens_emitted"] == MAX_NEW * len(prompts) and cert["pass"]
+    # AR's comparison judges only the first divergence (the tolerated tie); the broken last token is the certificate's
+    assert all(d["tolerated"] for d in bad["divergences"] if d["where"] == "single")
+    broken = [d for d in bad["mismatches"] if d["where"] == "certificate"]
+    assert bad["lossless"] is False and broken and all(d["first_diff"] == MAX_NEW - 1 for d in broken)
+
+
+def test_fp32_logits_on_a_bf16_target_do_not_tie_on_rounding(tiny_tokenizer):
+    """Two lm_head rows whose logits differ by less than bf16 resolves: bf16 logits tie, the fp32 head's do not;
+    ``.weight`` is still the bf16 parameter drafters share, and an fp32 model is left alone."""
+    from models.core.packed import Fp32Head, fp32_logits
+
+    m = make_tiny_llama(len(tiny_tokenizer)).to(torch.bfloat16)
+    t = FrozenTarget(m, tiny_tokenizer)
+    x = torch.tensor([tiny_tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        h = m.model(x).last_hidden_state[0, -1].float()
+        w = m.lm_head.weight
+        w[1] = w[0]
+        w[1, h.abs().argmax()] += torch.sign(h[h.abs().argmax()]) * 2 ** -6 * w[0].abs().max()  # a tiny nudge up
+        assert t(x).logits.dtype == torch.bfloat16
+    weight = m.lm_head.weight
+    assert fp32_logits(m) and isinstance(m.get_output_embeddings(), Fp32Head) and not fp32_logits(m)
+    z = t(x).logits[0, -1]
+    assert z.dtype == torch.float32 and m.get_output_embeddings().weight is weight
+    torch.testing.assert_close(z, h @ weight.float().T, rtol=1e-5, atol=1e-4)
+    assert z[1] > z[0]
+    assert not fp32_logits(make_tiny_llama(len(tiny_tokenizer)))
+
+
+def test_the_sampled_rank_test_passes_true_draws_and_fails_a_sharper_sampler():
+    from eval.bench.certificate import chi2_uniform, pit
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(20, generator=gen).repeat(3000, 1) * 2
+    true = torch.multinomial(torch.softmax(z, -1), 1, generator=gen)[:, 0].tolist()
+    sharp = torch.multinomial(torch.softmax(2 * z, -1), 1, generator=gen)[:, 0].tolist()  # T=0.5 passed off as T=1
+    assert chi2_uniform(pit(z, true, 1.0, 1.0, 0, gen))["pass"] is True
+    bad = chi2_uniform(pit(z, sharp, 1.0, 1.0, 0, gen))
+    assert bad["pass"] is False and bad["p_value"] < 1e-6 and bad["tokens_checked"] == 3000

@@ -92,6 +92,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from eval.bench.batch_sweep import batch_sweep, seeded_generator
+from eval.bench.certificate import certify_runs
 from eval.bench.cost_model import (
     choose_k,
     draft_round_costs,
@@ -100,7 +101,7 @@ from eval.bench.cost_model import (
     measure_draft_costs,
 )
 from eval.bench.peers import hf_generate, peer_runs, peer_summaries
-from eval.bench.precision import Judge, failures
+from eval.bench.precision import SLACK, Judge, failures
 from eval.bench.setup import (
     BenchSettings,
     Method,
@@ -221,6 +222,7 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
     ar_pools = {t: single["pools"][(base.name, t)] for t in s.temperatures}
     costs["t_ar_step_s"] = {t: pool.verify_s / max(pool.rounds, 1) for t, pool in ar_pools.items()}
     mismatches = lossless_single(single["tokens0"], [m.name for m in methods], judge)
+    single["certificates"] = _certify(target, methods, ids, s, single, judge, mismatches)
     runs = summaries(methods, prompts, s, single, costs, mismatches)
 
     # the batch sweep and the policy take the chains; variants are batch-1 rows only (the switch's effect)
@@ -261,6 +263,37 @@ def _cost_tables(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
     for m in drafting:
         m.size_tree(target, lambda n: interp(costs["verify"], n), costs["t_target_s"])
     return costs, judge
+
+
+def _certify(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[Tensor], s: BenchSettings, single: dict,
+             judge: Judge, mismatches: dict[str, list]) -> dict[str, dict]:
+    """Every emitted token of every method's single-sequence runs checked on its own prefix (eval/bench/certificate.py);
+    a T=0 token outside the noise bound joins the method's mismatches (not lossless)."""
+    measured = {w: n for w, n in judge.per_width.items() if w > 1}
+    width = min(measured, key=lambda w: (measured[w], -w)) if measured else 2  # the least noise, then the widest
+    cert_noise = judge.noise_at([width])
+    thresholds = {m.name: None if judge.exact else SLACK * (judge.noise_at(_widths(m)) + cert_noise)
+                  for m in methods}
+    certs = certify_runs(target, ids, {k: v for k, v in single["tokens"].items() if k[0] in thresholds},
+                         thresholds, width, s.top_p, s.top_k, s.seed)
+    for name, by_t in certs.items():  # in the divergence table's columns: the target's greedy token as "ar_token"
+        mismatches[name] += [{"where": "certificate", "rep": f["rep"], "prompt": f["prompt"], "first_diff": f["pos"],
+                              "ar_token": f["greedy"], "token": f["token"], "gap": f["gap"], "top2_gap": None,
+                              "noise": None, "threshold": thresholds[name], "tolerated": False}
+                             for f in by_t["0"]["failures"]]
+    return certs
+
+
+def _widths(m: Method) -> list[int]:
+    """The forward widths a method's rounds verify at (AR: 1), for the noise bound of its certificate."""
+    if m.baseline:
+        return [1]
+    ws = [int(m.num_speculative_tokens) + 1] if m.chain and m.num_speculative_tokens else []
+    if not m.chain and getattr(m, "nodes", None):
+        ws.append(int(m.nodes) + 1)
+    if lookup_width(m.options):
+        ws.append(lookup_width(m.options) + 1)
+    return ws or [0]  # unknown: the largest noise measured
 
 
 def _results(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSettings,
@@ -327,6 +360,7 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
     dtimes: dict[tuple[str, float], list[list[float]]] = {}  # the same without prefill (decode phase)
     ntoks: dict[tuple[str, float], list[list[int]]] = {}
     tokens0: dict[str, list[list[list[int]]]] = {}  # T=0 tokens [rep][prompt]
+    tokens: dict[tuple[str, float], list[list[list[int]]]] = {}  # every temperature's, [rep][prompt]
     units = sum(len(methods) + (len(peers) if t == 0 else 0) for t in s.temperatures) * s.repetitions * len(ids)
     bar = tqdm(total=units, desc="decode", disable=not s.progress, leave=False)
     for temp in s.temperatures:
@@ -356,6 +390,7 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
                 times.setdefault(key, []).append(t_rep)
                 dtimes.setdefault(key, []).append(d_rep)
                 ntoks.setdefault(key, []).append(n_rep)
+                tokens.setdefault(key, []).append(tok_rep)
                 if temp == 0:
                     tokens0.setdefault(m.name, []).append(tok_rep)
             if temp == 0:
@@ -371,8 +406,8 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
                     ntoks.setdefault((name, 0.0), []).append(n_rep)
                     tokens0.setdefault(name, []).append(tok_rep)
     bar.close()
-    return {"pools": pools, "times": times, "dtimes": dtimes, "ntoks": ntoks, "tokens0": tokens0, "peers": peers,
-            "baseline": methods[0].name}
+    return {"pools": pools, "times": times, "dtimes": dtimes, "ntoks": ntoks, "tokens0": tokens0, "tokens": tokens,
+            "peers": peers, "baseline": methods[0].name}
 
 
 def all_lossless(results: Mapping[str, Any]) -> bool:

@@ -23,13 +23,14 @@ gap, top-1 − top-2 gap, noise and threshold, so a real bug cannot hide behind 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from eval.decode.ladder import new_cache
 from eval.decode.single import prefill
+from models.core.packed import Fp32Head
 from models.core.target import FrozenTarget
 
 EXACT_DTYPES = (torch.float32, torch.float64)
@@ -51,7 +52,7 @@ def measure_noise(target: FrozenTarget, prompts: Sequence[Tensor], widths: Seque
     for every verification width w in ``widths`` (kernels switch with the width: on CPU bf16 a 4-token forward
     can match the one-token step bit for bit where a 16-token one does not), over the last positions of the
     first ``n_prompts`` prompts ([1, P] each), on this target in its dtype."""
-    worst, positions = 0.0, 0
+    worst, positions, per_width = 0.0, 0, {1: 0.0}  # width 1 is AR's own path: no difference by definition
     for x in prompts[:n_prompts]:
         ws = sorted({min(w, x.shape[1] - 1) for w in widths if w > 1} - {0})
         if not ws:
@@ -65,9 +66,10 @@ def measure_noise(target: FrozenTarget, prompts: Sequence[Tensor], widths: Seque
             cache = new_cache(target)
             prefill(target, x[:, : x.shape[1] - w], cache)
             wide = target(x[:, x.shape[1] - w:], cache=cache, use_cache=True).logits[0].float()
-            worst = max(worst, float((wide - steps[top - w:]).abs().max()))
+            d = float((wide - steps[top - w:]).abs().max())
+            worst, per_width[w] = max(worst, d), max(per_width.get(w, 0.0), d)
             positions += w
-    return {"noise": worst, "positions": positions, "width": max(widths, default=1)}
+    return {"noise": worst, "positions": positions, "width": max(widths, default=1), "per_width": per_width}
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Judge:
     noise: float
     positions: int = 0
     width: int = 0
+    per_width: dict[int, float] = field(default_factory=dict)  # the noise at each width measured
 
     @classmethod
     def measure(cls, target: FrozenTarget, prompts: Sequence[Tensor], widths: Sequence[int]) -> Judge:
@@ -97,9 +100,15 @@ class Judge:
         return 0.0 if self.exact else SLACK * self.noise
 
     def summary(self) -> dict:
+        fp32_head = isinstance(self.target.model.get_output_embeddings(), Fp32Head)
         return {"dtype": str(self.dtype).removeprefix("torch."), "exact": self.exact, "noise": self.noise,
+                "logits_dtype": "float32" if fp32_head else str(self.dtype).removeprefix("torch."),
                 "threshold": self.threshold, "slack": SLACK, "noise_positions": self.positions,
-                "noise_width": self.width}
+                "noise_width": self.width, "noise_per_width": {str(w): n for w, n in sorted(self.per_width.items())}}
+
+    def noise_at(self, widths: Sequence[int]) -> float:
+        """The largest noise measured at any of ``widths`` (a width not measured: the largest measured at all)."""
+        return max((self.per_width.get(w, self.noise) for w in widths), default=0.0)
 
     @torch.no_grad()
     def divergence(self, prompt: int, ref: Sequence[int], got: Sequence[int]) -> dict:

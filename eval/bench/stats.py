@@ -197,7 +197,10 @@ def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSett
                             "fastest-repetition estimate is %.2f (a loaded machine? raise repetitions)", m.name, temp,
                             e["speedup"]["median"], e["speedup"]["spread"], e["speedup_robust"]["min_time"])
             e["efficiency"] = e["decode_speedup"]["median"] / e["bound"]
-            e["lossless"] = (not failures(mismatches[m.name])) if temp == 0 else None
+            # T=0: AR's tokens and every token certified; T>0: the certificate's χ² test (eval/bench/certificate.py)
+            cert = single.get("certificates", {}).get(m.name, {}).get(f"{temp:g}")
+            e["certificate"] = cert
+            e["lossless"] = (not failures(mismatches[m.name])) if temp == 0 else (cert or {}).get("pass")
             e["vs_hf_prompt_lookup"] = tok_s["median"] / hf_pl["median"] if (temp == 0 and hf_pl) else None
             e["by_category"] = {
                 cat: {"n_prompts": len(idx), "tau": single["pools"][(*key, cat)].tau,

@@ -82,3 +82,39 @@ def pack_linears(model: nn.Module) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
     return len(swaps)
+
+
+class Fp32Head(nn.Module):
+    """A bf16/fp16 target's output projection computed and returned in fp32: the same weight values (upcast once,
+    exactly), the last hidden state upcast per call, fp32 accumulation and fp32 logits. In bf16 the logits themselves
+    are rounded to 8 bits of mantissa (0.125 apart at |z| ≈ 20), so greedy argmax ties on rounding; in fp32 it does
+    not. ``.weight`` stays the original parameter: readers of it (drafters sharing the target's head) see no
+    difference."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+        w = head.weight.detach()
+        bias = getattr(head, "bias", None)
+        fp32 = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=torch.float32)
+        fp32.weight = nn.Parameter(w.float(), requires_grad=False)
+        if bias is not None:
+            fp32.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.proj = PackedLinear(fp32) if available() else fp32
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.float())
+
+
+def fp32_logits(model: nn.Module) -> bool:
+    """``model``'s output projection → ``Fp32Head`` when the model computes in bf16/fp16 (in place; an fp32 model is
+    left as it is). Eval only: training and regeneration keep the model's own head, so their caches stay valid."""
+    head = model.get_output_embeddings()
+    if head is None or isinstance(head, Fp32Head) or head.weight.dtype in (torch.float32, torch.float64):
+        return False
+    model.set_output_embeddings(Fp32Head(head))
+    return True
