@@ -564,3 +564,20 @@ def test_auto_dtype_is_probed_at_the_benchmark_threads_and_reported(env, tmp_pat
     md = (tmp_path / "results.md").read_text()
     assert f"`target.dtype=auto` chose **{probe['chosen']}**" in md
     assert all(f"| {d} | " in md for d in probe["dtypes"])
+
+
+def test_every_run_records_whether_it_was_quiet_and_a_contended_one_says_so(full):
+    """results.json ``quiet`` (eval/bench/quiet.py): the signals and thresholds; the report opens with a contended
+    run's reasons and the terminal summary leads with them."""
+    from eval.bench.quiet import verdict
+
+    q = full["quiet"]
+    assert {"contended", "reasons", "other_cores", "ar_rate_drift", "t1_s", "thresholds"} <= set(q)
+    assert len(q["t1_s"]) == 2 and all(t > 0 for t in q["t1_s"]) and set(q["ar_rate_drift"]) == {"0", "1"}
+    r = dict(full)
+    cpu = {k: q[k] for k in ("wall_s", "cpus", "loadavg_start", "loadavg_end")}
+    r["quiet"] = verdict({**cpu, "other_cores": 0.9}, {0.0: [20.0]}, (0.05, 0.05), {})
+    assert "**Contended run: its timings are not results to quote.** other processes used 0.90 cores" in markdown(r)
+    assert console_summary(r).startswith("CONTENDED RUN")
+    r["quiet"] = verdict({**cpu, "other_cores": 0.0}, {0.0: [20.0]}, (0.05, 0.05), {})
+    assert "Contended" not in markdown(r) and "CONTENDED" not in console_summary(r)

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -102,12 +103,13 @@ from eval.bench.cost_model import (
 )
 from eval.bench.peers import hf_generate, peer_runs, peer_summaries
 from eval.bench.precision import SLACK, Judge, failures
+from eval.bench.quiet import CpuWatch, verdict
 from eval.bench.setup import (
     BenchSettings,
     Method,
     Prompt,
 )
-from eval.bench.stats import Pooled, draft_vocab_coverage, lossless_single, summaries
+from eval.bench.stats import Pooled, draft_vocab_coverage, lossless_single, summaries, tps_of
 from eval.bench.training import collect as collect_training
 from eval.decode.result import DecodeResult
 from eval.decode.single import decode_ar, speculative_decode
@@ -209,6 +211,7 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
          skipped: Mapping[str, str] | None, prompt_source: str | None) -> dict:
     """The run's stages: cost tables → single-sequence runs (+ lossless check, summaries) → dynamic policy and
     batch sweep → the results dict and its K recommendation."""
+    watch = CpuWatch()  # other processes' CPU use over the whole run (eval/bench/quiet.py)
     device = target.model.device
     eos = target.model.config.eos_token_id if s.stop_at_eos else None
     eos = eos[0] if isinstance(eos, list) else eos
@@ -239,7 +242,25 @@ def _run(target: FrozenTarget, methods: Sequence[Method], prompts: Sequence[Prom
                                            for m in methods if not m.baseline)
     results.update(recommendation(swept, policy))
     results["lossless"] = all(v["lossless"] for v in results["methods"].values())
+    results["quiet"] = _quiet(target, s, watch, single, costs, runs)
     return results
+
+
+log = logging.getLogger(__name__)
+
+
+def _quiet(target: FrozenTarget, s: BenchSettings, watch: CpuWatch, single: dict, costs: dict, runs: list[dict]
+           ) -> dict:
+    """Whether nothing else shared the machine (eval/bench/quiet.py): t1 probed again, AR's rate per repetition,
+    every method's efficiency at each temperature."""
+    t1_end = measure_costs(target, costs["probe_prefix_len"], [1], [1], 0, s.cost_reps, s.seed)["t_target_s"]
+    base = single["baseline"]
+    ar = {t: [tps_of(single, (base, t), r) for r in range(s.repetitions)] for t in s.temperatures}
+    eff = {f"{e['method']} T={e['temperature']:g}": e["efficiency"] for e in runs if e["method"] != base}
+    q = verdict(watch.stop(), ar, (costs["t_target_s"], t1_end), eff)
+    if q["contended"]:
+        log.warning("contended run (not a result to quote): %s", "; ".join(q["reasons"]))
+    return q
 
 
 def _cost_tables(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[Tensor], prompts: Sequence[Prompt],
@@ -256,6 +277,7 @@ def _cost_tables(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
               *(w for w in (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if w <= max(trees or [0]))]
     prefix_len = round(statistics.mean(len(p.ids) for p in prompts)) + s.max_new_tokens // 2  # mid-generation
     costs = measure_costs(target, prefix_len, widths, sorted({1, *s.batch_sizes}), longest, s.cost_reps, s.seed)
+    costs["probe_prefix_len"] = prefix_len  # t1 is probed again after decoding (eval/bench/quiet.py)
     # the dtype's numeric noise between a verification-width forward and AR's one-token step: the T=0 check is
     # exact in fp32, in fp16/bf16 a divergence fails only where the target's own gap exceeds it
     # (eval/bench/precision.py)

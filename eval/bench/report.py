@@ -73,6 +73,9 @@ def _header_md(r: dict) -> list[str]:
     """Title, what was measured on what, and the lossless verdict."""
     s, tgt, env = r["settings"], r["target"], r["env"]
     lines = ["# Speculative decoding benchmark", ""]
+    q = r.get("quiet") or {}
+    if q.get("contended"):  # eval/bench/quiet.py: a run that shared the CPU is not a result to quote
+        lines += ["**Contended run: its timings are not results to quote.** " + "; ".join(q["reasons"]) + ".", ""]
     pr = r["prompts"]
     lines.append(f"Target `{tgt.get('name_or_path')}` ({tgt.get('params', 0) / 1e6:.2f} M params, {tgt.get('dtype')}), "
                  f"{pr['n']} prompts from {pr['source']} (mean {pr['tokens']['mean']:.0f} tokens), "
@@ -308,7 +311,8 @@ def _robust(e: dict) -> str:
 def console_summary(results: Mapping[str, Any]) -> str:
     """A few lines for the terminal: T=0 speedups, losslessness, recommendation, crossovers."""
     r = normalize(results)
-    out = []
+    q = r.get("quiet") or {}
+    out = ["CONTENDED RUN (not a result to quote): " + "; ".join(q["reasons"])] if q.get("contended") else []
     for e in r["runs"]:
         if is_baseline(e):
             continue
