@@ -5,7 +5,10 @@ Per row we store the requested layers' states plus the last hidden state after t
 logits would cost V/H times more disk — and the target's full-vocabulary argmax (``{row}.top``, int32), so a
 reduced-vocabulary drafter's step computes the lm_head over its draft vocabulary only (``DraftVocabTeacher``).
 Shards are safetensors files written atomically, so an interrupted build resumes at the first missing shard. The
-manifest reports bytes per token.
+manifest reports bytes per token. Each shard also records in its safetensors metadata the content it was built for
+(target, dtype, layers, its rows): a directory whose manifest is gone adopts only the shards that say they are this
+cache's, rebuilds the ones another cache wrote, and refuses shards that say nothing unless a manifest vouches for
+them (shards from before shards carried an identity).
 
 One cache can serve several methods: it may store more layers than a method reads (``store_layer_ids``, from
 ``train.feature_layers``), and a cache whose stored layers include the requested ones is reused as it is, so the
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -29,6 +33,7 @@ from models.core.kernels import cast_copy, native_bf16
 from models.core.target import FrozenTarget, parse_dtype
 
 MANIFEST = "manifest.json"
+SHARD_IDENTITY = "draftsmith.feature_shard"  # the safetensors metadata key a shard's identity is stored under
 _FIX = "free space, or point train.feature_cache at a larger disk"
 
 
@@ -97,6 +102,7 @@ class FeatureCache:
     def build(self, show_progress: bool = True) -> dict:
         self.root.mkdir(parents=True, exist_ok=True)
         mpath = self.root / MANIFEST
+        vouched = 0  # leading shards a manifest of this content vouches for (those may predate shard identities)
         if mpath.exists():
             raw = mpath.read_bytes()
             try:  # emptied or torn (a kill while it was written): the shards cannot be checked against this run
@@ -125,8 +131,9 @@ class FeatureCache:
             self.meta["layer_ids"] = self.stored
             # the ledger of the build that made it survives runs that only read it
             self.meta.update({k: v for k, v in old.items() if k.startswith("build_")})
+            vouched = valid
+        todo = self._shards_to_build(vouched)  # before the manifest: a refusal leaves the directory as it was
         self._write_manifest(mpath)
-        todo = [i for i in range(self.n_shards()) if not self.shard_path(i).exists()]
         t0 = time.time()
         if todo and self.compute_dtype != self.target.model.dtype:
             self.compute = FrozenTarget(cast_copy(self.target.model, self.compute_dtype), self.target.tokenizer)
@@ -147,6 +154,37 @@ class FeatureCache:
                              build_threads=torch.get_num_threads())
         self._write_manifest(mpath)
         return self.meta
+
+    def shard_identity(self, i: int) -> str:
+        """What shard ``i`` of this cache holds: the content key, the layers stored and its rows."""
+        lo, hi = i * self.shard_rows, min(len(self.rows), (i + 1) * self.shard_rows)
+        return json.dumps({**_key(self.meta), "layer_ids": self.stored, "rows": [lo, hi],
+                           "row_digest": _row_digest(self.rows[lo:hi])}, sort_keys=True)
+
+    def _shards_to_build(self, vouched: int) -> list[int]:
+        """The shards to (re)build: missing ones, and ones another cache wrote (their identity is not this cache's;
+        this class wrote them, so they are replaced). A shard without an identity is kept only where a manifest of
+        this content vouches for it; otherwise nothing says whose features it holds, and it is refused, not
+        deleted (no command deletes what it did not write)."""
+        todo = []
+        for i in range(self.n_shards()):
+            p = self.shard_path(i)
+            if not p.exists():
+                todo.append(i)
+                continue
+            try:
+                with safe_open(str(p), "pt") as f:
+                    ident = (f.metadata() or {}).get(SHARD_IDENTITY)
+            except Exception as e:  # noqa: BLE001 - truncated/corrupt header: name it and the fix
+                raise ValueError(f"{p}: unreadable feature shard ({type(e).__name__}: {e}); delete it and rerun to "
+                                 "rebuild it") from None
+            if ident is None and i >= vouched:
+                raise ValueError(f"feature cache {self.root}: {p} carries no identity and no manifest vouches for "
+                                 "it, so it may hold another target's or data's features; delete the shards (rm "
+                                 f"{self.root}/shard_*.safetensors) or set train.feature_cache to a new directory")
+            if ident is not None and ident != self.shard_identity(i):
+                todo.append(i)
+        return todo
 
     def _write_manifest(self, mpath: Path) -> None:
         """Atomically (temp file + rename): a kill or a full disk never leaves an empty or torn manifest."""
@@ -179,7 +217,7 @@ class FeatureCache:
         tmp = self.shard_path(i).with_suffix(".tmp")
         try:
             with out_of_space_as_error(self.shard_path(i), _FIX):
-                save_file(tensors, str(tmp))
+                save_file(tensors, str(tmp), metadata={"format": "pt", SHARD_IDENTITY: self.shard_identity(i)})
         except BaseException:
             tmp.unlink(missing_ok=True)  # a half shard would only fill the disk further
             raise
