@@ -1,6 +1,6 @@
 """Where a chain drafter's round goes: greedy speculative decoding of a few prompts under torch's profiler, the
-proposer's share split from the target's, and the operators that dominate the draft (issue 33 item 4: the draft
-step at the cost of its arithmetic).
+proposer's share split from the target's, and the operators that dominate the draft: to see whether a draft step
+costs what its arithmetic does, and if not, which operators take the rest.
 
     python scripts/profile_draft.py --checkpoint models/smollm2_drafters/eagle3_onpolicy/final --target smollm2 \\
         --dtype auto --prompts mt_bench --n-prompts 4 --threads 1

@@ -334,7 +334,7 @@ def _engine_names(out: Path) -> list[str]:
 
 def test_exports_name_the_target_not_this_machines_path_to_it(target, tmp_path):
     """verifier.name_or_path and the README's `vllm serve` line travel with the export: a training machine's
-    absolute path there is wrong on any server (issue 22)."""
+    absolute path there is wrong on any server."""
     here = str(Path(target.model.config._name_or_path).resolve())
     out = export(make_drafter(target), "eagle3_speculators", tmp_path / "e3s", target)
     assert _engine_names(out) == [Path(here).name]

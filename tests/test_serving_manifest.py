@@ -1,6 +1,7 @@
-"""The serving-mode manifest (issue 22 item 4): every export records the target revision / fingerprints, the chat
-template hash and the thinking mode it was trained with; validate / ``--check`` refuse a mismatched thinking mode
-or target head, and warn on another chat template."""
+"""The serving-mode manifest: every export records the target revision / fingerprints, the chat template hash and
+the thinking mode it was trained with; validate / ``--check`` refuse a mismatched thinking mode or target head, and
+warn on another chat template: a drafter served with another target or mode than it was trained with raises no
+error, it only drafts worse."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """llama.cpp (the vendored sources of llama-cpp-python 0.3.36) serves every GGUF export it can load losslessly at
-T=0, with the acceptance draftsmith's harness measured (issue 22). One session fixture (served_llamacpp.py) trains,
-exports (``--format gguf``) and serves everything once.
+T=0, with the acceptance draftsmith's harness measured, so the harness's numbers hold for what the engine serves.
+One session fixture (served_llamacpp.py) trains, exports (``--format gguf``) and serves everything once.
 
 Tolerance of the acceptance comparison: none, round by round. The engine gets prompt + t0 (eval/engines/llamacpp.py), so
 its rounds start where the harness's do; both decode greedily in float32 with the same weights, so every round

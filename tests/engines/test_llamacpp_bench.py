@@ -1,7 +1,8 @@
-"""The engine benchmark and the export as a user runs them (issue 33: the export recommends the K that measured
-best in the engine): ``python -m eval.engines.bench --engine llamacpp --server --draft-k ...`` serves one trained
-drafter at several K through llama-server, and ``python -m train.export --results`` carries the fastest K into the
-GGUF export. The drafters are the tier's (tests/engines/served_llamacpp.py trains them once)."""
+"""The engine benchmark and the export as a user runs them (the export recommends the K that measured best in the
+engine, since the engine's per-round cost, not the harness's, decides it): ``python -m eval.engines.bench --engine
+llamacpp --server --draft-k ...`` serves one trained drafter at several K through llama-server, and ``python -m
+train.export --results`` carries the fastest K into the GGUF export. The drafters are the tier's
+(tests/engines/served_llamacpp.py trains them once)."""
 
 from __future__ import annotations
 

