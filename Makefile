@@ -176,10 +176,17 @@ bench-real: install
 # each, 32 new tokens
 # (target.dtype=auto: the target in the dtype whose plain decoding is fastest here, bf16 on AVX-512 BF16: the
 # baseline is the best AR this machine does)
+# The free baselines tuned, not one default: n-gram at K = 2, 3, 5 and prompt lookup at the settings the "behind
+# lookup" rows use (6 tokens after a 2..3-token match); "best free" in the reports is the fastest of them
+FREE_ROWS = ngram_k2,ngram_k5,ngram_m2,lookup6
+FREE_VARIANTS = "+variants.ngram_k2={method: ngram, num_speculative_tokens: 2}" \
+	"+variants.ngram_k5={method: ngram, num_speculative_tokens: 5}" \
+	"+variants.ngram_m2={method: ngram, num_speculative_tokens: 3, min_ngram: 2}" \
+	"+variants.lookup6={method: ngram, num_speculative_tokens: 6, min_ngram: 2}"
 ONPOLICY_EVAL = $(BIN)/python -m eval target=smollm2 target.dtype=auto \
 	checkpoints.eagle3=$(SMOLLM2_DRAFTERS)/eagle3_onpolicy/final draft_model=null prompt_tokens=640 repetitions=1 threads=1 "batch_sizes=[]" peers=false \
-	options.eagle3.num_speculative_tokens=4 "methods=[ar,ngram,eagle3,eagle3_tree,eagle3_lookup,eagle3_tree_lookup]" \
-	$(REAL_SET_ARGS)
+	options.eagle3.num_speculative_tokens=4 $(FREE_VARIANTS) \
+	"methods=[ar,ngram,$(FREE_ROWS),eagle3,eagle3_tree,eagle3_lookup,eagle3_tree_lookup]" $(REAL_SET_ARGS)
 bench-onpolicy: install
 	$(ONPOLICY_EVAL) prompts=mt_bench n_prompts=80 out_dir=bench/results_smollm2_onpolicy_mt_bench & mt=$$!; \
 	$(ONPOLICY_EVAL) prompts=humaneval n_prompts=164 "temperatures=[0]" out_dir=bench/results_smollm2_onpolicy_humaneval; \
@@ -189,7 +196,8 @@ bench-onpolicy: install
 bench-onpolicy-heldout: install
 	$(BIN)/python scripts/heldout_prompts.py --out runs/heldout_prompts.jsonl +recipe=eagle3_smollm2_onpolicy
 	$(ONPOLICY_EVAL) prompts=runs/heldout_prompts.jsonl n_prompts=60 "temperatures=[0]" \
-		"methods=[ar,ngram,eagle3,eagle3_tree]" require_n_prompts=false out_dir=bench/results_smollm2_onpolicy_heldout
+		"methods=[ar,ngram,$(FREE_ROWS),eagle3,eagle3_tree]" require_n_prompts=false \
+		out_dir=bench/results_smollm2_onpolicy_heldout
 # Every on-policy drafter (smollm2-onpolicy-ship ONPOLICY=...) on the same held-out prompts: EAGLE-3, DFlash and
 # DSpark with K sized by the cost model, DSpark also with each round's K scheduled by its confidence head
 # (dspark_conf), MTP
@@ -199,7 +207,7 @@ ONPOLICY_ALL = checkpoints.dflash=$(SMOLLM2_DRAFTERS)/dflash_onpolicy/final "+va
 bench-onpolicy-methods: install
 	$(BIN)/python scripts/heldout_prompts.py --out runs/heldout_prompts.jsonl +recipe=eagle3_smollm2_onpolicy
 	$(ONPOLICY_EVAL) $(ONPOLICY_ALL) prompts=runs/heldout_prompts.jsonl n_prompts=60 "temperatures=[0]" \
-		"methods=[ar,ngram,eagle3,dflash,dspark,dspark_conf,mtp]" require_n_prompts=false \
+		"methods=[ar,ngram,$(FREE_ROWS),eagle3,dflash,dspark,dspark_conf,mtp]" require_n_prompts=false \
 		out_dir=bench/results_smollm2_onpolicy_methods $(REAL_ARGS)
 # the batch sweep on the real target: where speculation stops paying (B = 1 / 4 / 8, T=0, 16 MT-Bench first turns; ~14 min)
 bench-real-batch: install

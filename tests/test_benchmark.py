@@ -137,6 +137,10 @@ def test_end_to_end_results_have_every_measurement(full, env):
         win = e["tau_by_window"]  # every round under one reply window, the same τ in all
         assert sum(win["rounds"]) == e["rounds"]
         assert sum(t * n for t, n in zip(win["tau"], win["rounds"])) == pytest.approx(e["tau"] * e["rounds"])
+        # the free baseline: the fastest training-free row at this temperature (here n-gram, the only one)
+        ngram = next(x for x in r["runs"] if x["method"] == "ngram" and x["temperature"] == e["temperature"])
+        assert e["best_free"] == "ngram" and e["vs_best_free"] == pytest.approx(
+            e["tokens_per_s"]["median"] / ngram["tokens_per_s"]["median"])
         # every emitted token certified: T=0 against the argmax on its own prefix, T>0 by the χ² rank test
         cert = e["certificate"]
         assert e["lossless"] is True and cert["pass"] is True

@@ -210,4 +210,21 @@ def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSett
                                                    for r in reps)}
                 for cat, idx in cats.items()}
             runs.append(e)
+    _vs_best_free(methods, runs)
     return runs
+
+
+def _vs_best_free(methods: Sequence[Method], runs: list[dict]) -> None:
+    """Each entry's tokens/s over the best training-free method's at its temperature (n-gram / prompt lookup at every
+    setting benchmarked: the tuned free baseline, not one default): ``vs_best_free`` and ``best_free``."""
+    from models import registry
+
+    table = registry.proposers()
+    free = {m.name for m in methods if not m.baseline and m.kind in table and table[m.kind][0].source == "none"}
+    for temp in {e["temperature"] for e in runs}:
+        rows = [e for e in runs if e["temperature"] == temp]
+        cands = [e for e in rows if e["method"] in free]
+        best = max(cands, key=lambda e: e["tokens_per_s"]["median"], default=None)
+        for e in rows:
+            e["best_free"] = best and best["method"]
+            e["vs_best_free"] = e["tokens_per_s"]["median"] / best["tokens_per_s"]["median"] if best else None
