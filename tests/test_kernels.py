@@ -9,13 +9,21 @@ from models.core.kernels import bandwidth_bound, cpu_features, probe, read_bandw
 from models.core.target import FrozenTarget, dtype_names
 
 
-def test_probe_times_each_dtype_and_chooses_the_fastest_one_token_step(tiny_llama):
-    result = probe(tiny_llama, widths=(1, 2, 3), prefix_len=8, reps=1)
+def test_probe_times_each_dtype_and_chooses_by_the_rule(tiny_llama):
+    """bf16 only with a native bf16 dot product and confirming rounds that beat fp32 by the margin, else fp32."""
+    from models.core.kernels import MARGIN, native_bf16
+
+    result = probe(tiny_llama, widths=(1, 2, 3), prefix_len=8, reps=1, rounds=3)
     assert set(result["dtypes"]) == {"float32", "bfloat16"}
     for d in result["dtypes"].values():
         assert set(d["t_s"]) == {1, 2, 3} and all(t > 0 for t in d["t_s"].values()) and d["t_over_t1"][1] == 1.0
-    t1 = {n: d["t_s"][1] for n, d in result["dtypes"].items()}
-    assert result["chosen"] == min(t1, key=t1.get)
+    assert result["native_bf16"] == native_bf16()
+    confirm = result["confirm"]
+    if not result["native_bf16"]:
+        assert result["chosen"] == "float32" and confirm is None
+    else:
+        assert len(confirm["bf16_over_fp32"]) == 3
+        assert result["chosen"] == ("bfloat16" if confirm["median_ratio"] <= 1 - MARGIN else "float32")
     assert tiny_llama.dtype == torch.float32  # probed on a copy
     assert result["machine"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert isinstance(cpu_features()["flags"], list)

@@ -230,7 +230,9 @@ def _diff(a: Any, b: Any, where: str) -> list[str]:
 
 
 def check_compatible(meta: dict, expected: dict, path: Path) -> None:
-    """Refuse a checkpoint made for another target or another draft config: one line naming what differs."""
+    """Refuse a checkpoint made for another target, another draft config or another target dtype (the states it
+    was trained on differ by the dtype's rounding): one line naming what differs. A checkpoint that records no
+    target dtype (written before checkpoints did) is not checked for it."""
     keys = ("method", "target", "draft")
     diffs = [d for key in keys for d in _diff(meta.get(key), expected.get(key), key)]
     if diffs:
@@ -238,6 +240,10 @@ def check_compatible(meta: dict, expected: dict, path: Path) -> None:
         more = f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else ""
         raise ValueError(f"{path} was made for a different {which} ({'; '.join(diffs[:4])}{more}); resume with the "
                          "same settings, use another output_dir, or train.resume=false (moves it aside)")
+    had, now = meta.get("target_dtype"), expected.get("target_dtype")
+    if had is not None and now is not None and had != now:
+        raise ValueError(f"{path} was trained against the target in {had}, but this run loads it in {now}; resume "
+                         f"with target.dtype={had}, use another output_dir, or train.resume=false (moves it aside)")
 
 
 def load_trainer_state(path: Path) -> dict:

@@ -224,7 +224,9 @@ def build_drafter_and_meta(t: Training) -> None:
     """2. The drafter, and what a checkpoint must match to be resumed or evaluated."""
     cfg, target = t.cfg, t.target
     t.drafter = build_drafter(cfg.draft, target, t.train_rows).to(t.device)
+    # the load dtype sits beside identity(), which keys the data and feature caches and stays dtype-free
     t.meta = {"method": cfg.draft.method, "target": target.identity(), "draft": t.drafter.config_dict(),
+              "target_dtype": str(target.model.dtype).replace("torch.", ""),
               "layer_ids": list(t.drafter.layer_ids), "layer_id_convention": "hf_output_hidden_states_index",
               # the serving mode the drafter is trained for (exports record it; --check compares it)
               "serving": training_serving(target, cfg.data.get("chat_template"), cfg.data.get("enable_thinking"),

@@ -39,7 +39,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-AUTO = "auto"  # target.dtype=auto: the dtype this machine runs the target fastest in (models/core/kernels.py)
+AUTO = "auto"  # target.dtype=auto: bf16 on a CPU with native bf16 confirmed faster, else fp32 (models/core/kernels.py)
 
 
 def dtype_names() -> list[str]:
