@@ -4,6 +4,7 @@ files that may be cut off inside their last record, as that one is. Read as file
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
@@ -40,7 +41,8 @@ def iter_json_array(path: Path, stats: dict, chunk_chars: int = 1 << 20):
     """
     dec = json.JSONDecoder()
     stats.setdefault("truncated_tail", 0)
-    with open(path, encoding="utf-8") as fh:
+    with open(path, "rb") as raw:
+        fh = Utf8Chunks(raw, path)
         buf, base, pos, eof = fh.read(chunk_chars), 0, 0, False
         pos = len(buf) - len(buf.lstrip())
         if not buf[pos:pos + 1] == "[":
@@ -90,6 +92,30 @@ def iter_json_array(path: Path, stats: dict, chunk_chars: int = 1 << 20):
             pos = end
             if pos > chunk_chars:  # drop what has been decoded
                 buf, base, pos = buf[pos:], base + pos, 0
+
+
+class Utf8Chunks:
+    """A binary file read as UTF-8 text in chunks: ``read(n)`` decodes up to n more bytes ("" only at the end). A byte
+    that is not UTF-8 is one line naming the file, the byte, its offset and the fix (a text file's own error names
+    neither the file nor where in it). A character cut by the file's end is left out: it belongs to the cut tail."""
+
+    def __init__(self, fh, path: Path):
+        self.fh, self.path, self.done = fh, path, 0
+        self.dec = codecs.getincrementaldecoder("utf-8")()
+
+    def read(self, n: int) -> str:
+        while True:
+            raw = self.fh.read(n)
+            pending = len(self.dec.getstate()[0])  # bytes of a character the previous chunk cut
+            try:
+                text = self.dec.decode(raw)
+            except UnicodeDecodeError as e:
+                at = self.done - pending + e.start
+                raise ValueError(f"{self.path}: not valid UTF-8 (byte {e.object[e.start]:#04x} at byte offset {at}); "
+                                 "re-encode the file as UTF-8, or reinstall the package that ships it") from None
+            self.done += len(raw)
+            if text or not raw:
+                return text
 
 
 def end_note(n_read: int, stats: dict) -> str | None:

@@ -104,7 +104,7 @@ def _write(bundle: Bundle, out: Path, overwrite: bool) -> Path:
     """Atomic: write a fresh temporary directory beside OUT, then swap it in (a crash leaves the old directory or
     none, never half of one). The temporary name is new (mkdtemp): an existing ``OUT.tmp`` is never touched."""
     out = Path(out)
-    _check_not_inside_run(out)
+    check_not_inside_run(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty; pass overwrite=True (CLI: --force) or another --out")
     if out.exists():
@@ -128,7 +128,7 @@ def _write(bundle: Bundle, out: Path, overwrite: bool) -> Path:
     return out
 
 
-def _check_not_inside_run(out: Path) -> None:
+def check_not_inside_run(out: Path) -> None:
     """Refuse an --out inside a drafter checkpoint (e.g. a run's final/) or a run's checkpoints/: training replaces
     those directories whole, and would delete the export with them."""
     for d in [out, *out.absolute().parents]:

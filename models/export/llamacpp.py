@@ -33,7 +33,7 @@ from models import registry
 from models.core.target import resolve_name
 from models.export.shared.common import SIDECAR, ExportError, load_json, measured_sentence
 
-from .api import export
+from .api import check_not_inside_run, export
 from .formats import export_format
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,6 +127,9 @@ def export_gguf(drafter: nn.Module, out: str | Path, target, *, target_name: str
     """Write OUT/{hf/, draft.gguf, gguf.json, README.md} (module docstring). ``kw``: models.export.export's
     num_speculative_tokens, meta, dtype, serve_name, measured."""
     out = Path(out)
+    # checked on OUT itself: the layout is built inside a temporary directory beside OUT, where the same check
+    # would refuse once per layout, naming that temporary path
+    check_not_inside_run(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise ExportError(f"{out} exists and is not empty; pass overwrite=True (CLI: --force) or another --out")
