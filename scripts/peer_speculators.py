@@ -1,29 +1,18 @@
 """speculators 0.9.0's own EAGLE-3 trainer on the rows, loss masks, draft vocabulary and target-token budget of one of
-our recipes, on a CPU, from a launcher we own: the peer our recipe is compared with.
+our recipes, on a CPU, from a launcher we own: the peer our recipe is compared with (docs/training.md).
 
     python scripts/peer_speculators.py prepare --out runs/peer_speculators/data --max-tokens 500000 \\
         +recipe=eagle3_smollm2_onpolicy
     python scripts/peer_speculators.py train --data runs/peer_speculators/data \\
         --save-path runs/peer_speculators/checkpoints [any speculators train flag: --max-steps 200 --lr 1e-3 ...]
 
-``prepare`` writes what speculators' file backend reads, from plain transformers (no vLLM server):
-
-- ``data/``: an HF ``datasets`` directory (``input_ids``, ``loss_mask``, ``seq_len``; torch format): the training rows
-  our run draws first (its seeded, length-bucketed order) until ``--max-tokens`` loss-masked target tokens, then the
-  held-out rows our run scores (``train.eval_rows``); ``--train-data-ratio`` puts speculators' positional split
-  exactly between the two.
-- ``hidden_states/hs_{i}.safetensors``: ``hidden_states`` [T, 4, H] (our draft layer ids ascending, then the last
-  decoder layer's output BEFORE the final norm, which speculators normalises itself) and ``token_ids`` [T]; each
-  written atomically, a rerun skips the complete ones.
-- ``d2t.npy`` / ``t2d.npy``: our draft vocabulary (models/core/vocab.py), built as the recipe builds it, or read from a
-  drafter (``--vocab-from``: a run that warm-starts trains on the shipped drafter's vocabulary).
-- ``manifest.json``: what ``train`` needs; and a gate: on a few rows, the target's lm_head over its final norm of the
-  stored state must give the target's own argmax (a post-norm state, normalised twice, fails it).
-
-``train`` runs ``speculators.train``'s own ``main`` in this process with three CPU patches (its trainer moves tensors
-to ``get_local_rank()`` = 0, read as cuda:0; its step timer calls ``torch.accelerator.synchronize()``, which raises
-without an accelerator; its autocast falls back to "cuda") and the flags that keep it off a GPU and off a vLLM
-server; the checkpoint it writes is then checked by our validator (``python -m train.export --check``).
+``prepare`` writes what speculators' file backend reads, with plain transformers (no vLLM server): ``data/`` (an HF
+``datasets`` directory: the training rows our run draws first, up to ``--max-tokens`` loss-masked tokens, then the
+held-out rows it scores), ``hidden_states/hs_{i}.safetensors`` (our layer ids ascending, then the last decoder
+layer's output BEFORE the final norm, which speculators applies itself), ``d2t.npy`` / ``t2d.npy`` (our draft
+vocabulary) and ``manifest.json``; an argmax gate on a few rows stops it before the long part. ``train`` runs
+speculators' own ``main`` in this process with three CPU patches and the flags that keep it off a GPU and a vLLM
+server, checks its checkpoint with our validator and writes it as our drafter directory (``<save-path>/final``).
 Exit status 2 with one ``error:`` line for bad input.
 """
 
@@ -31,26 +20,50 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
+
+import numpy as np
+import torch
+from datasets import Dataset, load_from_disk
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException, InstantiationException
+from hydra.utils import instantiate
+from omegaconf.errors import OmegaConfBaseException
+from safetensors import safe_open
+from safetensors.torch import load_file, save
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from data.sources import build_rows  # noqa: E402
+from models.core.checkpoint import write_atomic  # noqa: E402
+from models.core.target import parse_dtype, resolve_name  # noqa: E402
+from models.core.target_view import TargetView  # noqa: E402
+from models.core.vocab import build_draft_vocab, check_mapping, count_tokens  # noqa: E402
+from models.export.api import load_export  # noqa: E402
+from models.export.serving import training_serving  # noqa: E402
+from models.export.shared.common import ExportError  # noqa: E402
+from models.export.validate import validate  # noqa: E402
+from models.methods.eagle3.config import fused_layer_ids  # noqa: E402
+from train.__main__ import USER_ERRORS, user_error  # noqa: E402
+from train.batches import batch_indices  # noqa: E402
+from train.checkpoint import save_final  # noqa: E402
+from train.distributed import Dist  # noqa: E402
 
 INSTALL_HINT = "speculators 0.9.0 is not installed in this environment: run `make install` (it adds it with --no-deps)"
 MANIFEST = "manifest.json"
 GATE_ROWS = 4
 
 
-# ============================================================================================ prepare: the rows
 def compose_recipe(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=overrides)
 
@@ -59,9 +72,6 @@ def budget_rows(cfg, train_rows: list[dict], max_tokens: int | None) -> tuple[li
     """(the training rows our run draws first, in first-draw order, until ``max_tokens`` loss-masked tokens; the
     tokens our run has trained on by then, repeats included; the passes over those rows that makes). Without a
     budget: every training row, once."""
-    from train.batches import batch_indices
-    from train.distributed import Dist
-
     tokens = [sum(r["loss_mask"]) for r in train_rows]
     if max_tokens is None:
         return list(range(len(train_rows))), sum(tokens), 1
@@ -90,11 +100,7 @@ def peer_mask(loss_mask: list[int]) -> list[int]:
 def draft_vocab(draft_cfg, target, train_rows: list[dict], vocab_from: str | None):
     """(d2t, t2d) of the recipe's drafter: from ``vocab_from``'s weights, or built as models/methods/eagle3 builds
     a new drafter's (the most frequent loss-masked tokens of every training row)."""
-    from models.core.vocab import build_draft_vocab, check_mapping, count_tokens
-
     if vocab_from:
-        from safetensors import safe_open
-
         f = Path(vocab_from) / "model.safetensors"
         if not f.is_file():
             raise FileNotFoundError(f"--vocab-from {vocab_from}: no model.safetensors there (pass a drafter's final/)")
@@ -113,12 +119,9 @@ def draft_vocab(draft_cfg, target, train_rows: list[dict], vocab_from: str | Non
     return build_draft_vocab(count_tokens(train_rows, target.vocab_size), size)
 
 
-# ============================================================================================ prepare: the states
 def target_states(target, ids, aux_ids: list[int]):
     """([B, T, 4, H] float: the ``aux_ids`` states, then the last decoder layer's output before the final norm;
     [B, T, V] logits) of one target forward."""
-    import torch
-
     pre: dict = {}
     handle = target.norm.register_forward_pre_hook(lambda _m, args: pre.__setitem__("final", args[0]))
     try:
@@ -134,11 +137,6 @@ def hs_path(out: Path, i: int) -> Path:
 
 def hs_complete(path: Path, ids: list[int], layers: int, hidden: int) -> bool:
     """A file speculators will read as row ``ids``: both tensors, the row's tokens, [T, layers, H] states."""
-    import torch
-    from safetensors import safe_open
-
-    if not path.is_file():
-        return False
     try:
         with safe_open(str(path), "pt") as st:
             shape = tuple(st.get_slice("hidden_states").get_shape())
@@ -149,11 +147,6 @@ def hs_complete(path: Path, ids: list[int], layers: int, hidden: int) -> bool:
 
 
 def write_hs(path: Path, states, ids: list[int], dtype) -> None:
-    import torch
-    from safetensors.torch import save
-
-    from models.core.checkpoint import write_atomic
-
     data = save({"hidden_states": states.to(dtype).contiguous(),
                  "token_ids": torch.tensor(ids, dtype=torch.int64)})
     write_atomic(path, data, "free space, or lower --max-tokens")
@@ -163,8 +156,6 @@ def write_states(out: Path, target, rows: list[dict], indices: list[int], aux_id
                  batch_size: int, pad_id: int) -> int:
     """hs files of ``rows[i]`` for i in ``indices`` that are not complete yet (batched, right-padded: a causal
     target's positions never read the padding after them); how many were written."""
-    import torch
-
     todo = [i for i in indices if not hs_complete(hs_path(out, i), rows[i]["input_ids"], len(aux_ids) + 1,
                                                   target.hidden_size)]
     t0 = time.time()
@@ -186,8 +177,6 @@ def write_states(out: Path, target, rows: list[dict], indices: list[int], aux_id
 
 def write_dataset(out: Path, rows: list[dict]) -> None:
     """The HF datasets directory speculators loads (``load_from_disk``), replaced whole only when its rows changed."""
-    from datasets import Dataset, load_from_disk
-
     cols = {"input_ids": [r["input_ids"] for r in rows], "loss_mask": [peer_mask(r["loss_mask"]) for r in rows],
             "seq_len": [len(r["input_ids"]) for r in rows]}
     dest = out / "data"
@@ -203,7 +192,6 @@ def write_dataset(out: Path, rows: list[dict]) -> None:
     os.replace(tmp, dest)
 
 
-# ============================================================================================ prepare: the gate
 class GateError(ValueError):
     pass
 
@@ -212,10 +200,8 @@ def argmax_gate(out: Path, target, rows: list[dict], indices: list[int], aux_ids
     """The target's lm_head over its final norm of each stored final state must give the target's own argmax at
     every position, except where the target's two logits are closer than the storage dtype's rounding can move them
     (measured on the same position: the exact state rounded to the stored dtype). Raises GateError (one line)."""
-    import torch
-    from safetensors.torch import load_file
-
     head = target.model.get_output_embeddings()
+    read = lambda s: head(target.norm(s.to(target.embed.weight))).float()  # what speculators' teacher computes
     n = exact = 0
     with torch.no_grad():
         for i in indices:
@@ -223,10 +209,6 @@ def argmax_gate(out: Path, target, rows: list[dict], indices: list[int], aux_ids
             ids = torch.tensor([rows[i]["input_ids"]], device=target.embed.weight.device)
             states, logits = target_states(target, ids, aux_ids)
             ref, final = logits[0], states[0, :, -1]
-
-            def read(s):
-                return head(target.norm(s.to(target.embed.weight))).float()
-
             got = read(f["hidden_states"][:, -1].float().to(final.device))
             noise = (read(final.to(f["hidden_states"].dtype).float()) - read(final)).abs().amax(-1)
             top, pick = ref.argmax(-1), got.argmax(-1)
@@ -242,12 +224,7 @@ def argmax_gate(out: Path, target, rows: list[dict], indices: list[int], aux_ids
     return {"rows": len(indices), "positions": n, "exact": exact}
 
 
-# ============================================================================================ prepare
 def recipe_rows(cfg, target) -> tuple[list[dict], list[dict]]:
-    from hydra.utils import instantiate
-
-    from data.sources import build_rows
-
     if cfg.draft.method != "eagle3":
         raise ValueError(f"draft.method={cfg.draft.method}: the speculators peer trains EAGLE-3; use an eagle3 recipe")
     train_rows, val_rows = build_rows(instantiate(cfg.data), target.tokenizer, target.model)
@@ -260,8 +237,6 @@ def recipe_rows(cfg, target) -> tuple[list[dict], list[dict]]:
 
 def verifier_dir(cfg) -> str:
     """The target's local HF directory (a GGUF's converted one): what speculators reads the verifier from."""
-    from models.core.target import resolve_name
-
     path = Path(resolve_name(cfg.target.name_or_path, cfg.target.get("gguf_file"))).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(f"target {cfg.target.name_or_path!r} is not a local HF directory ({path} has no "
@@ -281,13 +256,6 @@ def check_same_target(out: Path, identity: dict) -> None:
 
 
 def prepare(args: argparse.Namespace) -> dict:
-    import numpy as np
-    import torch
-    from hydra.utils import instantiate
-
-    from models.core.target import parse_dtype
-    from models.methods.eagle3.config import fused_layer_ids
-
     cfg = compose_recipe(args.overrides)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -308,8 +276,7 @@ def prepare(args: argparse.Namespace) -> dict:
     np.save(out / "d2t.npy", d2t.numpy())
     np.save(out / "t2d.npy", t2d.numpy())
     dtype = parse_dtype(args.dtype)
-    tok = target.tokenizer
-    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+    pad = getattr(target.tokenizer, "pad_token_id", None) or 0
     gate_idx = list(range(min(args.gate_rows, len(picks))))
     write_states(out, target, rows, gate_idx, aux_ids, dtype, args.batch_size, pad)
     gate = argmax_gate(out, target, rows, gate_idx, aux_ids)  # before the hours the rest takes
@@ -323,8 +290,6 @@ def prepare(args: argparse.Namespace) -> dict:
         "epochs": epochs, "total_seq_len": int(cfg.train.batch_size * cfg.data.max_len),
         "train_data_ratio": (n_train + 0.5) / len(rows), "hidden_states_dtype": args.dtype, "gate": gate,
     }
-    from models.core.checkpoint import write_atomic
-
     write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
     print(f"prepare: {n_train} training rows ({manifest['train_tokens']} target tokens; our run has trained on "
           f"{seen} by then, {epochs} pass(es)) + {len(val_rows)} held-out rows in {out}; {written} hs files written "
@@ -333,7 +298,6 @@ def prepare(args: argparse.Namespace) -> dict:
     return manifest
 
 
-# ============================================================================================ train
 @contextlib.contextmanager
 def cpu_patches(metrics_file: Path):
     """speculators 0.9.0's trainer on a CPU, without editing it: its device is "cpu" (the int 0 it uses would
@@ -341,7 +305,6 @@ def cpu_patches(metrics_file: Path):
     also go to ``metrics_file`` (JSON lines). Everything is put back on exit."""
     import speculators.train.cli as cli
     import speculators.train.trainer as trainer
-    import torch
 
     class CpuTrainer(trainer.Trainer):
         def __init__(self, *a, **k):
@@ -371,7 +334,6 @@ class JsonLines(logging.Handler):
 
     def __init__(self, path: Path):
         super().__init__()
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -385,10 +347,8 @@ def flag(argv: list[str], name: str) -> str | None:
     """The last value given to ``name`` in ``argv`` (argparse keeps the last)."""
     val = None
     for j, a in enumerate(argv):
-        if a == name and j + 1 < len(argv):
-            val = argv[j + 1]
-        elif a.startswith(name + "="):
-            val = a.split("=", 1)[1]
+        val = (argv[j + 1] if a == name and j + 1 < len(argv)
+               else a.split("=", 1)[1] if a.startswith(name + "=") else val)
     return val
 
 
@@ -422,14 +382,11 @@ def read_manifest(data: Path) -> dict:
 
 
 def last_checkpoint(save: Path) -> Path | None:
-    done = [p for p in save.iterdir() if p.name.isdigit() and (p / "model.safetensors").is_file()] \
-        if save.is_dir() else []
+    done = [p for p in save.glob("[0-9]*") if p.name.isdigit() and (p / "model.safetensors").is_file()]
     return max(done, key=lambda p: int(p.name)) if done else None
 
 
 def train(args: argparse.Namespace, extra: list[str]) -> dict:
-    import torch
-
     data = Path(args.data)
     m = read_manifest(data)
     try:
@@ -470,11 +427,6 @@ def summarise(path: Path, since: float) -> dict:
 def check_export(ckpt: Path, verifier: str) -> str:
     """Our validator (``python -m train.export --check``) on speculators' checkpoint, against the target; its
     warnings as ``warning:`` lines."""
-    import warnings
-
-    from models.core.target_view import TargetView
-    from models.export.validate import validate
-
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         fmt = validate(ckpt, None, TargetView.from_pretrained(verifier))
@@ -487,15 +439,6 @@ def adopt(ckpt: Path, m: dict, out: Path, ttt_steps: int, step_decay: float) -> 
     """speculators' checkpoint as our drafter directory (what ``python -m eval checkpoints.eagle3=OUT`` loads):
     loaded back through our eagle3_speculators loader, recorded with the recipe's target and serving mode and the
     TTT steps it trained (EAGLE-2 trees are sized up to that depth)."""
-    import dataclasses
-    import warnings
-
-    from hydra.utils import instantiate
-
-    from models.export.api import load_export
-    from models.export.serving import training_serving
-    from train.checkpoint import save_final
-
     cfg = compose_recipe(m["recipe"])
     target = instantiate(cfg.target)
     with warnings.catch_warnings():
@@ -511,7 +454,6 @@ def adopt(ckpt: Path, m: dict, out: Path, ttt_steps: int, step_decay: float) -> 
     save_final(out, d, meta)
 
 
-# ============================================================================================ CLI
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="scripts/peer_speculators.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -533,18 +475,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parser().parse_known_args(argv)
-    if args.cmd == "prepare" and extra:
-        print(f"error: prepare does not take {extra[0]}", file=sys.stderr)
+    if args.cmd == "prepare" and (extra or (args.max_tokens is not None and args.max_tokens < 1)):
+        why = f"prepare does not take {extra[0]}" if extra else "--max-tokens must be >= 1"
+        print(f"error: {why}", file=sys.stderr)
         return 2
-    if args.cmd == "prepare" and args.max_tokens is not None and args.max_tokens < 1:
-        print("error: --max-tokens must be >= 1", file=sys.stderr)
-        return 2
-    from hydra.errors import HydraException, InstantiationException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from models.export.shared.common import ExportError
-    from train.__main__ import USER_ERRORS, user_error
-
     try:
         result = prepare(args) if args.cmd == "prepare" else train(args, extra)
     except (*USER_ERRORS, ExportError, HydraException, OmegaConfBaseException) as e:
