@@ -412,6 +412,7 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
             more, _ = tokenize_conversations(tok, extra_convs, cfg.max_len, cfg.skip_malformed, cfg.chat_template,
                                              cfg.enable_thinking)
             train = train + more
+        val = held_out_by_content(tok, train, val, stats)
     else:
         raise ValueError(f"data.kind={cfg.kind!r}: use 'code' or 'chat'")
     if not train:
@@ -423,3 +424,30 @@ def build_rows(cfg: DataConfig, tok, model=None, stats: dict | None = None) -> t
                 raise ValueError(f"{name} row {i} has token id {max(r['input_ids'])} >= the target's vocab "
                                  f"{vocab}: the data was tokenized with another tokenizer; re-tokenize it")
     return train, val
+
+
+def held_out_by_content(tok, train: list[dict], val: list[dict], stats: dict | None = None) -> list[dict]:
+    """The validation rows whose first context (everything before the first trained token: the first user turn
+    as the template renders it), normalised (case, whitespace), no training row shares. ShareGPT repeats
+    conversations, so a split by index alone leaves verbatim training prompts among the held-out ones; dropping them
+    from the held-out side leaves every training row, and so the feature cache, as it was."""
+    seen = {row_context_key(tok, r) for r in train}
+    kept = [r for r in val if row_context_key(tok, r) not in seen]
+    if len(kept) < len(val):
+        print(f"data: {len(val) - len(kept)} of {len(val)} held-out rows dropped: their first context is also a "
+              "training row's (repeated conversations)", flush=True)
+    if stats is not None:
+        stats["held_out_duplicates_dropped"] = len(val) - len(kept)
+    return kept
+
+
+def context_key(text: str) -> str:
+    """A rendered first context, normalised for the held-out split's content check (case and whitespace)."""
+    return " ".join(text.lower().split())
+
+
+def row_context_key(tok, row: dict) -> str:
+    """``context_key`` of a tokenized row: its text before the first trained token."""
+    ids = row["input_ids"]
+    first = next((i for i, m in enumerate(row["loss_mask"]) if m), len(ids))
+    return context_key(tok.decode(ids[:first]))

@@ -22,10 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def heldout_rows(data_cfg, tok) -> list[dict]:
+def heldout_rows(data_cfg, tok, train: list[dict] | None = None) -> list[dict]:
     """The held-out conversations of ``data_cfg`` (a DataConfig) as prompt-file rows: {"question_id" (the
-    conversation's index in the dataset), "category" ("T0"/"T1"), "messages" (the context before the first reply)}."""
-    from data.sources import chat_conversations, regen_plan
+    conversation's index in the dataset), "category" ("T0"/"T1"), "messages" (the context before the first reply)};
+    with ``train`` (build_rows' training rows) none whose context a training row shares, as build_rows holds out."""
+    from data.chat import render_chat
+    from data.sources import chat_conversations, context_key, regen_plan, row_context_key
 
     if data_cfg.kind != "chat" or not data_cfg.regenerate or not data_cfg.regen_only:
         raise ValueError("the held-out split is defined by the regenerated picks: needs chat data with "
@@ -42,6 +44,10 @@ def heldout_rows(data_cfg, tok) -> list[dict]:
                 break
             context.append({"role": m["role"], "content": m["content"]})
         rows.append({"question_id": i, "category": f"T{temp_of[i]:g}", "messages": context})
+    if train is not None:
+        seen = {row_context_key(tok, r) for r in train}
+        rows = [r for r in rows if context_key(render_chat(tok, r["messages"], True, data_cfg.chat_template,
+                                                           data_cfg.enable_thinking)) not in seen]
     return rows
 
 
@@ -52,7 +58,11 @@ def heldout_messages(overrides: list[str]) -> list[dict]:
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    return heldout_rows(instantiate(cfg.data), instantiate(cfg.target).tokenizer)
+    from data.sources import build_rows
+
+    data_cfg, target = instantiate(cfg.data), instantiate(cfg.target)
+    train, _ = build_rows(data_cfg, target.tokenizer, target.model)  # the held-out side of the content check
+    return heldout_rows(data_cfg, target.tokenizer, train)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,3 +52,31 @@ def test_main_writes_a_prompt_file_eval_reads(tmp_path, monkeypatch, tiny_tokeni
     assert heldout_prompts.main(["--out", str(out), "+recipe=x"]) == 0
     got = load_prompts(tiny_tokenizer, 1, 64, out)
     assert len(got) == 1 and got[0].ids == _prefix(tiny_tokenizer, rows[0]["messages"])
+
+
+def test_a_held_out_conversation_repeating_a_training_one_is_dropped(tmp_path, tiny_llama, tiny_tokenizer):
+    """ShareGPT repeats conversations: a held-out row whose first context (case and whitespace aside) is a training
+    row's is dropped from the held-out side, in build_rows and in the prompt file alike; the training rows stay."""
+    convs = [[{"from": "human", "value": f"question {i} " + "x " * (i % 5)}, {"from": "gpt", "value": f"answer {i}"}]
+             for i in range(14)]
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in convs))
+    cfg = DataConfig(kind="chat", source=str(src), max_len=128, val_rows=3, regenerate=8, regen_only=True,
+                     regen_temperature=[0.0, 1.0], regen_new_tokens=3, regen_batch_size=2,
+                     cache_dir=str(tmp_path / "cache"))
+    train, val = build_rows(cfg, tiny_tokenizer, tiny_llama)
+    held = heldout_prompts.heldout_rows(cfg, tiny_tokenizer, train)
+    assert len(val) == len(held) == 3
+    # the same data, with one held-out conversation's question copied from a training one, louder and spaced out
+    trained = next(i for i in range(14) if i not in {r["question_id"] for r in held}
+                   and f"question {i} " in tiny_tokenizer.decode(train[0]["input_ids"]))
+    dup = held[0]["question_id"]
+    convs[dup] = [{"from": "human", "value": "  " + convs[trained][0]["value"].upper().replace(" ", "   ")},
+                  {"from": "gpt", "value": "another answer"}]
+    src.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in convs))
+    cfg2 = DataConfig(**{**vars(cfg), "cache_dir": str(tmp_path / "cache2")})
+    stats: dict = {}
+    train2, val2 = build_rows(cfg2, tiny_tokenizer, tiny_llama, stats)
+    assert len(val2) == 2 and stats["held_out_duplicates_dropped"] == 1 and len(train2) == len(train)
+    rows2 = heldout_prompts.heldout_rows(cfg2, tiny_tokenizer, train2)
+    assert [r["question_id"] for r in rows2] == [r["question_id"] for r in held if r["question_id"] != dup]
