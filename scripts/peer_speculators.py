@@ -119,13 +119,13 @@ def draft_vocab(draft_cfg, target, train_rows: list[dict], vocab_from: str | Non
     return build_draft_vocab(count_tokens(train_rows, target.vocab_size), size)
 
 
-def target_states(target, ids, aux_ids: list[int]):
+def target_states(target, ids, aux_ids: list[int], keep: int = 0):
     """([B, T, 4, H] float: the ``aux_ids`` states, then the last decoder layer's output before the final norm;
-    [B, T, V] logits) of one target forward."""
+    [B, T, V] logits, or the last ``keep`` positions' only) of one target forward."""
     pre: dict = {}
     handle = target.norm.register_forward_pre_hook(lambda _m, args: pre.__setitem__("final", args[0]))
     try:
-        out = target(ids, layer_ids=aux_ids)
+        out = target(ids, layer_ids=aux_ids, logits_to_keep=keep)
     finally:
         handle.remove()
     return torch.stack([*(out.hidden[k] for k in aux_ids), pre["final"]], dim=2).float(), out.logits.float()
@@ -165,7 +165,7 @@ def write_states(out: Path, target, rows: list[dict], indices: list[int], aux_id
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         for j, i in enumerate(chunk):
             ids[j, : len(rows[i]["input_ids"])] = torch.tensor(rows[i]["input_ids"])
-        states, _ = target_states(target, ids.to(target.embed.weight.device), aux_ids)
+        states, _ = target_states(target, ids.to(target.embed.weight.device), aux_ids, keep=1)  # no lm_head
         for j, i in enumerate(chunk):
             n = len(rows[i]["input_ids"])
             write_hs(hs_path(out, i), states[j, :n].cpu(), rows[i]["input_ids"], dtype)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from models.core.target import FrozenTarget
 from models.core.vocab import build_draft_vocab, count_tokens
 from tests.conftest import make_tiny_llama
+from tests.test_peers_speculators import _speculators_logits, _speculators_model
 
 pytest.importorskip("speculators.train.cli",
                     reason="speculators==0.9.0 not installed (make install adds it with --no-deps; see Makefile)")
@@ -159,10 +160,17 @@ def test_train_runs_speculators_on_the_cpu_and_our_harness_loads_its_checkpoint(
     assert theirs.cfg.norm_before_fc and theirs.cfg.norm_output and theirs.cfg.norm_before_residual
     assert theirs.layer_ids == LAYERS
     assert torch.equal(theirs.d2t, torch.from_numpy(np.load(prepared / "d2t.npy")))
+    # speculators' own model, loaded from its checkpoint, drafts what our loader's drafter drafts
+    spec_model = _speculators_model(ckpt, "sdpa").float()
+    toks = torch.randint(3, target.vocab_size, (1, 11), generator=torch.Generator().manual_seed(0))
+    hidden = target(toks[:, :10], layer_ids=LAYERS).hidden
+    mine = theirs.ttt_forward(toks[:, :10], hidden, steps=3)
+    spec = _speculators_logits(spec_model, torch.cat([hidden[k] for k in LAYERS], -1), toks[:, 1:], 3)
+    for k in range(3):
+        torch.testing.assert_close(spec[k][0, : 9 - k], mine[k][0, : 9 - k].detach(), rtol=0, atol=2e-5)
     ours, meta = load_drafter(save / "final", target)  # what `python -m eval checkpoints.eagle3=...` loads
     assert meta["draft"]["ttt_steps"] == 3 and meta["trained_by"]["checkpoint"] == str(ckpt)
-    toks = torch.randint(3, target.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
-    hidden = target(toks, layer_ids=LAYERS).hidden
+    toks = toks[:, :10]
     with torch.no_grad():
         theirs.embed_tokens.weight.copy_(target.embed.weight)  # load_export cast its copy to bf16 with the rest
         for a, b in zip(theirs.ttt_forward(toks, hidden, steps=3), ours.ttt_forward(toks, hidden, steps=3)):
