@@ -13,7 +13,6 @@ this commit) and the fp16 file's sha256.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -25,15 +24,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from models.core.checkpoint import file_sha256
+
 RECORD = ("metrics.jsonl", "val.jsonl", "data_stats.json")
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_finite(state: dict[str, torch.Tensor]) -> None:
@@ -82,8 +77,8 @@ def ship(run: Path, dest: Path, recipe: str | None, target: str | None, which: s
         meta = json.loads((final / "config.json").read_text())
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         manifest = {"method": meta.get("method"), "recipe": recipe, "source": str(run),
-                    "source_sha256": sha256(final / "model.safetensors"),
-                    "fp16_sha256": sha256(tmp / "final" / "model.safetensors"),
+                    "source_sha256": file_sha256(final / "model.safetensors"),
+                    "fp16_sha256": file_sha256(tmp / "final" / "model.safetensors"),
                     "bytes": (tmp / "final" / "model.safetensors").stat().st_size, "commit": commit,
                     "steps": meta.get("step") or _last_step(run / "metrics.jsonl"), "from": which,
                     "loaded_against": target}

@@ -55,7 +55,7 @@ def test_server_rounds_and_divergence_positions():
 
 def test_check_gguf_refuses_another_draft_file(tmp_path):
     (tmp_path / G.DRAFT).write_bytes(b"GGUF the converted bytes")
-    (tmp_path / G.MARKER).write_text(json.dumps({"draft_sha256": G.sha256(tmp_path / G.DRAFT)}))
+    (tmp_path / G.MARKER).write_text(json.dumps({"draft_sha256": G.file_sha256(tmp_path / G.DRAFT)}))
     assert G.check_gguf(tmp_path)["draft_sha256"]
     (tmp_path / G.DRAFT).write_bytes(b"GGUF other bytes")
     with pytest.raises(ExportError, match="sha256 differs"):

@@ -35,7 +35,7 @@ def test_shipped_drafter_is_fp16_loads_and_keeps_its_record(target_dir, tmp_path
             assert torch.equal(got[k], v)  # vocabulary maps stay exact
     m = json.loads((dest / "manifest.json").read_text())
     assert m["method"] == "dflash" and m["steps"] == 2 and m["recipe"] == "dflash"
-    assert m["fp16_sha256"] == ship_drafter.sha256(dest / "final" / "model.safetensors")
+    assert m["fp16_sha256"] == ship_drafter.file_sha256(dest / "final" / "model.safetensors")
     assert (dest / "metrics.jsonl").exists() and (dest / "val.jsonl").exists()
     drafter, meta = load_drafter(dest / "final", FrozenTarget.from_pretrained(str(target_dir)))
     assert meta["method"] == "dflash"

@@ -4,7 +4,6 @@ meta)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import warnings
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import train.checkpoint as ckpt
-from models.core.checkpoint import WEIGHTS, load_trainable_state, read_meta
+from models.core.checkpoint import WEIGHTS, file_sha256, load_trainable_state, read_meta
 from train.checks import check_resume_step
 
 
@@ -86,7 +85,7 @@ def shipped_manifest(src: Path, final: Path) -> dict:
     if not isinstance(want, str):
         raise ValueError(f"train.warm_start: {path} records no fp16_sha256, so {final / WEIGHTS} cannot be checked "
                          "against it; ship the drafter again (scripts/ship_drafter.py)")
-    have = _sha256(final / WEIGHTS)
+    have = file_sha256(final / WEIGHTS)
     if have != want:
         raise ValueError(f"train.warm_start: {final / WEIGHTS} has sha256 {have}, but {path} records fp16_sha256 "
                          f"{want}: the weights changed after they were shipped; restore them, or ship the drafter "
@@ -94,9 +93,3 @@ def shipped_manifest(src: Path, final: Path) -> dict:
     return m
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()

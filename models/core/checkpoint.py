@@ -69,6 +69,17 @@ class out_of_space_as_error:
         return False
 
 
+def file_sha256(path: Path | str) -> str:
+    """The sha256 of a file's bytes, read in 4 MiB blocks (shipped weights, GGUF exports: hundreds of MB)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def write_atomic(path: Path | str, data: bytes | str, fix: str = "free space") -> None:
     """``data`` → ``path`` through a temp file and one rename: a kill leaves the old file or the new, never a torn
     or empty one (manifests, ledgers, JSON records that git tracks)."""

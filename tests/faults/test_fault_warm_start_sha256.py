@@ -44,7 +44,7 @@ def test_edited_shipped_weights_are_refused(target_dir, shipped, tmp_path):
     save_file(state, str(weights))
     msg = _refused(target_dir, tmp_path / "fresh", shipped)
     want = json.loads((shipped / "manifest.json").read_text())["fp16_sha256"]
-    assert str(weights) in msg and want in msg and ship_drafter.sha256(weights) in msg, msg
+    assert str(weights) in msg and want in msg and ship_drafter.file_sha256(weights) in msg, msg
 
 
 def test_a_manifest_without_fp16_sha256_is_refused(target_dir, shipped, tmp_path):
