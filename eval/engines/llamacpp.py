@@ -46,10 +46,40 @@ def available() -> bool:
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
+    if proc.returncode < 0:
+        raise RuntimeError(crash_line(Path(cmd[0]).name, proc.returncode, cmd[cmd.index("-m") + 1]
+                                      if "-m" in cmd else None))
     if proc.returncode != 0:
         tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
         raise RuntimeError(f"{Path(cmd[0]).name} failed (rc {proc.returncode}): {' | '.join(tail)}")
     return proc
+
+
+def crash_line(tool: str, returncode: int, model: str | Path | None) -> str:
+    """One line for a llama.cpp tool killed by a signal: which signal, on which model (and its GGUF type), and the
+    fix. A build for the CPU's native ISA can crash on quantized types where the CPU has AMX or the newer AVX-512
+    extensions; scripts/build_llama_cpp.sh then rebuilds with an explicit ISA list."""
+    import signal
+
+    try:
+        sig = signal.Signals(-returncode).name
+    except ValueError:
+        sig = f"signal {-returncode}"
+    what = f" on {Path(model).name} ({gguf_type(model)})" if model else ""
+    return (f"{tool} crashed with {sig}{what}: a llama.cpp built for this CPU's native ISA can crash on quantized "
+            f"types; rebuild it with an explicit ISA list: rm -rf {llamacpp_dir()} && LLAMA_CPP_NATIVE=OFF make "
+            "engines")
+
+
+def gguf_type(model: str | Path) -> str:
+    """The GGUF's weight type as its header names it (general.file_type), or "unknown"."""
+    try:
+        from gguf import GGUFReader, LlamaFileType
+
+        field = GGUFReader(str(model)).fields.get("general.file_type")
+        return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_") if field else "unknown"
+    except Exception:  # noqa: BLE001 - a message helper: any unreadable header is "unknown"
+        return "unknown"
 
 
 def tokenize(model: str | Path, text: str, timeout: float = 120) -> list[int]:

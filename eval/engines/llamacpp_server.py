@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from eval.engines.llamacpp import binary
+from eval.engines.llamacpp import binary, crash_line
 
 TOOL = "llama-server"
 
@@ -67,6 +67,8 @@ class Server:
                 self._stderr.seek(0)
                 self.log = self._stderr.read()
                 self._stderr.close()
+                if self.proc.returncode < 0:
+                    raise RuntimeError(crash_line(TOOL, self.proc.returncode, self.cmd[self.cmd.index("-m") + 1]))
                 tail = [ln for ln in self.log.decode(errors="replace").splitlines() if ln.strip()][-3:]
                 raise RuntimeError(f"llama-server exited (rc {self.proc.returncode}): {' | '.join(tail)}")
             try:
