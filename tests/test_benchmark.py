@@ -107,7 +107,8 @@ def test_medusa_tree_is_sized_by_the_cost_model(full, env):
 
     o = full["methods"]["medusa"]["options"]
     pred = {int(k): v for k, v in o["choices_sized"]["predicted_bound"].items()}
-    assert sorted(pred) == list(range(1, 9)) and o["num_nodes"] == max(pred, key=pred.get)
+    # the size with the highest predicted bound (the recorded values are rounded: a tie there is either size)
+    assert sorted(pred) == list(range(1, 9)) and pred[o["num_nodes"]] == max(pred.values())
     acc = load_rank_accuracy(env.ckpts["medusa"])
     v = {int(k): x for k, x in full["cost_model"]["verify"].items()}
     for n in (1, 8):

@@ -445,7 +445,9 @@ def test_chat_val_rows_are_honoured_and_tree_sizing_falls_back_without_eval_json
     from models.core.target import FrozenTarget
     from models.registry import load_drafter, make_proposer_factory
 
-    src = _chat_file(tmp_path / "c.jsonl", 8)
+    src = tmp_path / "c.jsonl"  # 8 distinct conversations: a held-out copy of a training one is not held out
+    src.write_text("".join(json.dumps({"messages": [{**m, "content": f"{m['content']} ({i})"} for m in CONVERSATION]})
+                           + "\n" for i in range(8)))
     out = tmp_path / "run"
     over = ["draft.config.layer_ids=[1,2,3]", "draft.config.draft_vocab_size=64", "draft.config.ttt_steps=2",
             "train.eval_rows=2"]
