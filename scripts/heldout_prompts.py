@@ -65,20 +65,46 @@ def heldout_messages(overrides: list[str]) -> list[dict]:
     return heldout_rows(data_cfg, target.tokenizer, train)
 
 
+def config_error_line(e: BaseException) -> str | None:
+    """One line for a config Hydra cannot compose: an unknown recipe (or other config group option) names what
+    was asked for, where those configs live and the ones there; None for any other error."""
+    from hydra.errors import MissingConfigException
+
+    if not isinstance(e, MissingConfigException) or not e.missing_cfg_file:
+        return None
+    group, _, name = e.missing_cfg_file.rpartition("/")
+    what = "recipe" if group == "recipe" else f"{group or 'top-level'} config"
+    return (f"no {what} {name!r} in {Path('conf', group)}/ (the repo's Hydra configs); choose one of: "
+            f"{', '.join(e.options or []) or 'none there'}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from hydra.errors import HydraException, InstantiationException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from models.core.checkpoint import check_writable_dir, write_atomic
+    from train.__main__ import USER_ERRORS, user_error
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="the prompt file to write (.jsonl)")
     ap.add_argument("overrides", nargs="+", help="Hydra overrides, e.g. +recipe=eagle3_smollm2_onpolicy")
     args = ap.parse_args(argv)
     try:
+        # before the config and its rows (minutes of work): an --out that cannot be written is refused first
+        if args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a directory; name the .jsonl file to write")
+        check_writable_dir(args.out.parent, "--out")
         rows = heldout_messages(args.overrides)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in rows))
+    except (*USER_ERRORS, HydraException, OmegaConfBaseException) as e:
+        if isinstance(e, InstantiationException):
+            err = user_error(e)
+        else:
+            err = (config_error_line(e) or e) if isinstance(e, HydraException) else e
+        if err is None:  # a bug behind the target's constructor: its traceback is the report
+            raise
+        print(f"error: {(str(err).strip().splitlines() or [type(err).__name__])[0]}", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(args.out)
     print(f"wrote {len(rows)} held-out prompts to {args.out}")
     return 0
 
