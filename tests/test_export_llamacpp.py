@@ -11,6 +11,7 @@ import pytest
 from eval.engines.llamacpp import counts, sum_counts
 from models.export import llamacpp as G
 from models.export.shared.common import ExportError
+from tests.faults.fault_helpers import write_small_gguf
 from tests.test_export import _train
 from train.export import main
 
@@ -54,7 +55,7 @@ def test_server_rounds_and_divergence_positions():
 
 
 def test_check_gguf_refuses_another_draft_file(tmp_path):
-    (tmp_path / G.DRAFT).write_bytes(b"GGUF the converted bytes")
+    write_small_gguf(tmp_path / G.DRAFT, "the converted bytes")
     (tmp_path / G.MARKER).write_text(json.dumps({"draft_sha256": G.file_sha256(tmp_path / G.DRAFT)}))
     assert G.check_gguf(tmp_path)["draft_sha256"]
     (tmp_path / G.DRAFT).write_bytes(b"GGUF other bytes")

@@ -164,7 +164,28 @@ def check_gguf(path: str | Path) -> dict:
     if have != m.get("draft_sha256"):
         raise ExportError(f"{path}/{DRAFT} is not the file this export converted (sha256 differs: {have}, "
                           f"{path / MARKER} says draft_sha256 {m.get('draft_sha256')}); export again with --force")
+    check_gguf_file(path / DRAFT)  # the sha only proves the marker and file agree: both may be rewritten together
     return m
+
+
+def check_gguf_file(f: Path) -> None:
+    """``f`` parses as GGUF and every tensor's data lies inside it: a cut copy (a full disk, a killed transfer)
+    whose marker was refreshed would otherwise pass until llama.cpp fails to load it."""
+    fix = "export again with --force"
+    try:  # optional dependency ([real]); only a GGUF export needs it
+        from gguf import GGUFReader
+    except ImportError:
+        raise ExportError(f"reading {f} needs the gguf package: pip install -e '.[real]'") from None
+    try:
+        reader = GGUFReader(f)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file: name it, with the reader's reason
+        raise ExportError(f"{f} does not parse as GGUF: truncated or damaged ({type(e).__name__}: {e}); {fix}") \
+            from None
+    size = f.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ExportError(f"{f} is truncated: tensor {t.name} needs bytes up to {end}, the file has {size}; {fix}")
 
 
 def check_manifest(path: str | Path, fmt: str) -> dict:

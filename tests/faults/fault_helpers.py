@@ -124,3 +124,19 @@ def eval_error(target, out: Path, capsys, monkeypatch, *overrides: str) -> str:
 def eval_prompts_error(target_dir, prompts: Path, out: Path, capsys, monkeypatch) -> str:
     """``python -m eval`` on a prompts file that must be refused: exit 2 and its one error line."""
     return eval_error(target_dir, out, capsys, monkeypatch, f"prompts={prompts}")
+
+
+def write_small_gguf(path, note: str):
+    """A whole GGUF file holding one small tensor and ``note``: what ``check_gguf`` parses, for tests of the
+    manifest that need no llama.cpp converter (``note`` makes two such files differ)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_string("draftsmith.test_note", note)
+    w.add_tensor("note.weight", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from models.export import llamacpp as G
+from tests.faults.fault_helpers import write_small_gguf
 from tests.test_export import _train
 from train.export import main
 
@@ -26,8 +27,7 @@ def ckpt(tmp_path_factory, target_dir):
 
 
 def _fake_convert(src, outfile, target_dir=None, outtype="f32", timeout=0):
-    outfile.write_bytes(b"GGUF converted from " + str(src).encode())  # llama.cpp is not needed to test the manifest
-    return outfile
+    return write_small_gguf(outfile, f"converted from {src}")  # llama.cpp is not needed to test the manifest
 
 
 @pytest.fixture
