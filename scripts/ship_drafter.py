@@ -25,8 +25,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.core.checkpoint import file_sha256
+from models.export.shared.common import load_json
 
 RECORD = ("metrics.jsonl", "val.jsonl", "data_stats.json")
+# what a damaged file of the run being shipped asks for: it is not shippable as it is
+DAMAGED_FIX = "the run's copy is damaged: restore it, retrain, or ship another checkpoint (--best / a backup)"
 
 
 
@@ -64,6 +67,12 @@ def ship(run: Path, dest: Path, recipe: str | None, target: str | None, which: s
     if not (final / "model.safetensors").exists():
         raise FileNotFoundError(f"{final}/model.safetensors: " + ("no best drafter yet (train with "
                                 "train.keep_best=true)" if which == "best" else "not a finished run (train it first)"))
+    # the run's own records are read before any staging: a damaged one is one line naming its file and the fix,
+    # not the decoder's complaint alone
+    if not (final / "config.json").is_file():
+        raise FileNotFoundError(f"{final}/config.json: missing; {DAMAGED_FIX}")
+    meta = load_json(final / "config.json", DAMAGED_FIX)
+    steps = meta.get("step") or _last_step(run / "metrics.jsonl")
     # first: a copy a killed --replace moved aside is dest again, so a ship without --replace refuses it
     recover(dest)
     if dest.exists() and not (replace and (dest / "manifest.json").is_file() and (dest / "final").is_dir()):
@@ -74,13 +83,12 @@ def ship(run: Path, dest: Path, recipe: str | None, target: str | None, which: s
     tmp = Path(tempfile.mkdtemp(prefix=f".ship_{os.getpid()}_", dir=dest.parent))
     try:
         _stage(run, final, tmp, target)
-        meta = json.loads((final / "config.json").read_text())
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         manifest = {"method": meta.get("method"), "recipe": recipe, "source": str(run),
                     "source_sha256": file_sha256(final / "model.safetensors"),
                     "fp16_sha256": file_sha256(tmp / "final" / "model.safetensors"),
                     "bytes": (tmp / "final" / "model.safetensors").stat().st_size, "commit": commit,
-                    "steps": meta.get("step") or _last_step(run / "metrics.jsonl"), "from": which,
+                    "steps": steps, "from": which,
                     "loaded_against": target}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
         if dest.exists():  # --replace: the old copy moves aside first, and goes once the new one is in place
@@ -131,10 +139,15 @@ def _stage(run: Path, final: Path, tmp: Path, target: str | None) -> None:
     for f in final.iterdir():
         if f.is_file() and f.name != "model.safetensors":
             shutil.copy2(f, tmp / "final" / f.name)
+    weights = final / "model.safetensors"
     try:
-        fp16 = to_fp16(load_file(str(final / "model.safetensors")))
+        state = load_file(str(weights))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error (truncated, not safetensors) names no file
+        raise ValueError(f"{weights}: unreadable safetensors file ({type(e).__name__}: {e}); {DAMAGED_FIX}") from None
+    try:
+        fp16 = to_fp16(state)
     except ValueError as e:
-        raise ValueError(f"{final / 'model.safetensors'}: {e}") from None
+        raise ValueError(f"{weights}: {e}") from None
     save_file(fp16, str(tmp / "final" / "model.safetensors"))
     for name in RECORD:
         if (run / name).exists():
@@ -149,7 +162,19 @@ def _stage(run: Path, final: Path, tmp: Path, target: str | None) -> None:
 def _last_step(path: Path) -> int | None:
     if not path.exists():
         return None
-    steps = [json.loads(x).get("step") for x in path.read_text().splitlines() if x.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (offset {e.start}); {DAMAGED_FIX}") from None
+    steps = []
+    for n, x in enumerate(lines, 1):
+        if not x.strip():
+            continue
+        try:
+            rec = json.loads(x)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {n} is not valid JSON ({e}); {DAMAGED_FIX}") from None
+        steps.append(rec.get("step") if isinstance(rec, dict) else None)
     return max((s for s in steps if s is not None), default=None)
 
 
