@@ -43,14 +43,3 @@ def test_cli_refuses_methods_an_engine_cannot_serve(capsys, tmp_path):
     # a K sweep is llama.cpp's (one draft file, --spec-draft-n-max per run); vLLM would ignore it silently
     assert main(["--checkpoint", f"eagle3={_ckpt(tmp_path, 'eagle3')}", "--draft-k", "1", "2"]) == 2
     assert "--draft-k is for --engine llamacpp" in capsys.readouterr().err
-
-
-def test_a_crash_is_one_line_naming_the_signal_the_target_type_and_the_fix():
-    """A llama.cpp tool killed by a signal (a native-ISA build on a quantized type): the engine benchmark said
-    "llama-server exited (rc -11): … no API key is set …", naming nothing useful."""
-    from eval.engines.llamacpp import crash_line
-    from models.core.gguf import alias_path
-
-    line = crash_line("llama-server", -11, alias_path("smollm2"))
-    assert line.startswith("llama-server crashed with SIGSEGV on SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1): ")
-    assert "LLAMA_CPP_NATIVE=OFF make engines" in line and "\n" not in line
