@@ -6,6 +6,7 @@
     python -m train.export CHECKPOINT --format gguf --out DIR --results bench/engines/q4_1/results.json \
         --results bench/engines/bf16/results.json    # K (and target type) that served fastest in the engine
     python -m train.export --check DIR [--target NAME_OR_PATH]
+    python -m train.export CHECKPOINT --format FORMAT --out DIR --trust-remote-code  # a target with its own code
 
 CHECKPOINT is a directory written by train/ (e.g. OUTPUT_DIR/final); FORMAT is one its method declares (``--help``
 lists them all: eagle3, eagle3-speculators, medusa, mtp, dflash, ...). The target defaults to the one recorded in
@@ -66,12 +67,28 @@ def _parser() -> argparse.ArgumentParser:
                    "the README's serve commands); default: its hub id, the embedded target's models/tiny_code, "
                    "else the target directory's name, never a path of this machine")
     p.add_argument("--force", action="store_true", help="replace a previous export in --out (nothing else)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the target's own model code (auto_map in its config.json), as training's "
+                        "target.trust_remote_code=true did; off by default: that code runs on this machine")
     p.add_argument("--check", metavar="DIR", help="validate an export directory instead of exporting")
     p.add_argument("--thinking", choices=["on", "off"], help="with --check: the thinking mode it will be served in "
                    "(refused if the drafter was trained in the other one)")
     p.add_argument("--chat-template", help="with --check: the serving chat template (a file or the template; "
                    "default: the target tokenizer's); another than the trained one is warned about")
     return p
+
+
+def _load_target(name: str, trust_remote_code: bool) -> TargetView:
+    """The target's view; one that ships its own code is refused unless the user passed the flag, naming it (never
+    turned on from the checkpoint: running a repository's code is the user's call each time)."""
+    try:
+        return TargetView.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError) as e:
+        if trust_remote_code or not ("trust_remote_code" in str(e) or "custom code" in str(e)):
+            raise
+        raise ExportError(f"target {name!r} ships its own model code (auto_map in its config.json), which is not "
+                          "run by default; pass --trust-remote-code if you trust that code (training ran it with "
+                          "target.trust_remote_code=true)") from None
 
 
 def _check(args: argparse.Namespace) -> str:
@@ -91,7 +108,7 @@ def _check_dir(args: argparse.Namespace) -> tuple[str, str]:
         raise ExportError(f"--check {args.check}: not a directory (an export is a directory)")
     target = None
     if args.target:
-        target = TargetView.from_pretrained(args.target)
+        target = _load_target(args.target, args.trust_remote_code)
     from data.chat_spans import resolve_template
 
     think = None if args.thinking is None else args.thinking == "on"
@@ -150,7 +167,7 @@ def _export(args: argparse.Namespace) -> str:
     # a bad file fails before any model loading
     num_speculative_tokens, measured = _k_from_results(args.results, meta.get("method"))
     name = args.target or _default_target(meta)
-    target = TargetView.from_pretrained(name)
+    target = _load_target(name, args.trust_remote_code)
     try:
         drafter, meta = load_drafter(ckpt, target)  # refuses a checkpoint trained for another target
     except ValueError as e:
