@@ -140,3 +140,16 @@ def write_small_gguf(path, note: str):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def package_source(tmp_path, monkeypatch, alias: str, module: str, rel: str) -> Path:
+    """An importable package ``module`` shipping the file ``rel``, registered as the data alias ``alias`` (what a
+    PyPI data package looks like to data/packaged.py); the file's path, for the test to write."""
+    from data.packaged import PACKAGE_SOURCES
+
+    pkg = tmp_path / "site" / module
+    (pkg / Path(rel).parent).mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setitem(PACKAGE_SOURCES, alias, (f"{module.replace('_', '-')}==0.0.1", module, rel))
+    return pkg / rel

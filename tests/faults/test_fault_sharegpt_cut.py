@@ -8,7 +8,7 @@ import json
 import pytest
 
 from data.chat import load_rows
-from data.packaged import PACKAGE_SOURCES
+from tests.faults.fault_helpers import package_source
 
 RECS = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
         for i in range(5)]
@@ -17,12 +17,7 @@ RECS = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"
 @pytest.fixture()
 def package_file(tmp_path, monkeypatch):
     """An importable package shipping ``data/cut.json``, registered as the alias ``test-cut``."""
-    pkg = tmp_path / "site" / "cut_pkg_for_faults"
-    (pkg / "data").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setitem(PACKAGE_SOURCES, "test-cut", ("cut-pkg==0.0.1", "cut_pkg_for_faults", "data/cut.json"))
-    return pkg / "data" / "cut.json"
+    return package_source(tmp_path, monkeypatch, "test-cut", "cut_pkg_for_faults", "data/cut.json")
 
 
 def _text(recs) -> tuple[str, list[int]]:

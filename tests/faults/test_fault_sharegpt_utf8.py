@@ -9,8 +9,8 @@ import json
 import pytest
 
 from data.chat import load_rows
-from data.packaged import PACKAGE_SOURCES, iter_json_array
-from tests.faults.fault_helpers import cfg_for, one_error_line
+from data.packaged import iter_json_array
+from tests.faults.fault_helpers import cfg_for, one_error_line, package_source
 
 RECS = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i} café"}, {"from": "gpt", "value": f"a{i} é"}]}
         for i in range(4)]
@@ -19,12 +19,7 @@ RECS = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i} café
 @pytest.fixture()
 def package_file(tmp_path, monkeypatch):
     """An importable package shipping ``data/sg.json``, registered as the alias ``test-utf8``."""
-    pkg = tmp_path / "site" / "utf8_pkg_for_faults"
-    (pkg / "data").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setitem(PACKAGE_SOURCES, "test-utf8", ("utf8-pkg==0.0.1", "utf8_pkg_for_faults", "data/sg.json"))
-    return pkg / "data" / "sg.json"
+    return package_source(tmp_path, monkeypatch, "test-utf8", "utf8_pkg_for_faults", "data/sg.json")
 
 
 def _bad_bytes() -> tuple[bytes, int]:
