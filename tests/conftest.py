@@ -14,6 +14,21 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 torch.set_num_threads(1)  # tests run under xdist, one process per core
 
+
+@pytest.fixture(autouse=True)
+def _transformers_logs_to_this_tests_stderr():
+    """transformers' log handler keeps the sys.stderr of the moment it was made; made under an earlier test's
+    capsys, a later warning writes to that closed stream and prints a "Logging error" traceback into this test's
+    stderr (order-dependent under xdist). Point it at the stream of the test now running."""
+    import sys
+
+    from transformers.utils import logging as hf_logging
+
+    h = hf_logging._default_handler
+    if h is not None:
+        h.stream = sys.stderr  # not setStream: that flushes the old stream, which may be closed
+    yield
+
 TINY_TEXTS = [
     "def add(a, b):\n    return a + b\n",
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from models.core.checkpoint import NoSpaceError
-from models.core.target import EMBEDDED_NAME, parse_dtype, resolve_name
+from models.core.target import EMBEDDED_NAME, check_target_path, parse_dtype, resolve_name, ships_own_code
 from models.core.target_view import TargetView
 from models.export import llamacpp
 from models.export.api import export
@@ -82,6 +82,8 @@ def _load_target(name: str, trust_remote_code: bool) -> TargetView:
     """The target's view; one that ships its own code is refused unless the user passed the flag, naming it (never
     turned on from the checkpoint: running a repository's code is the user's call each time)."""
     try:
+        if not trust_remote_code and ships_own_code(check_target_path(name)):
+            raise ValueError("custom code")  # before transformers logs about code it will not run
         return TargetView.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (ValueError, OSError) as e:
         if trust_remote_code or not ("trust_remote_code" in str(e) or "custom code" in str(e)):

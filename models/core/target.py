@@ -79,6 +79,15 @@ def check_target_path(name_or_path: str, gguf_file: str | None = None) -> str:
     return path
 
 
+def ships_own_code(path: str) -> bool:
+    """Whether the local target at ``path`` names its own model classes (auto_map in its config.json)."""
+    config = Path(path).expanduser() / "config.json"
+    try:
+        return "auto_map" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False  # not local, or unreadable: transformers' own load reports it
+
+
 def load_causal_lm(
     name_or_path: str,
     dtype: str | torch.dtype = "float32",
@@ -92,6 +101,8 @@ def load_causal_lm(
     from models.core import gguf
 
     path = check_target_path(name_or_path, gguf_file)
+    if not trust_remote_code and ships_own_code(path):  # refused before transformers logs about the code it won't run
+        raise TargetLoadError(_load_failure(name_or_path, path, ValueError("custom code")))
     auto = dtype == AUTO
     torch_dtype = parse_dtype(torch.float32 if auto else dtype)
     try:
