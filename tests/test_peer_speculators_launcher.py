@@ -83,6 +83,7 @@ def test_prepare_writes_our_rows_masks_vocabulary_and_pre_norm_states(prepared, 
     m = json.loads((prepared / "manifest.json").read_text())
     # our run's first steps (batch 2, seed 0) until 400 loss-masked tokens: whole steps, in draw order
     drawn = [i for s in range(m["train_rows"] // 2) for i in batch_indices(len(train_rows), s, 0, 2, 1, Dist(), 0)]
+    assert m["our_steps"] == m["train_rows"] // 2  # our train.steps for the same budget (one pass: no repeats)
     assert m["budget_tokens_seen"] >= 400 > m["budget_tokens_seen"] - sum(sum(train_rows[i]["loss_mask"])
                                                                         for i in drawn[-2:])
     rows = [train_rows[i] for i in drawn] + val_rows
