@@ -55,9 +55,14 @@ def test_eagle3_resume_after_kill_equals_uninterrupted(target_dir, tmp_path):
     # the learning curve's x axis: target tokens trained on, carried across the resume, the same at every step
     import json
 
-    seen = [[json.loads(x)["tokens_seen"] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-            for d in ("a", "b")]
+    recs = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("a", "b")]
+    seen = [[r["tokens_seen"] for r in rs] for rs in recs]
     assert seen[0] == seen[1] and seen[0] == sorted(seen[0]) and seen[0][0] > 0
+    # of the training seconds, those the target's features took: cumulative across the resume (without the carry,
+    # the resumed step 3 would hold one step's seconds, below step 2's two), never more than the training seconds
+    for rs in recs:
+        target_s = [r["target_s"] for r in rs]
+        assert target_s == sorted(target_s) and 0 < target_s[0] and all(r["target_s"] <= r["elapsed_s"] for r in rs)
 
 
 @pytest.mark.parametrize("method", ["medusa", "mtp"])

@@ -149,6 +149,8 @@ class Training:
     elapsed_before: float = 0.0  # training seconds of the runs this one resumes (their last ``elapsed_s``)
     tokens_before: int = 0  # target tokens those runs trained on (their last ``tokens_seen``)
     tokens_run: int = 0  # target tokens this process has trained on, all ranks
+    target_before: float = 0.0  # of the resumed runs' training seconds, those spent on the target's features
+    target_run: float = 0.0  # the same in this process (online: the target's forward; offline: the cache's reads)
     t0: float = 0.0  # when this process's steps began
 
     def elapsed(self) -> float:
@@ -319,6 +321,7 @@ def train_steps(t: Training, start: int) -> dict | None:
     t.val_steps = logged_steps(t.out_dir / "val.jsonl") if d.is_main else set()
     t.elapsed_before = last_elapsed(t.out_dir / "metrics.jsonl") if d.is_main else 0.0
     t.tokens_before = int(last_elapsed(t.out_dir / "metrics.jsonl", "tokens_seen")) if d.is_main else 0
+    t.target_before = last_elapsed(t.out_dir / "metrics.jsonl", "target_s") if d.is_main else 0.0
     t.metrics_file = open(t.out_dir / "metrics.jsonl", "a") if d.is_main else None
     t.val_file = open(t.out_dir / "val.jsonl", "a") if d.is_main else None
     stop = cfg.train.stop_after
@@ -334,7 +337,7 @@ def train_steps(t: Training, start: int) -> dict | None:
         done = step + 1
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
             rec = {"step": done, "elapsed_s": round(t.elapsed(), 3), "tokens_seen": t.tokens_before + t.tokens_run,
-                   "lr": t.sched.get_last_lr()[0],
+                   "target_s": round(t.target_before + t.target_run, 3), "lr": t.sched.get_last_lr()[0],
                    "tok_per_s": toks * d.world_size / (time.time() - t0),
                    **{f"train/{k}": v for k, v in agg.items() if not k.startswith("n_")}}
             tracker.log(rec, done)
@@ -424,7 +427,9 @@ def optimizer_step(t: Training, step: int) -> tuple[dict[str, float], int]:
         idx = batch_indices(len(t.train_rows), step, micro, cfg.train.batch_size, cfg.train.grad_accum, d, cfg.seed,
                             t.row_lengths, cfg.train.get("length_bucket", 0))
         ids, mask = (x.to(t.device) for x in collate([t.train_rows[i] for i in idx], t.pad_id))
+        began = time.perf_counter()  # the drafter's own cost is elapsed_s - target_s (peer comparisons, profiles)
         hidden, logits = target_features(t.target, list(t.drafter.layer_ids), ids, idx, t.cache, t.teacher_ids)
+        t.target_run += time.perf_counter() - began
         with torch.autocast(t.autocast[0], dtype=t.autocast[1] or torch.float32, enabled=t.autocast[1] is not None):
             loss, m = t.forward(ids, mask, hidden, logits)
         skipped = not loss.requires_grad  # nothing scored (e.g. DFlash found no trainable block in these rows)
