@@ -53,10 +53,20 @@ def test_table_from_the_runs_records(runs, capsys):
     s = json.loads((bench / "summary.json").read_text())
     assert s["ratio_heldout_tau"] == pytest.approx(2.0 / 1.6) and s["ratio_mt_bench_tau"] == pytest.approx(1.0)
     assert s["cost"]["ours"]["seconds"] == 180.0
+    assert s["cost"]["ours"]["train_seconds"] == pytest.approx(180.0 - 60.0 * 12 / 16)  # minus the states' share
+    assert s["cost"]["ours"]["train_seconds_estimated"]  # (its records predate target_s)
     assert s["cost"]["peer"]["seconds"] == pytest.approx(30.0 * 16 / 8 + 90.0)  # states scaled to all 16 rows
     assert s["data"]["draft_vocab_size"] == 8
     assert (bench / "train_ours" / "metrics.jsonl").is_file() and (bench / "train_peer" / "manifest.json").is_file()
     assert "| speculators 0.9.0 | held-out prompts (clean split) | 1.60 |" in capsys.readouterr().out
+
+
+def test_our_own_seconds_from_target_s(runs):
+    ours, peer, bench = runs
+    with open(ours / "metrics.jsonl", "a") as fh:  # records with target_s: no estimate
+        fh.write(json.dumps({"step": 3, "elapsed_s": 200.0, "target_s": 50.0, "tokens_seen": 300}) + "\n")
+    cost = table.training_costs(ours, peer, json.loads((peer / "data" / "manifest.json").read_text()))["ours"]
+    assert cost["train_seconds"] == 150.0 and not cost["train_seconds_estimated"]
 
 
 def _refused(runs, capsys, needle: str) -> None:
