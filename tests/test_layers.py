@@ -289,26 +289,23 @@ def test_files_and_functions_stay_small():
     assert not big, "\n".join(big)
 
 
-def test_readme_layout_table_agrees_with_the_folders():
-    """README's Layout table names every method package and every core module, and its paths exist."""
+def test_layout_table_agrees_with_the_folders():
+    """docs/layout.md's table names every method package and every core module, and its paths exist."""
     import re
 
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## Layout")
-    end = text.find("\n## ", start + 1)
-    table = text[start:] if end < 0 else text[start:end]
+    table = (ROOT / "docs" / "layout.md").read_text()
     rows = {line.split("|")[1].strip(): line.split("|")[2] for line in table.splitlines() if line.startswith("| `")}
     for pkg in sorted((ROOT / "models" / "methods").iterdir()):
         if (pkg / "__init__.py").exists():
-            assert f"`{pkg.name}`" in rows["`models/methods/<name>/`"], f"README Layout lacks the method {pkg.name}"
+            assert f"`{pkg.name}`" in rows["`models/methods/<name>/`"], f"docs/layout.md lacks the method {pkg.name}"
     for mod in package_modules():
         if layer(mod) == "core" and mod.startswith("models.core."):
             name = mod.split(".")[2]
-            assert f"`{name}`" in table or f"models/core/{name}.py" in table, f"README Layout lacks core module {mod}"
+            assert f"`{name}`" in table or f"models/core/{name}.py" in table, f"docs/layout.md lacks core module {mod}"
     for key in rows:
         for path in re.findall(r"`([^`]+)`", key):
             if "<" not in path and "*" not in path:
-                assert (ROOT / path).exists(), f"README Layout names {path}, which does not exist"
+                assert (ROOT / path).exists(), f"docs/layout.md names {path}, which does not exist"
 
 
 def test_tests_import_conftest_by_its_package_path():
