@@ -192,3 +192,20 @@ def test_bad_input_is_one_error_line(prepared, verifier, tmp_path, capsys, monke
     monkeypatch.setitem(sys.modules, "speculators.train.cli", None)
     assert peer.main(["train", "--data", str(prepared)]) == 2
     assert "run `make install`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_muon_orthogonalisation_in_fp32_is_torchs_iteration(shape):
+    """The CPU patch's fp32 Newton-Schulz is torch.optim.Muon's bf16 one up to bf16 rounding, in both orientations,
+    and orthogonalises as Muon's quintic does (singular values pushed into ~[0.5, 1.5], never transposed)."""
+    import torch.optim._muon as muon
+    from peer_cpu import newton_schulz_fp32
+
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    coeffs = (muon.DEFAULT_A, muon.DEFAULT_B, muon.DEFAULT_C)
+    ours = newton_schulz_fp32(g, coeffs, muon.DEFAULT_NS_STEPS, 1e-7)
+    theirs = muon._zeropower_via_newtonschulz(g, coeffs, muon.DEFAULT_NS_STEPS, 1e-7).float()
+    assert ours.shape == g.shape and ours.dtype == g.dtype
+    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+    s = torch.linalg.svdvals(ours)
+    assert s.min() > 0.3 and s.max() < 1.6
