@@ -69,10 +69,10 @@ class Refused(Exception):
 
 def _last_record(path: Path) -> dict | None:
     """A variant's last held-out record in val.jsonl (a torn last line, from a kill while writing, is skipped)."""
-    from eval.bench.training import _jsonl
+    from eval.bench.training import read_records
 
     try:
-        val = _jsonl(path)
+        val = read_records(path)
     except (OSError, UnicodeDecodeError) as e:
         raise Refused(f"{path}: unreadable ({e})") from None
     keys = ("step", "elapsed_s", "val/acc_0", "val/sim_tau")

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eval.bench.training import _jsonl, log_fit, x_for  # noqa: E402
+from eval.bench.training import log_fit, read_records, x_for  # noqa: E402
 
 # bench/gpu_cost/README.md: the GPU recipe's EAGLE-3 step on one H200, bf16 autocast, an 8B-shaped target; a bound
 # for smaller targets, whose forward and drafter are cheaper
@@ -45,7 +45,7 @@ def _records(path: Path) -> list[dict]:
     if not path.exists():
         raise Refused(f"error: {path}: missing (a run directory or shipped drafter has one)")
     try:
-        return _jsonl(path)
+        return read_records(path)
     except (OSError, UnicodeDecodeError) as e:
         raise Refused(f"error: {path}: unreadable ({e})") from None
 

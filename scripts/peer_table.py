@@ -20,6 +20,10 @@ import numpy as np
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eval.bench.training import read_records  # noqa: E402
+
 SETS = {"heldout": "held-out prompts (clean split)", "mt_bench": "MT-Bench, 80 first turns"}
 NAMES = {"eagle3": "ours (draftsmith)", "eagle3_peer": "speculators 0.9.0"}
 
@@ -32,10 +36,6 @@ def read_json(path: Path) -> dict:
     if not path.is_file():
         raise TableError(f"{path} is missing: run the make target that writes it (docs/training.md)")
     return json.loads(path.read_text())
-
-
-def jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
 def same_vocabulary(ours: Path, peer_data: Path) -> int:
@@ -69,7 +69,7 @@ def training_costs(ours: Path, peer: Path, manifest: dict) -> dict:
     scaled to every row when a resumed prepare wrote only part, plus its training) and the trainer's own (ours:
     minus ``target_s``; from a run that predates that record, minus the peer's measured states time of the same
     training rows, marked estimated)."""
-    recs = jsonl(ours / "metrics.jsonl")
+    recs = read_records(ours / "metrics.jsonl")
     if not recs:
         raise TableError(f"{ours}/metrics.jsonl is missing or empty: run make peer-ours")
     last = recs[-1]

@@ -61,6 +61,14 @@ def test_table_from_the_runs_records(runs, capsys):
     assert "| speculators 0.9.0 | held-out prompts (clean split) | 1.60 |" in capsys.readouterr().out
 
 
+def test_a_torn_last_record_is_not_read(runs):
+    ours, peer, _ = runs
+    with open(ours / "metrics.jsonl", "a") as fh:  # killed while writing its next record
+        fh.write('{"step": 4, "elaps')
+    cost = table.training_costs(ours, peer, json.loads((peer / "data" / "manifest.json").read_text()))["ours"]
+    assert cost["steps"] == 3 and cost["seconds"] == 180.0
+
+
 def test_our_own_seconds_from_target_s(runs):
     ours, peer, bench = runs
     with open(ours / "metrics.jsonl", "a") as fh:  # records with target_s: no estimate

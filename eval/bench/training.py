@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _jsonl(path: Path) -> list[dict]:
+def read_records(path: Path) -> list[dict]:
+    """A JSON-lines record file's dict records; a torn line (a run killed while writing it) is not a record."""
     if not path.exists():
         return []
     out = []
@@ -34,7 +35,7 @@ def _jsonl(path: Path) -> list[dict]:
 def run_summary(checkpoint: str | Path) -> dict[str, Any] | None:
     """The training record of the run that wrote ``checkpoint`` (its parent directory), or None if there is none."""
     run = Path(checkpoint).parent
-    metrics, val = _jsonl(run / "metrics.jsonl"), _jsonl(run / "val.jsonl")
+    metrics, val = read_records(run / "metrics.jsonl"), read_records(run / "val.jsonl")
     if not metrics and not val:
         return None
     data = json.loads((run / "data_stats.json").read_text()) if (run / "data_stats.json").exists() else {}
