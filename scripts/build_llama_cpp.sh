@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # llama.cpp from the sources vendored in PyPI's llama-cpp-python sdist (no git, no other index), only the
-# targets the engine tier runs (llama-server: speculative decoding as CPU users serve it). Cached by version:
+# targets the engine tier runs (llama-server: speculative decoding as CPU users serve it; llama-bench: the target
+# forward alone, for the per-round breakdown). Cached by version:
 # .engines/llama.cpp-$VER/build/bin/ is reused when present.
 # Usage: scripts/build_llama_cpp.sh [DEST]   (needs cmake and a C++ compiler: apt-get install cmake build-essential)
 set -euo pipefail
 VER="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 DEST="${1:-.engines}"
 SRC="$DEST/llama.cpp-$VER"
-TARGETS="${LLAMA_CPP_TARGETS:-llama-speculative-simple llama-completion llama-tokenize llama-server}"
+TARGETS="${LLAMA_CPP_TARGETS:-llama-speculative-simple llama-completion llama-tokenize llama-server llama-bench}"
 PIP="${PIP:-.venv/bin/pip}"
 have_all() { for t in $TARGETS; do [ -x "$SRC/build/bin/$t" ] || return 1; done; }
 # llama.cpp leaks its logger and never drains it when a tool exits (ggml-org/llama.cpp #22142): on a loaded machine

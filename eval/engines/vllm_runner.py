@@ -11,7 +11,8 @@ JOB: {"target": DIR, "prompts": [[ids...], ...], "max_new_tokens": N, "runs": [{
       "env": {VAR: value} (optional: set before the engine is built, e.g. VLLM_USE_V2_MODEL_RUNNER; the
       caller runs one run per process), "inspect_draft": bool (optional: report how vLLM's speculators reader
       reads the draft's config.json, also when the engine refuses the run)}, ...],
-      "max_model_len": 512, "max_num_seqs": 8, "batch": true, "batch_sizes": [1, 4] (optional)}
+      "max_model_len": 512, "max_num_seqs": 8, "batch": true, "batch_sizes": [1, 4] (optional),
+      "repetitions": 1 (optional: each batch size decoded again, timed; tokens_per_s is the median)}
 OUT: {"vllm": version, "runs": [{"name", "ok", "error", "outputs": [[ids...]], "seconds", "generated",
       "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": [...]},
       "draft": {"hf_config": {...}, "speculative_config": {...}, "non_causal": bool} (inspect_draft only)}]}
@@ -66,6 +67,32 @@ def inspect_draft(path: str) -> dict:
             "non_causal": bool(dflash_has_any_non_causal(hf))}
 
 
+def _decode_at(llm, prompts: list, sp, b: int, repetitions: int) -> dict:
+    """Every prompt in chunks of ``b`` requests in flight; repetitions after the first are only timed (greedy
+    repeats its tokens: checked). The median time, each repetition's tokens/s, the first's counters and tokens."""
+    def once():
+        t0 = time.perf_counter()
+        outs = [o for j in range(0, len(prompts), b) for o in llm.generate(prompts[j:j + b], sp, use_tqdm=False)]
+        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+    before = _spec_counters(llm)
+    secs, outputs = once()
+    after = _spec_counters(llm)
+    reps, same = [secs], True
+    for _ in range(repetitions - 1):
+        t, again = once()
+        reps.append(t)
+        same &= again == outputs
+    n = max(len(after["accepted_per_pos"]), len(before["accepted_per_pos"]))
+    pad = lambda v, n=n: v + [0] * (n - len(v))  # noqa: E731
+    spec = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    spec["accepted_per_pos"] = [a - c for a, c in zip(pad(after["accepted_per_pos"]), pad(before["accepted_per_pos"]))]
+    gen = sum(len(o) for o in outputs)
+    secs = sorted(reps)[len(reps) // 2]  # the median (upper for an even count)
+    return {"seconds": secs, "generated": gen, "tokens_per_s": gen / secs, "spec": spec, "outputs": outputs,
+            "tokens_per_s_reps": [gen / x for x in reps], "same_across_reps": same}
+
+
 def run_one(job: dict, run: dict) -> dict:
     os.environ.update({k: str(v) for k, v in (run.get("env") or {}).items()})
     from vllm import LLM, SamplingParams
@@ -94,22 +121,11 @@ def run_one(job: dict, run: dict) -> dict:
         sizes = job.get("batch_sizes") or ([len(prompts)] if job.get("batch", True) else [1])
         res["by_batch"] = {}
         for i, b in enumerate(sizes):
-            before = _spec_counters(llm)
-            t0 = time.perf_counter()
-            outs = [o for j in range(0, len(prompts), b) for o in llm.generate(prompts[j:j + b], sp, use_tqdm=False)]
-            secs = time.perf_counter() - t0
-            after = _spec_counters(llm)
-            n = max(len(after["accepted_per_pos"]), len(before["accepted_per_pos"]))
-            pad = lambda v, n=n: v + [0] * (n - len(v))  # noqa: E731
-            spec = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-            spec["accepted_per_pos"] = [a - c for a, c in zip(pad(after["accepted_per_pos"]),
-                                                               pad(before["accepted_per_pos"]))]
-            outputs = [list(o.outputs[0].token_ids) for o in outs]
-            gen = sum(len(o) for o in outputs)
-            res["by_batch"][str(b)] = {"seconds": secs, "generated": gen, "tokens_per_s": gen / secs, "spec": spec,
-                                       "same_outputs": True if i == 0 else outputs == res["outputs"]}
+            res["by_batch"][str(b)] = x = _decode_at(llm, prompts, sp, b, int(job.get("repetitions", 1)))
+            outputs = x.pop("outputs")
+            x["same_outputs"] = (True if i == 0 else outputs == res["outputs"]) and x["same_across_reps"]
             if i == 0:
-                res.update(outputs=outputs, generated=gen, seconds=secs, spec=spec)
+                res.update(outputs=outputs, generated=x["generated"], seconds=x["seconds"], spec=x["spec"])
         res["ok"] = True
     except Exception as e:  # noqa: BLE001 - the engine's own reason is the result
         res["error"] = f"{type(e).__name__}: {e}"

@@ -43,6 +43,13 @@ CONVERTER = Path(__file__).resolve().parent / "convert_gguf.py"
 MARKER, DRAFT = "gguf.json", "draft.gguf"
 
 
+# The draft's GGUF types llama.cpp's converter writes and its CPU backend runs. The default is f32 until the
+# engine benchmark measures another as faster (bench/engines: --draft-types); an export with --results takes the
+# type of the fastest measured row.
+OUTTYPES = ("f32", "bf16", "f16", "q8_0")
+DEFAULT_OUTTYPE = "f32"
+
+
 def llamacpp_dir() -> Path:
     """The llama.cpp source tree (``DRAFTSMITH_LLAMA_CPP_DIR``, default .engines/llama.cpp-<version>)."""
     default = REPO / ".engines" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
@@ -117,10 +124,14 @@ def _build_hf(drafter: nn.Module, out: Path, target, **kw):
 
 
 def export_gguf(drafter: nn.Module, out: str | Path, target, *, target_name: str, overwrite: bool = False,
-                outtype: str = "f32", **kw) -> Path:
+                outtype: str | None = None, **kw) -> Path:
     """Write OUT/{hf/, draft.gguf, gguf.json, README.md} (module docstring). ``kw``: models.export.export's
-    num_speculative_tokens, meta, dtype, serve_name, measured."""
+    num_speculative_tokens, meta, dtype, serve_name, measured. ``outtype``: the draft's GGUF type (one of
+    OUTTYPES), else the one that served fastest (``measured["draft_type"]``), else DEFAULT_OUTTYPE."""
     out = Path(out)
+    outtype = outtype or (kw.get("measured") or {}).get("draft_type") or DEFAULT_OUTTYPE
+    if outtype not in OUTTYPES:
+        raise ExportError(f"draft GGUF type {outtype!r}: one of {', '.join(OUTTYPES)}")
     # checked on OUT itself: the layout is built inside a temporary directory beside OUT, where the same check
     # would refuse once per layout, naming that temporary path
     check_not_inside_run(out)

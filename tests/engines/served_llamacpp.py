@@ -159,7 +159,8 @@ def _build(root: Path, runs_dir: Path) -> dict:
     # llama-server, as users serve: AR, n-gram and the drafters of each spec type, one server process each
     eagle = next(r for r in runs if r["name"] == "eagle3")
     lookup = {**eagle, **L.lookup_run(eagle["spec_type"], eagle["num_speculative_tokens"]), "name": "eagle3_lookup"}
-    server = LS.serve(tgt_gguf, prompts, MAX_NEW, [r for r in runs if r["name"] in SERVER_RUNS] + [lookup])
+    server = LS.serve(tgt_gguf, prompts, MAX_NEW, [r for r in runs if r["name"] in SERVER_RUNS] + [lookup],
+                      repetitions=2)
     return {"engine": engine, "server": server, "harness": harness, "prompts": prompts, "manifests": manifests,
             "train_seconds": train_seconds,
             "n_candidates": len(cands), "n_prompts": len(prompts)}

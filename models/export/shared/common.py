@@ -190,7 +190,8 @@ def engine_best(paths: list[str | Path], method: str) -> dict:
             rows.append({"engine": data["engine"], "target": data.get("target"),
                          "target_type": data.get("target_type"), "num_speculative_tokens": k,
                          "speedup": round(float(speedup), 3), "tokens_per_s": round(r["tokens_per_s"]["1"], 1),
-                         "lossless": bool(r.get("lossless")), "row": name, "results": str(p)})
+                         "lossless": bool(r.get("lossless")), "row": name, "results": str(p),
+                         **({"draft_type": r["draft_type"]} if r.get("draft_type") else {})})
     if not rows:
         raise ExportError(f"--results: no served {method} row at batch 1 in {', '.join(map(str, paths))}; measure one "
                           f"with `python -m eval.engines.bench --checkpoint {method}=RUN/final` (files written before "
