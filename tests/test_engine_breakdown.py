@@ -98,3 +98,16 @@ def test_the_fastest_rows_draft_type_reaches_the_export(tmp_path):
     with pytest.raises(G.ExportError, match="draft GGUF type 'q4_0'"):
         G.export_gguf(None, tmp_path / "out", None, target_name="tiny-code", outtype="q4_0")
     assert G.DEFAULT_OUTTYPE in G.OUTTYPES
+
+
+def test_agreement_reports_where_the_engine_parts_from_the_harness_and_at_what_gaps():
+    from eval.engines.agreement import first_divergence, render
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1, 2, 3], [1, 2]) == 2
+    res = {"target": "gemma3_270m", "gguf": "g.gguf", "prompts": "humaneval", "n_prompts": 2, "max_new_tokens": 4,
+           "threads": 1, "identical": 1,
+           "rows": [{"prompt_tokens": 9, "diverges_at": None},
+                    {"prompt_tokens": 7, "diverges_at": 3, "harness_gap": 0.0123, "engine_gap": 0.0456}]}
+    text = render(res)
+    assert "**1 of 2**" in text and "| 1 | 7 | 3 | 0.0123 | 0.0456 |" in text and "| 0 |" not in text

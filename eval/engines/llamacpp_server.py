@@ -120,9 +120,10 @@ class Server:
     def _url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def complete(self, text: str, n: int, n_probs: int = 0, timeout: float = 600) -> dict:
-        """Greedy ``/completion`` of ``text``: exactly ``n`` new tokens unless the model ends first. ``n_probs`` 2
-        adds ``top2_gaps``: at each generated position the engine's top-2 log-probability gap (= its logit gap)."""
+    def complete(self, text: str | list[int], n: int, n_probs: int = 0, timeout: float = 600) -> dict:
+        """Greedy ``/completion`` of ``text`` (or token ids, taken as they are): exactly ``n`` new tokens unless the
+        model ends first. ``n_probs`` 2 adds ``top2_gaps``: at each generated position the engine's top-2
+        log-probability gap (= its logit gap)."""
         body = json.dumps({"prompt": text, "n_predict": n, "temperature": 0.0, "cache_prompt": False,
                            "seed": 0, "return_tokens": True, "n_probs": n_probs}).encode()
         req = urllib.request.Request(self._url("/completion"), data=body,
