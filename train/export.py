@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                         "benchmark results (python -m eval.engines.bench; repeat the flag: one per target type): "
                         "the K, and the target type, that served this method fastest")
     p.add_argument("--dtype", help="cast float weights (float32, bfloat16, float16); default: as trained")
+    p.add_argument("--gguf-type", choices=llamacpp.OUTTYPES,
+                   help="--format gguf: the draft's GGUF type; default the type of the fastest row in engine "
+                        f"--results, else {llamacpp.DEFAULT_OUTTYPE} (what served fastest here: bench/engines)")
     p.add_argument("--serve-name", help="the target as engines should name it (speculators verifier.name_or_path, "
                    "the README's serve commands); default: its hub id, the embedded target's models/tiny_code, "
                    "else the target directory's name, never a path of this machine")
@@ -175,12 +178,13 @@ def _export(args: argparse.Namespace) -> str:
     except ValueError as e:
         raise ExportError(str(e)) from None
     if args.format == GGUF:
-        out = llamacpp.export_gguf(drafter, args.out, target, target_name=name,
+        out = llamacpp.export_gguf(drafter, args.out, target, target_name=name, outtype=args.gguf_type,
                                    num_speculative_tokens=num_speculative_tokens, meta=meta, dtype=dtype,
                                    overwrite=args.force, serve_name=args.serve_name, measured=measured)
         m = llamacpp.check_gguf(out)
         size = (out / llamacpp.DRAFT).stat().st_size / 2**20
-        return (f"exported {meta['method']} checkpoint {ckpt} -> {out}/{llamacpp.DRAFT} ({size:.1f} MiB, llama.cpp "
+        return (f"exported {meta['method']} checkpoint {ckpt} -> {out}/{llamacpp.DRAFT} ({size:.1f} MiB, "
+                f"{m['outtype']}, llama.cpp "
                 f"--spec-type {m['spec_type']}, num_speculative_tokens={m['num_speculative_tokens']}) via "
                 f"{m['source_format']} in {out}/hf" + _measured_line(measured))
     out = export(drafter, args.format, args.out, target, target_name=name,

@@ -46,9 +46,11 @@ SERVER_ONLY = ["eagle3_lookup"]
 
 
 def export_gguf(ckpt: Path, out: Path, k: int | None = None) -> Path:
-    """``python -m train.export CKPT --format gguf`` exactly as a user runs it."""
+    """``python -m train.export CKPT --format gguf`` as a user runs it, with the draft in f32: the tier asserts the
+    engine's per-position acceptance equals the harness's, which holds for the drafter at the harness's precision
+    (a q8_0 draft, the default, drafts the same tokens only up to its rounding; the bench test serves one)."""
     cmd = [sys.executable, "-m", "train.export", str(ckpt), "--format", "gguf", "--out", str(out), "--target",
-           "tiny-code", "--force"]
+           "tiny-code", "--force", "--gguf-type", "f32"]
     proc = subprocess.run(cmd, cwd=E.REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         raise RuntimeError(f"--format gguf failed for {ckpt}: {proc.stderr[-2000:]}")

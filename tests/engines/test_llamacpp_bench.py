@@ -31,13 +31,17 @@ def test_bench_sweeps_k_in_llama_server_and_the_export_carries_the_fastest(tmp_p
     ckpt = D.final(_runs_dir(_root(tmp_path_factory)), "eagle3")
     out = tmp_path / "bench"
     proc = _py("-m", "eval.engines.bench", "--engine", "llamacpp", "--server", "--target", "tiny-code",
-               "--checkpoint", f"eagle3={ckpt}", "--draft-k", "1", "3", "--n-prompts", "2",
-               "--max-new-tokens", "24", "--out", str(out))
+               "--checkpoint", f"eagle3={ckpt}", "--draft-k", "1", "3", "--draft-types", "f32", "q8_0",
+               "--repetitions", "2", "--n-prompts", "2", "--max-new-tokens", "24", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]  # 1 would be a row off AR's tokens
     res = json.loads((out / "results.json").read_text())
     rows = {n: r for n, r in res["methods"].items() if r["method"] == "eagle3"}
-    assert set(rows) == {"eagle3_k1", "eagle3_k3"} and all(r["ok"] and r["lossless"] for r in rows.values())
-    assert [rows[n]["num_speculative_tokens"] for n in ("eagle3_k1", "eagle3_k3")] == [1, 3]
+    names = {f"eagle3_k{k}_{t}" for k in (1, 3) for t in ("f32", "q8_0")}
+    assert set(rows) == names and all(r["ok"] and r["lossless"] for r in rows.values())
+    assert {(r["num_speculative_tokens"], r["draft_type"]) for r in rows.values()} == {
+        (k, t) for k in (1, 3) for t in ("f32", "q8_0")}
+    # two repetitions each, and the round in parts (llama-bench is built with the tools)
+    assert all(len(r["tokens_per_s_reps"]["1"]) == 2 and r["breakdown"]["draft_ms"] > 0 for r in rows.values())
     best = max(rows, key=lambda n: rows[n]["speedup_vs_engine_ar"]["1"])
 
     exp = tmp_path / "gguf"
@@ -47,5 +51,6 @@ def test_bench_sweeps_k_in_llama_server_and_the_export_carries_the_fastest(tmp_p
     m = json.loads((exp / "gguf.json").read_text())
     k = rows[best]["num_speculative_tokens"]
     assert m["num_speculative_tokens"] == k and m["measured_best"]["row"] == best
+    assert m["outtype"] == rows[best]["draft_type"]  # the draft's type is the fastest row's
     readme = (exp / "README.md").read_text()
     assert f"--spec-draft-n-max {k}" in readme and f"Measured best (`{out / 'results.json'}`)" in readme
