@@ -245,8 +245,9 @@ def _row(r: dict, reps: list[dict]) -> dict:
 
 
 def pooled_rates(per_request: Sequence[Sequence[float]], rounds: Sequence[int]) -> list[float] | None:
-    """Per-position acceptance over all requests, each request's rates weighted by its rounds (the server prints
-    rates per request, to 3 decimals)."""
+    """Per-position acceptance over all requests, each request's rates weighted by its rounds. Approximate: the
+    server prints rates per request (3 decimals) over its rounds that drafted, and a request's last round may not
+    draft (no budget left), so this reads up to ~1/rounds low; the totals (``server_counts``) are exact."""
     if len(per_request) != len(rounds) or not sum(rounds):
         return None
     k = max((len(x) for x in per_request), default=0)
