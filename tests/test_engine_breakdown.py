@@ -101,10 +101,7 @@ def test_the_fastest_rows_draft_type_reaches_the_export(tmp_path):
 
 
 def test_agreement_reports_where_the_engine_parts_from_the_harness_and_at_what_gaps():
-    from eval.engines.agreement import first_divergence, render
-
-    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1, 2, 3], [1, 2]) == 2
+    from eval.engines.agreement import render
     res = {"target": "gemma3_270m", "gguf": "g.gguf", "prompts": "humaneval", "n_prompts": 2, "max_new_tokens": 4,
            "threads": 1, "identical": 1,
            "rows": [{"prompt_tokens": 9, "diverges_at": None},

@@ -21,13 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first position where two greedy continuations differ (one stopping early counts), or None."""
-    from eval.engines.llamacpp_server import first_difference
-
-    return first_difference(list(a), list(b))
-
-
 def harness_gap(target, prompt: Sequence[int], tokens: Sequence[int], i: int) -> float:
     """The dequantized target's top-2 logit gap (fp32) before token ``i`` of its own continuation."""
     import torch
@@ -56,7 +49,7 @@ def measure(target_name: str, prompts_from: str, n_prompts: int, prompt_tokens: 
     with LS.Server(gguf, threads) as s:
         for ids, h in zip(prompts, harness):
             e = s.complete(list(ids), max_new, n_probs=2)
-            i = first_divergence(h, e["tokens"])
+            i = LS.first_difference(h, e["tokens"])
             row = {"prompt_tokens": len(ids), "harness": h, "engine": e["tokens"], "diverges_at": i}
             if i is not None and i < min(len(h), len(e["tokens"])):
                 row.update(harness_gap=harness_gap(target, ids, h, i), engine_gap=e["top2_gaps"][i])
