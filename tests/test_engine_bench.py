@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from eval.engines.bench import main, render
+from eval.engines.bench import main
+from eval.engines.report import render
 
 
 def test_render_lists_every_method_and_refusals():

@@ -111,7 +111,7 @@ def test_agreement_reports_where_the_engine_parts_from_the_harness_and_at_what_g
 
 
 def test_an_engine_that_stops_at_eos_is_judged_on_the_tokens_before_it():
-    from eval.engines.bench import same_until_eos
+    from eval.engines.bench_vllm import same_until_eos
 
     assert same_until_eos([5, 6, 2], [5, 6, 2, 9, 9], eos=2)  # stopped where the harness chose eos too
     assert not same_until_eos([5, 6, 2], [5, 7, 2, 9, 9], eos=2)  # differs before it
