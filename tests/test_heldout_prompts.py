@@ -80,3 +80,24 @@ def test_a_held_out_conversation_repeating_a_training_one_is_dropped(tmp_path, t
     assert len(val2) == 2 and stats["held_out_duplicates_dropped"] == 1 and len(train2) == len(train)
     rows2 = heldout_prompts.heldout_rows(cfg2, tiny_tokenizer, train2)
     assert [r["question_id"] for r in rows2] == [r["question_id"] for r in held if r["question_id"] != dup]
+
+
+def test_text_data_heldout_prompts_are_the_held_out_continuations_prompts(tmp_path):
+    """data.kind=text (a base model, tiny Gemma 3): the prompt file holds the plain text each held-out continuation
+    was asked of, in the split's order, read from the plan without generating."""
+    from tests.families import make_family
+    from tests.test_text_continuations import _cfg, _no_template
+
+    model, tok = make_family("gemma3")
+    tok = _no_template(tok)
+    tok.add_tokens([f"<unused{i}>" for i in range(model.config.vocab_size - len(tok))])
+    cfg = _cfg(tmp_path)
+    train, val = build_rows(cfg, tok, model)
+    rows = heldout_prompts.heldout_text_rows(cfg, tok)
+    assert len(rows) == len(val) == cfg.val_rows and {r["category"] for r in rows} <= {"T0", "T1"}
+    for r, v in zip(rows, val):
+        asked = [t for t, m in zip(v["input_ids"], v["loss_mask"]) if not m]
+        assert r["prompt"] == tok.decode(asked, skip_special_tokens=True)
+    trained = {tok.decode([t for t, m in zip(x["input_ids"], x["loss_mask"]) if not m], skip_special_tokens=True)
+               for x in train}
+    assert not {r["prompt"] for r in rows} & trained
