@@ -108,6 +108,28 @@ def test_agreement_reports_where_the_engine_parts_from_the_harness_and_at_what_g
                     {"prompt_tokens": 7, "diverges_at": 3, "harness_gap": 0.0123, "engine_gap": 0.0456}]}
     text = render(res)
     assert "**1 of 2**" in text and "| 1 | 7 | 3 | 0.0123 | 0.0456 |" in text and "| 0 |" not in text
+    res.update(tokens_compared=8, median_gap=1.5, share_of_positions_at_or_below_it=0.125, max_gap_at_divergence=0.0123)
+    assert "median gap is 1.50 and 12.5% of them are at or below" in render(res)
+
+
+def test_agreement_gaps_in_one_forward_are_each_positions_own():
+    """harness_gaps: one teacher-forced forward gives, before each continuation token, the top-2 gap that a forward
+    of the prefix up to it gives (a tiny Gemma 3 built in code)."""
+    import torch
+
+    from eval.engines.agreement import harness_gaps
+    from models.core.target import FrozenTarget
+    from tests.families import make_family
+
+    model, tok = make_family("gemma3")
+    target = FrozenTarget(model, tok)
+    prompt, cont = [2, 11, 12, 13, 14], [21, 22, 23, 24]
+    gaps = harness_gaps(target, prompt, cont)
+    assert len(gaps) == len(cont)
+    for i, g in enumerate(gaps):
+        with torch.no_grad():
+            top = torch.topk(model(torch.tensor([prompt + cont[:i]])).logits[0, -1].float(), 2).values
+        assert g == pytest.approx(float(top[0] - top[1]), abs=1e-4)
 
 
 def test_an_engine_that_stops_at_eos_is_judged_on_the_tokens_before_it():

@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 
-def harness_gap(target, prompt: Sequence[int], tokens: Sequence[int], i: int) -> float:
-    """The dequantized target's top-2 logit gap (fp32) before token ``i`` of its own continuation."""
+def harness_gaps(target, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
+    """The dequantized target's top-2 logit gap (fp32) before each token of its own continuation, in one
+    teacher-forced forward: where its choice is clear and where it is a near tie."""
     import torch
 
-    ids = torch.tensor([[*prompt, *tokens[:i]]])
+    ids = torch.tensor([[*prompt, *tokens[:-1]]])
     with torch.no_grad():
-        top = torch.topk(target.model(ids).logits[0, -1].float(), 2).values
-    return float(top[0] - top[1])
+        logits = target.model(ids).logits[0, len(prompt) - 1 :].float()
+    top = torch.topk(logits, 2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
 
 
 def measure(target_name: str, prompts_from: str, n_prompts: int, prompt_tokens: int, max_new: int,
@@ -50,25 +53,37 @@ def measure(target_name: str, prompts_from: str, n_prompts: int, prompt_tokens: 
         for ids, h in zip(prompts, harness):
             e = s.complete(list(ids), max_new, n_probs=2)
             i = LS.first_difference(h, e["tokens"])
-            row = {"prompt_tokens": len(ids), "harness": h, "engine": e["tokens"], "diverges_at": i}
+            gaps = harness_gaps(target, ids, h)
+            row = {"prompt_tokens": len(ids), "harness": h, "engine": e["tokens"], "diverges_at": i,
+                   "harness_gaps": [round(g, 4) for g in gaps]}
             if i is not None and i < min(len(h), len(e["tokens"])):
-                row.update(harness_gap=harness_gap(target, ids, h, i), engine_gap=e["top2_gaps"][i])
+                row.update(harness_gap=gaps[i], engine_gap=e["top2_gaps"][i])
             rows.append(row)
     same = sum(r["diverges_at"] is None for r in rows)
     checked = sum(min(len(r["harness"]), len(r["engine"])) if r["diverges_at"] is None else r["diverges_at"] + 1
                   for r in rows)
+    worst = max((r["harness_gap"] for r in rows if "harness_gap" in r), default=None)
+    # every position both decoded alike up to (and including) the first difference: how rare a gap that small is
+    seen = [g for r in rows for g in r["harness_gaps"][: (len(r["harness_gaps"]) if r["diverges_at"] is None
+                                                           else r["diverges_at"] + 1)]]
     return {"target": target_name, "gguf": gguf.name, "prompts": prompts_from, "n_prompts": len(rows),
             "max_new_tokens": max_new, "threads": threads, "identical": same, "tokens_compared": checked,
-            "max_gap_at_divergence": max((r["harness_gap"] for r in rows if "harness_gap" in r), default=None),
-            "rows": rows}
+            "max_gap_at_divergence": worst,
+            "share_of_positions_at_or_below_it": (sum(g <= worst for g in seen) / len(seen)
+                                                  if worst is not None and seen else None),
+            "median_gap": statistics.median(seen) if seen else None, "rows": rows}
 
 
 def render(res: dict) -> str:
     lines = [f"# {res['target']}: the dequantized model (harness, fp32) against llama.cpp on {res['gguf']}", "",
              f"{res['n_prompts']} prompts ({res['prompts']}), {res['max_new_tokens']} greedy tokens each, llama-server "
              f"with {res['threads']} thread(s), prompts sent as token ids. Identical continuations: "
-             f"**{res['identical']} of {res['n_prompts']}**; the others part at a near tie, with both top-2 logit gaps "
-             "at that token (harness | engine):", "",
+             f"**{res['identical']} of {res['n_prompts']}**; the others part where the harness's top-2 logit gap is "
+             "small, both gaps at that token below (harness | engine)."
+             + (f" Over the {res['tokens_compared']} positions compared, the harness's median gap is "
+                f"{res['median_gap']:.2f} and {res['share_of_positions_at_or_below_it']:.1%} of them are at or below "
+                f"the largest gap where the two part ({res['max_gap_at_divergence']:.3f})"
+                if res.get("share_of_positions_at_or_below_it") is not None else ""), "",
              "| prompt | tokens | parts at token | harness gap | engine gap |", "|---|---|---|---|---|"]
     for i, r in enumerate(res["rows"]):
         if r["diverges_at"] is not None:
