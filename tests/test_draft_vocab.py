@@ -66,7 +66,7 @@ def test_coverage_grows_with_the_size_and_the_whole_vocabulary_covers_everything
     assert all(math.isnan(v) for v in DV.held_out_coverage(counts, [], sizes).values())
 
 
-def test_a_drafted_token_costs_more_with_more_lm_head_rows_and_the_order_follows(gemma):
+def test_draft_cost_counts_drafted_tokens_and_lm_head_rows_and_the_estimate_orders_sizes(gemma):
     cfg, target = gemma
     torch.manual_seed(0)
     train, _ = build_rows(cfg, target.tokenizer, target.model)
