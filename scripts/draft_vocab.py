@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_cost:
         res["cpu"] = watch.stop()
         res["contended"] = res["cpu"]["other_cores"] > OTHER_CORES_MAX
-        res["choice"] = max(res["sizes"], key=lambda n: res["sizes"][n]["est_speedup"])
+        # no held-out greedy rows generated yet (the regeneration goes shortest prompt first): no coverage, no choice
+        res["choice"] = (max(res["sizes"], key=lambda n: res["sizes"][n]["est_speedup"]) if val else None)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "draft_vocab.json").write_text(json.dumps(res, indent=2) + "\n")
