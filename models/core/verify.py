@@ -154,7 +154,8 @@ def greedy_accept_chain(draft_tokens: Tensor, target_logits: Tensor) -> tuple[in
         raise ValueError(f"expected draft [K] and logits [K+1, V], got {tuple(draft_tokens.shape)} "
                          f"and {tuple(target_logits.shape)}")
     n, nxt = greedy_accept_chain_batch(draft_tokens[None], target_logits[None])
-    return int(n[0]), int(nxt[0])
+    n, nxt = torch.stack([n[0], nxt[0]]).tolist()  # one host read, not two
+    return n, nxt
 
 
 def greedy_accept_tree(
@@ -241,7 +242,8 @@ def speculative_sample_chain(
     if draft_tokens.dim() != 1:
         raise ValueError(f"draft_tokens must be [K], got {tuple(draft_tokens.shape)}")
     n, nxt = speculative_sample_chain_batch(draft_tokens[None], q[None], p[None], generator)
-    return int(n[0]), int(nxt[0])
+    n, nxt = torch.stack([n[0], nxt[0]]).tolist()  # one host read, not two
+    return n, nxt
 
 
 # --------------------------------------------------------------------------------------------
