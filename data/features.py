@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from models.core.checkpoint import out_of_space_as_error
-from models.core.drafter import DraftVocabTeacher
+from models.core.drafter import DraftVocabTeacher, softcap
 from models.core.kernels import cast_copy, native_bf16
 from models.core.target import FrozenTarget, parse_dtype
 
@@ -225,7 +225,12 @@ class FeatureCache:
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         head = self.compute.model.get_output_embeddings()
-        return head(h.to(head.weight.dtype)).float()
+        return self._capped(head(h.to(head.weight.dtype)).float())
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's final-logit soft-capping (Gemma-2), which its forward applies after the head: the teacher
+        must be the logits the target computes, not the head's raw product."""
+        return softcap(logits, getattr(self.target.model.config, "final_logit_softcapping", None))
 
     def _load_shard(self, row: int) -> dict[str, torch.Tensor]:
         s = row // self.shard_rows
@@ -268,8 +273,8 @@ class FeatureCache:
             top[j, : t.shape[0]] = t.long()
         draft_ids = draft_ids.to(dev)
         w = self.target.model.get_output_embeddings().weight.index_select(0, draft_ids)  # [Vd, H]
-        return hidden, DraftVocabTeacher(top.to(dev), torch.nn.functional.linear(h_last.to(w.dtype), w).float(),
-                                         draft_ids)
+        logits = self._capped(torch.nn.functional.linear(h_last.to(w.dtype), w).float())
+        return hidden, DraftVocabTeacher(top.to(dev), logits, draft_ids)
 
 
 def pad_ids(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
