@@ -21,13 +21,13 @@ from tests.test_decode import PROPOSERS, drafters, make_proposer, prompts, targe
 
 # per round, (T=0, T=1): the most syncs a verification round plus its drafting may take (measured, rounded up)
 BUDGET = {
-    "ngram": (9, 9),
-    "draft_model": (7, 7),
-    "self_draft": (7, 7),
-    "eagle3_chain": (9, 9),
-    "eagle3_tree": (20, 33),
-    "medusa_tree": (9, 23),
-    "mtp_chain": (6, 6),
+    "ngram": (6, 6),
+    "draft_model": (4, 4),
+    "self_draft": (4, 4),
+    "eagle3_chain": (3, 3),
+    "eagle3_tree": (14, 27),
+    "medusa_tree": (7, 21),
+    "mtp_chain": (3, 3),
 }
 SETUP = 3  # prefill and the end of the run: the first token, the output list, a stop check
 

@@ -107,13 +107,15 @@ def node_visibility(prop: Proposal, width: int, device: torch.device) -> tuple[T
 
 
 def verify_inputs(roots: Tensor, props: Sequence[Proposal], lens: Tensor, start: int, dtype: torch.dtype,
-                  pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
+                  pad_id: int = 0, lens_host: Sequence[int] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Inputs of the verification forward over [root + N_a nodes] per row, right-padded to W = 1 + max N_a.
 
     roots [A] (each row's newest token), lens [A] (each row's valid cache entries), start = the cache length.
     Returns input_ids [A, W], position_ids [A, W] (lens[a] + depth, root depth 0) and the additive 4D mask
     [A, 1, W, start+W] (0 = visible, dtype-min = hidden; ``row_visibility``), or None when plain causal attention
-    is exact: chains only and no row with padding in the cache (always the case at B=1 for chains).
+    is exact: chains only and no row with padding in the cache (always the case at B=1 for chains). ``lens_host``:
+    the same lengths as host ints, when the caller keeps them (the decode loop does), so that choosing the mask does
+    not make the host wait for the device.
     """
     device = roots.device
     width = 1 + max((p.size for p in props), default=0)
@@ -123,17 +125,19 @@ def verify_inputs(roots: Tensor, props: Sequence[Proposal], lens: Tensor, start:
         ids[a, 1 : p.size + 1] = p.tokens.to(device)
     layout = [node_visibility(p, width, device) for p in props]
     pos = lens[:, None] + torch.stack([d for d, _ in layout])
-    if all(p.is_chain for p in props) and bool((lens == start).all()):
+    uniform = all(n == start for n in lens_host) if lens_host is not None else bool((lens == start).all())
+    if all(p.is_chain for p in props) and uniform:
         return ids, pos, None
     return ids, pos, additive(row_visibility(lens, start, torch.stack([v for _, v in layout])), dtype)
 
 
 def verify_forward(target: FrozenTarget, cache: DynamicCache, roots: Tensor, props: Sequence[Proposal],
-                   lens: Tensor, layer_ids: Sequence[int] = (), pad_id: int = 0) -> TargetOutput:
+                   lens: Tensor, layer_ids: Sequence[int] = (), pad_id: int = 0,
+                   lens_host: Sequence[int] | None = None) -> TargetOutput:
     """ONE target forward over every row's [root + drafted nodes] on top of ``cache`` (which then also holds
     their KV at start..start+W-1). logits [A, W, V]: row a's entry 0 follows its root, entry j+1 its node j."""
     start = cache.get_seq_length()
-    ids, pos, mask = verify_inputs(roots, props, lens, start, target.model.dtype, pad_id)
+    ids, pos, mask = verify_inputs(roots, props, lens, start, target.model.dtype, pad_id, lens_host)
     if mask is not None:  # a custom mask must carry a sliding window itself (eval/decode/window.py)
         k_pos = torch.cat([torch.arange(start, device=pos.device).expand(pos.shape[0], -1), pos], dim=1)
         mask = apply_window(target.model.config, mask, pos, k_pos)
@@ -216,15 +220,17 @@ def accept_tree_batch(props: Sequence[Proposal], logits: Tensor, sampling: Sampl
 
 
 # --------------------------------------------------------------------------------------------- bookkeeping
-def commit_kv(cache: DynamicCache, lens: Tensor, start: int, paths: Sequence[list[int]]) -> Tensor:
+def commit_kv(cache: DynamicCache, lens: Tensor, start: int, paths: Sequence[list[int]],
+              lens_host: Sequence[int] | None = None) -> Tensor:
     """Keep [valid prefix, root, accepted nodes] per row after a verification forward written at ``start``.
 
     Row a's root sits at start, its node j at start+1+j; they move to lens[a], lens[a]+1, ... (entries already
     in place — every B=1 chain — are not touched), then the cache is cropped to the longest row. Returns the
-    rows' new valid lengths lens + 1 + len(path)."""
+    rows' new valid lengths lens + 1 + len(path). ``lens_host``: ``lens`` as host ints (no device read)."""
     device = lens.device
+    lens_host = lens.tolist() if lens_host is None else list(lens_host)
     rows, src, dst = [], [], []
-    for a, (n0, path) in enumerate(zip(lens.tolist(), paths)):
+    for a, (n0, path) in enumerate(zip(lens_host, paths)):
         s = [start, *(start + 1 + j for j in path)]
         if s != list(range(n0, n0 + len(s))):
             rows += [a] * len(s)
@@ -244,7 +250,7 @@ def commit_kv(cache: DynamicCache, lens: Tensor, start: int, paths: Sequence[lis
             layer.keys[r, :, d] = layer.keys[r, :, s]  # the RHS is a copy: overlapping ranges are safe
             layer.values[r, :, d] = layer.values[r, :, s]
     keep = lens + 1 + torch.tensor([len(p) for p in paths], dtype=torch.long, device=device)
-    drop = cache.get_seq_length() - int(keep.max())
+    drop = cache.get_seq_length() - max(n0 + 1 + len(p) for n0, p in zip(lens_host, paths))
     if drop > 0:
         cache.crop(-drop)
     return keep
@@ -272,6 +278,12 @@ class Rows:
 
     def __init__(self, ids: list[int], lens: Tensor, roots: Tensor):
         self.ids, self.lens, self.roots = ids, lens, roots
+        self.lens_host = lens.tolist()  # the same lengths on the host: a round reads these, never the device's
+
+    def advance(self, keep: Tensor, paths: Sequence[list[int]], roots: Tensor) -> None:
+        """After a round: each row's valid length grew by its root and accepted nodes; ``roots`` are the new ones."""
+        self.lens, self.roots = keep, roots
+        self.lens_host = [n + 1 + len(p) for n, p in zip(self.lens_host, paths)]
 
     def retain(self, keep: list[int], cache: DynamicCache, proposer: BatchProposer) -> None:
         """Only the rows ``keep`` (indices into the active rows) go on: cache, proposer and state follow."""
@@ -283,6 +295,7 @@ class Rows:
             proposer.retain(keep)
         self.ids = [self.ids[a] for a in keep]
         self.lens, self.roots = self.lens[idx], self.roots[idx]
+        self.lens_host = [self.lens_host[a] for a in keep]
 
 
 def finished(out: list[int], max_new_tokens: int, eos_id: int | None) -> bool:
@@ -303,10 +316,10 @@ def verify_round(target: FrozenTarget, cache: DynamicCache, act: Rows, props: Se
     active row's [root + drafts], acceptance, KV commit. Returns (accepted paths, next tokens, the rows' new valid
     lengths, the target's hidden states for the accepted tokens, each row's new tokens = accepted drafts + next)."""
     start = cache.get_seq_length()
-    ver = verify_forward(target, cache, act.roots, props, act.lens, layer_ids, pad_id)
+    ver = verify_forward(target, cache, act.roots, props, act.lens, layer_ids, pad_id, act.lens_host)
     picked = accept(props, ver.logits, sampling, pad_id)
     paths = [path for path, _ in picked]
-    keep = commit_kv(cache, act.lens, start, paths)
+    keep = commit_kv(cache, act.lens, start, paths, act.lens_host)
     hidden = accepted_hidden(ver.hidden, paths)
     new = [torch.cat([p.tokens[path].to(device), torch.tensor([nxt], device=device)])
            for p, (path, nxt) in zip(props, picked)]
@@ -359,7 +372,7 @@ def decode(target: FrozenTarget, proposer: BatchProposer, prompts: Sequence[Tens
         for b, p, path, toks in zip(act.ids, props, paths, new):
             res[b].record_round(p, path)
             emit(outs[b], toks.tolist(), eos_id)
-        act.lens, act.roots = keep, torch.tensor(nxts, device=device)
+        act.advance(keep, paths, torch.tensor(nxts, device=device))
         act.retain([a for a, b in enumerate(act.ids) if not finished(outs[b], max_new_tokens, eos_id)], cache,
                    proposer)
 

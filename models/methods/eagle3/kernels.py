@@ -174,11 +174,13 @@ def _fused_linear(w: Tensor, b: Tensor | None):
     return PackedLinear(lin)
 
 
-def rope_at(drafter: Eagle3Drafter, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_at(drafter: Eagle3Drafter, positions: torch.Tensor, max_pos: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [M, d] for arbitrary RoPE positions [M] (tree siblings share a position), read from a table
-    that grows by doubling (one gather per step instead of ~8 small ops)."""
+    that grows by doubling (one gather per step instead of ~8 small ops). ``max_pos``: the largest position, when the
+    caller knows it on the host (else it is read from the device: a host sync every step)."""
     w = _inference_weights(drafter)
-    need = int(positions.max()) + 1
+    need = (int(positions.max()) if max_pos is None else max_pos) + 1
     if w["cos"] is None or w["cos"].shape[0] < need:
         pos = torch.arange(max(256, 2 * need), device=drafter.fc.weight.device, dtype=torch.float32)
         w["cos"], w["sin"] = rope_cos_sin(drafter._inv_freq, drafter.rope_scaling_factor, pos, drafter.fc.weight.dtype)
@@ -186,7 +188,7 @@ def rope_at(drafter: Eagle3Drafter, positions: torch.Tensor) -> tuple[torch.Tens
     return w["cos"][idx], w["sin"][idx]
 
 
-def entry_qkv(drafter: Eagle3Drafter, token_ids: Tensor, h: Tensor, positions: Tensor
+def entry_qkv(drafter: Eagle3Drafter, token_ids: Tensor, h: Tensor, positions: Tensor, max_pos: int | None = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The first half of a midlayer pass for M new entries: (q, k, v, residual).
 
@@ -201,7 +203,7 @@ def entry_qkv(drafter: Eagle3Drafter, token_ids: Tensor, h: Tensor, positions: T
     B, M, _ = x.shape
     nq, nkv, d = attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.head_dim
     qkv = w["qkv"](x)  # [B, M, nq + 2 nkv]
-    cos, sin = rope_at(drafter, positions)
+    cos, sin = rope_at(drafter, positions, max_pos)
     if positions.dim() == 2:  # [B, M, d] → broadcast over heads
         cos, sin = cos[:, None], sin[:, None]
     q = apply_rope(qkv[..., :nq].view(B, M, attn.heads, d).transpose(1, 2), cos, sin)
@@ -236,6 +238,7 @@ def cached_step(
     kv: DraftKV,
     start: int,
     mask: torch.Tensor | None = None,
+    max_pos: int | None = None,
 ) -> torch.Tensor:
     """One midlayer pass for M new entries over the first ``start`` entries of the cache ``kv``.
 
@@ -243,10 +246,11 @@ def cached_step(
     (fused target state g for real entries, the parent entry's output ``a`` for drafted ones);
     ``positions`` [M] RoPE positions; the new entries' K/V (RoPE applied, GQA-expanded) are written to ``kv``
     at [start, start+M); ``mask`` [M, start + M] bool (True = attend), None = every earlier entry plus causal
-    among the new ones. Returns ``drafter.carry(a)`` [B, M, H] (``drafter.logits`` of it scores the next token).
+    among the new ones; ``max_pos`` the largest position if the caller knows it (``rope_at``). Returns
+    ``drafter.carry(a)`` [B, M, H] (``drafter.logits`` of it scores the next token).
     Same maths as the training forward, with q/k/v and gate/up each fused into one matmul.
     """
-    q, k, v, residual = entry_qkv(drafter, token_ids, h, positions)
+    q, k, v, residual = entry_qkv(drafter, token_ids, h, positions, max_pos)
     M = q.shape[2]
     keys, values = kv.write(start, k, v)
     if mask is None and M > 1:

@@ -52,7 +52,8 @@ class _Eagle3Base:
         token after the newest context token)."""
         t = self.pending_ids.shape[1]
         pos = torch.arange(self.n_real, self.n_real + t, device=self.pending_g.device)
-        a = cached_step(self.drafter, self.pending_ids, self.pending_g, pos, self.kv, self.n_real)
+        a = cached_step(self.drafter, self.pending_ids, self.pending_g, pos, self.kv, self.n_real,
+                        max_pos=self.n_real + t - 1)
         self.n_real += t
         self.pending_ids = self.pending_ids[:, :0]
         self.pending_g = self.pending_g[:, :0]
@@ -93,7 +94,8 @@ class Eagle3ChainProposer(_Eagle3Base):
             qs.append(q)
             if s < k:  # draft s enters as scratch entry n_real + s - 1, RoPE position last + s
                 pos = torch.tensor([last + s], device=a.device)
-                a = cached_step(self.drafter, tok[None], a[:, None], pos, self.kv, self.n_real + s - 1)[:, -1]
+                a = cached_step(self.drafter, tok[None], a[:, None], pos, self.kv, self.n_real + s - 1,
+                                max_pos=last + s)[:, -1]
         return chain_proposal(toks, qs, a.device)
 
 
@@ -249,7 +251,8 @@ class Eagle3TreeProposer(_Eagle3Base):
             mask = torch.cat([torch.ones(f, self.n_real, dtype=torch.bool, device=device), anc_rows,
                               torch.eye(f, dtype=torch.bool, device=device)], dim=1)
             pos = torch.full((f,), last + d, device=device)
-            out = cached_step(dr, all_tok[frontier][None], h_in[None], pos, self.kv, self.n_real + e, mask)
+            out = cached_step(dr, all_tok[frontier][None], h_in[None], pos, self.kv, self.n_real + e, mask,
+                              max_pos=last + d)
             ent_anc = torch.cat([torch.cat([ent_anc, torch.zeros(e, f, dtype=torch.bool, device=device)], 1),
                                  torch.cat([anc_rows, torch.eye(f, dtype=torch.bool, device=device)], 1)], 0)
             ent_a = torch.cat([ent_a, out[0]], dim=0)
