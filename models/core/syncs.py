@@ -71,7 +71,7 @@ def _tensor_repeats(args, kwargs) -> bool:
     """``repeat_interleave`` syncs only for tensor repeats without ``output_size`` (an int's output size is known)."""
     kwargs = kwargs or {}
     reps = kwargs.get("repeats", args[1] if len(args) > 1 else args[0] if args else None)
-    return isinstance(reps, torch.Tensor) and reps.numel() > 1 and kwargs.get("output_size") is None
+    return isinstance(reps, torch.Tensor) and kwargs.get("output_size") is None
 
 
 def _to_host(args, kwargs) -> bool:
