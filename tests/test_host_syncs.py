@@ -52,7 +52,7 @@ def test_counter_counts_what_would_make_a_gpu_host_wait():
     assert quiet.total == 0
 
 
-def test_ar_decoding_reads_the_host_once_per_run_or_once_per_token_with_an_eos(target):
+def test_ar_decoding_reads_the_host_once_per_run_or_once_per_token_with_an_eos(target):  # noqa: F811 (fixture imported above)
     p = prompts()[0]
     with HostSyncCounter() as c:
         res = decode_ar(target, p, 24)
