@@ -134,6 +134,11 @@ def test_end_to_end_results_have_every_measurement(full, env):
         assert sp["spread"] == pytest.approx((sp["max"] - sp["min"]) / 2)
         assert e["tokens_per_s"]["median"] > 0 and e["bound"] > 0
         assert e["efficiency"] == pytest.approx(e["decode_speedup"]["median"] / e["bound"])
+        if e["method"] != "ar":  # AR's fixed per-step overhead is charged once a round, the forward v̄ times
+            step = r["cost_model"]["t_ar_step_s"][e["temperature"]]
+            share = min(1.0, r["cost_model"]["t_target_s"] / step)
+            assert e["forward_share"] == pytest.approx(share) and 0 < share <= 1
+            assert e["bound"] == pytest.approx(e["tau"] / (e["k_mean"] * e["c"] + share * e["v"] + 1 - share))
         assert all(math.isnan(a) or 0 <= a <= 1 for a in e["acceptance_by_pos"])
         win = e["tau_by_window"]  # every round under one reply window, the same τ in all
         assert sum(win["rounds"]) == e["rounds"]

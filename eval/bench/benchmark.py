@@ -15,8 +15,9 @@ Measured per (method, temperature):
   still reported with its gap (eval/bench/precision.py).
 * cost model: c = draft seconds per drafted node / the target's cost per call (AR's in-situ seconds per decode
   step); v(K) = (K+1)-token forward / 1-token forward, microbenchmarked on a cache of the mid-generation
-  length; bound = τ / (K̄·c + v̄) with K̄ the mean drafted nodes per round (tree size for trees) and v̄ the
-  mean of v(K_r) over rounds; efficiency = measured decode-phase speedup (prefill excluded, like the bound) /
+  length; bound = τ / (K̄·c + r·v̄ + 1 − r) with K̄ the mean drafted nodes per round (tree size for trees), v̄ the
+  mean of v(K_r) over rounds and r = t1 / AR's in-situ step (the loop's per-step overhead is paid once a round,
+  not v times); efficiency = measured decode-phase speedup (prefill excluded, like the bound) /
   bound: what overheads — acceptance, KV compaction, Python — leave of the bound.
 
 HF peers (T = 0): ``generate(prompt_lookup_num_tokens=K)`` and, when a draft model is given,

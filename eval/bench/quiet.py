@@ -7,8 +7,9 @@ Three signals, each recorded in results.json ``quiet`` with the thresholds it wa
   neighbour too) minus this process's own, over the wall time, in cores. Above ``OTHER_CORES_MAX`` something else ran.
 - drift of the baseline: AR's tokens/s across repetitions, and the target's one-token forward time t1 probed before
   the decoding and again after it, each more than ``DRIFT_MAX`` apart.
-- a method faster than its own cost-model bound (efficiency = measured decode speedup / τ/(K·c + v)) by more than
-  ``EFFICIENCY_MAX``: the bound holds for a quiet machine, so exceeding it means AR was the one slowed down.
+- a method faster than its own cost-model bound (efficiency = measured decode speedup / bound, the bound
+  τ/(K·c + r·v + 1 − r) of eval/bench/benchmark.py) by more than ``EFFICIENCY_MAX``: the bound holds for a quiet
+  machine, so exceeding it means AR was the one slowed down.
 """
 
 from __future__ import annotations

@@ -189,9 +189,12 @@ def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSett
                 k_mean = pool.drafted / pool.rounds if pool.rounds else float("nan")
                 c = pool.draft_s / costs["t_ar_step_s"][temp] / pool.drafted if pool.drafted else 0.0
                 v = pool.v_units / pool.rounds if pool.rounds else float("nan")
+                # r = the forward's share of AR's in-situ step; the rest (sampling, cache append, Python) is paid
+                # once per round, not v times: a round costs at least K̄·c + r·v̄ + (1 − r) AR steps
+                r = min(1.0, costs["t_target_s"] / costs["t_ar_step_s"][temp])
                 # c per drafted token; c_round = k_mean·c = drafting cost of one round (the unit for DFlash)
-                e.update(k_mean=k_mean, c=c, c_round=k_mean * c, v=v,
-                         bound=pool.tau / (k_mean * c + v) if pool.rounds else float("nan"))
+                e.update(k_mean=k_mean, c=c, c_round=k_mean * c, v=v, forward_share=r,
+                         bound=pool.tau / (k_mean * c + r * v + 1 - r) if pool.rounds else float("nan"))
             if e["speedup_robust"]["noisy"]:
                 log.warning("%s T=%g: speedup %.2f ± %.2f over repetitions is noisier than the effect; the "
                             "fastest-repetition estimate is %.2f (a loaded machine? raise repetitions)", m.name, temp,
