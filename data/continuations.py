@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from data.regen_cache import regen_cache_path
+from data.regen_vllm import regen_generator
 from data.regenerate import regenerate_continuations
 
 # A first user turn shorter than this is mostly "hi" or "continue": little text of its own to go on from
@@ -44,7 +45,7 @@ def continue_prompts(cfg, model, tok, kind: str, prompts: list[list[int]], temp:
     counts: dict = {}  # what was read back whole vs generated now (a torn or partial batch is generated)
     got = regenerate_continuations(model, tok, prompts, out, batch_size=cfg.regen_batch_size,
                                    max_new_tokens=cfg.regen_new_tokens, temperature=temp, seed=cfg.seed,
-                                   stats=counts)
+                                   stats=counts, generator=regen_generator(cfg, model))
     secs = time.time() - t0
     if stats is not None:
         made = counts["generated"]

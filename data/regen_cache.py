@@ -24,6 +24,7 @@ def regen_cache_path(cfg, model, tok, kind: str, inputs, temperature: float | No
     outputs."""
     import torch
 
+    from data.regen_vllm import generator_name
     from models.core.target import FrozenTarget
 
     ident = {k: v for k, v in FrozenTarget(model, tok).identity().items() if k != "name_or_path"}
@@ -33,7 +34,8 @@ def regen_cache_path(cfg, model, tok, kind: str, inputs, temperature: float | No
            "inputs": _sha(inputs),
            "temperature": float(cfg.regen_temperature if temperature is None else temperature),
            "top_p": 1.0, "top_k": 0, "seed": cfg.seed, "max_new_tokens": cfg.regen_new_tokens,
-           "generator": REFILL_GENERATOR if refill else GENERATOR}
+           "generator": generator_name(getattr(cfg, "regen_backend", "draftsmith"))
+           or (REFILL_GENERATOR if refill else GENERATOR)}
     if model.dtype != torch.float32:  # the text depends on the dtype the target computes in (fp32 keys as before)
         key["dtype"] = str(model.dtype).replace("torch.", "")
     digest = _sha(key)[:16]

@@ -200,6 +200,7 @@ def regenerate_conversations(
     stats: dict | None = None,
     max_prompt_tokens: int | None = None,
     refill: bool = False,
+    generator=None,
 ) -> list[list[dict]]:
     """Every assistant turn replaced by the target's own reply to the (already regenerated) context before it.
 
@@ -209,14 +210,16 @@ def regenerate_conversations(
     prompt would pad and slow its whole batch.
     ``refill``: continuous batching (models/core/refill.py; ``_refill_conversations``), each reply sampled with a
     seed of its own; else fixed batches of conversations, one assistant turn per ``generate`` call.
+    ``generator``: another engine (data/regen_vllm.py) in place of ours; it batches continuously itself, and every
+    reply is sampled with its conversation's and turn's own seed, so its records do not depend on ``refill``.
     """
     convs = [[{"role": m["role"], "content": m["content"]} for m in c] for c in conversations]
     stops = stop_token_ids(tok, model, chat_template=chat_template, enable_thinking=enable_thinking)
     pad_id = _pad_id(tok, stops)
     state = _Conversations(tok, convs, stops, chat_template, enable_thinking, max_prompt_tokens)
-    if refill:
+    if refill or generator is not None:
         done = _refill_conversations(model, state, out_path, batch_size, max_new_tokens, temperature, seed, pad_id,
-                                     stats)
+                                     stats, generator)
         return [done[i]["messages"] for i in range(len(convs))]
 
     def process_batch(idx: list[int]) -> list[dict]:
@@ -245,9 +248,10 @@ def regenerate_conversations(
 
 
 def _refill_conversations(model, state: _Conversations, out_path: Path, batch_size: int, max_new_tokens: int,
-                          temperature: float, seed: int, pad_id: int, stats: dict | None) -> dict[int, dict]:
+                          temperature: float, seed: int, pad_id: int, stats: dict | None,
+                          generator=None) -> dict[int, dict]:
     """Continuous batching over conversations (``_RefillRun``), resumable: conversations the file holds are
-    skipped, the others generated."""
+    skipped, the others generated (by ``generator`` when given: ``batch_size`` requests a call)."""
     from models.core.refill import generate_refill
 
     out_path = Path(out_path)
@@ -258,7 +262,14 @@ def _refill_conversations(model, state: _Conversations, out_path: Path, batch_si
     if stats is not None:
         stats.update(generated=len(run.todo), from_cache=len(state.convs) - len(run.todo))
     try:
-        generate_refill(model, run.pull, run.finish, state.stops, pad_id, max_new_tokens, batch_size, temperature)
+        if generator is None:
+            generate_refill(model, run.pull, run.finish, state.stops, pad_id, max_new_tokens, batch_size, temperature)
+        else:
+            while reqs := run.pull(batch_size):
+                outs = generator.generate([r.prompt for r in reqs], state.stops, max_new_tokens, temperature,
+                                          [r.seed for r in reqs])
+                for r, new in zip(reqs, outs):
+                    run.finish(r.tag, new)
         run.flush()
     finally:
         run.bar.close()
@@ -341,11 +352,13 @@ def regenerate_continuations(
     temperature: float = 0.0,
     seed: int = 0,
     stats: dict | None = None,
+    generator=None,
 ) -> list[dict]:
     """The target's continuation of each token prefix (e.g. code): ``{"input_ids", "loss_mask"}`` rows.
 
     ``input_ids = prompt + generated``; ``loss_mask`` is 0 on the prompt and 1 on the generated tokens,
-    including the eos the target produced (predicting the end is part of its behaviour).
+    including the eos the target produced (predicting the end is part of its behaviour). ``generator``: another
+    engine (data/regen_vllm.py) in place of ours, each prompt sampled with a seed of its own index.
     """
     items = [[int(t) for t in p] for p in prompts]
     stops = stop_token_ids(tok, model, turn_end=False)  # plain text continuations end at eos only
@@ -357,8 +370,12 @@ def regenerate_continuations(
                 and ids[:len(prompt)] == prompt and not any(mask[:len(prompt)]))
 
     def process_batch(idx: list[int]) -> list[dict]:
-        outs = _generate_batch(model, [items[i] for i in idx], stops, pad_id, max_new_tokens, temperature,
-                               resumable.batch_seed(seed, idx[0]))
+        if generator is not None:
+            outs = generator.generate([items[i] for i in idx], stops, max_new_tokens, temperature,
+                                      [resumable.batch_seed(seed, i) for i in idx])
+        else:
+            outs = _generate_batch(model, [items[i] for i in idx], stops, pad_id, max_new_tokens, temperature,
+                                   resumable.batch_seed(seed, idx[0]))
         return [{"index": i, "input_ids": items[i] + new, "loss_mask": [0] * len(items[i]) + [1] * len(new),
                  "new_tokens": len(new)} for i, new in zip(idx, outs)]
 

