@@ -50,8 +50,12 @@ def generator_name(backend: str) -> str | None:
 
 
 def model_dir(model) -> str:
-    """The directory vLLM loads: the one the target was loaded from (a converted GGUF's cache directory included)."""
-    path = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
+    """The directory vLLM loads: the one the target was loaded from (an alias such as ``smollm2`` or a ``.gguf``
+    resolves to its converted directory, as models/core/target.py loads it)."""
+    from models.core.target import resolve_name
+
+    name = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
+    path = resolve_name(str(name)) if name else None
     if not path or not (Path(path) / "config.json").exists():
         raise ValueError(f"data.regen_backend=vllm needs the target as a local directory with config.json; the "
                          f"target was loaded from {path!r}")

@@ -91,3 +91,18 @@ def test_a_reply_ends_after_its_first_stop_token_whichever_way_vllm_reports_it()
     assert _with_stop([3, 4], None, stops) == [3, 4]  # max_tokens reached
     assert _with_stop([3, 4], "</s>", stops) == [3, 4]  # a stop string is not a token
 
+
+
+def test_vllm_loads_the_directory_an_alias_resolves_to(tmp_path, tiny_llama):
+    from data.regen_vllm import model_dir
+    from models.core.target import EMBEDDED_DIR
+
+    was = tiny_llama.config._name_or_path  # a session fixture: put back
+    try:
+        tiny_llama.config._name_or_path = "tiny-code"  # what models/core/target.py records for an alias
+        assert model_dir(tiny_llama) == str(EMBEDDED_DIR)
+        tiny_llama.config._name_or_path = str(tmp_path)  # a directory without config.json: built in code, never saved
+        with pytest.raises(ValueError, match="needs the target as a local directory with config.json"):
+            model_dir(tiny_llama)
+    finally:
+        tiny_llama.config._name_or_path = was
