@@ -248,6 +248,27 @@ def _perturb_last(target, proposer, ids, max_new, **kw):
     return r
 
 
+def test_methods_take_turns_on_each_prompt_so_drift_falls_on_all_alike(env):
+    """A machine that slows for a stretch must not slow one method's whole block of prompts: within a repetition
+    every method decodes prompt i before any decodes prompt i + 1."""
+    calls = []
+
+    def recording(name):
+        def decode(target, proposer, ids, max_new, **kw):
+            calls.append((name, ids.shape[1]))
+            return speculative_decode(target, proposer, ids, max_new, **kw)
+        return decode
+
+    methods, _ = build_methods(env.target, ["ngram"], options=OPTIONS)
+    ng = methods[1]
+    methods[1:] = [Method(n, "ngram", ng.make, num_speculative_tokens=ng.num_speculative_tokens, options=ng.options,
+                          decode=recording(n)) for n in ("first", "second")]
+    run_benchmark(env.target, methods, env.prompts, settings(temperatures=[0], repetitions=1, batch_sizes=[],
+                                                             peers=False, warmup=0))
+    lens = [len(p.ids) for p in env.prompts]
+    assert calls == [(n, n_tok) for n_tok in lens for n in ("first", "second")]
+
+
 def test_lossless_check_flags_perturbed_tokens(env):
     methods, _ = build_methods(env.target, ["ngram"], options=OPTIONS)
     ng = methods[1]

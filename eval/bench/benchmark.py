@@ -1,7 +1,8 @@
 """The evaluation harness: acceptance, speedup, cost-model bound, HF peers, batch crossover, one process.
 
-Every method runs in ONE process on the SAME prompts with the same thread count, interleaved per repetition
-(rep r runs AR, then every method, then the HF peers) so slow drift of a shared machine hits all of them alike;
+Every method runs in ONE process on the SAME prompts with the same thread count, interleaved prompt by prompt
+(rep r runs AR then every method on prompt 1, then on prompt 2, ..., then the HF peers) so that a machine whose
+speed drifts slows all of them alike;
 speedups are paired ratios (method tokens/s ÷ AR tokens/s of the same repetition), reported as median and
 spread over repetitions.
 
@@ -374,7 +375,8 @@ def _lossless_entry(m: Method, divergences: list[dict]) -> dict:
 
 def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[Tensor], prompts: Sequence[Prompt],
                  s: BenchSettings, v_table: Mapping[int, float], eos: int | None) -> dict:
-    """Every method (then the HF peers at T=0) on every prompt, interleaved per repetition."""
+    """Every method on every prompt, the methods in turn on each prompt (then the HF peers at T=0, prompt after
+    prompt), every repetition."""
     device = ids[0].device
     peers = peer_runs(methods) if s.peers else []
     proposers = {m.name: (m.make(None) if m.make else None) for m in methods}
@@ -395,27 +397,26 @@ def _single_runs(target: FrozenTarget, methods: Sequence[Method], ids: Sequence[
                 for _ in range(s.warmup):
                     hf_generate(target, ids[0], s, eos, extra)
         for rep in range(s.repetitions):
-            for m in methods:
-                key = (m.name, temp)
-                t_rep, d_rep, n_rep, tok_rep = [], [], [], []
-                for i, x in enumerate(ids):
+            # prompt by prompt, every method in turn: a stretch where the machine runs slower (seen on a VM with
+            # nothing else running) then falls on all methods alike instead of on one method's block of prompts
+            got = {m.name: ([], [], [], []) for m in methods}  # seconds, decode seconds, tokens, token ids
+            for i, x in enumerate(ids):
+                for m in methods:
                     # same seed for every method at a given (rep, prompt); T=0 needs none
                     gen = None if temp == 0 else seeded_generator(device, s.seed + 7919 * rep + i)
                     r = _decode_one(target, m, proposers[m.name], x, s, temp, gen, eos)
                     v = None if m.baseline else v_table
-                    pools.setdefault(key, Pooled()).add(r, v)
-                    pools.setdefault((*key, prompts[i].category), Pooled()).add(r, v)
-                    t_rep.append(r.total_s)
-                    d_rep.append(r.total_s - r.prefill_s)
-                    n_rep.append(len(r.tokens))
-                    tok_rep.append(list(r.tokens))
+                    pools.setdefault((m.name, temp), Pooled()).add(r, v)
+                    pools.setdefault((m.name, temp, prompts[i].category), Pooled()).add(r, v)
+                    for col, val in zip(got[m.name], (r.total_s, r.total_s - r.prefill_s, len(r.tokens),
+                                                       list(r.tokens))):
+                        col.append(val)
                     bar.update()
-                times.setdefault(key, []).append(t_rep)
-                dtimes.setdefault(key, []).append(d_rep)
-                ntoks.setdefault(key, []).append(n_rep)
-                tokens.setdefault(key, []).append(tok_rep)
+            for m in methods:
+                for store, col in zip((times, dtimes, ntoks, tokens), got[m.name]):
+                    store.setdefault((m.name, temp), []).append(col)
                 if temp == 0:
-                    tokens0.setdefault(m.name, []).append(tok_rep)
+                    tokens0.setdefault(m.name, []).append(got[m.name][3])
             if temp == 0:
                 for name, extra in peers:
                     t_rep, n_rep, tok_rep = [], [], []
