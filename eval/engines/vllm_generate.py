@@ -24,12 +24,10 @@ import os
 import sys
 import traceback
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+# set in main(), before vLLM is imported (importing this file elsewhere, e.g. for _with_stop, changes no environment)
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+              "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+              "VLLM_NO_USAGE_STATS": "1"}
 
 
 def _reply(out, obj: dict) -> None:
@@ -63,6 +61,8 @@ def generate(llm, req: dict) -> list[list[int]]:
 
 def main(argv: list[str]) -> int:
     cfg = json.loads(argv[1])
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
     proto = os.fdopen(os.dup(1), "w")  # replies go here; fd 1 becomes stderr for everything else
     os.dup2(2, 1)
     sys.stdout = sys.stderr
