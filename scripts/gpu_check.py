@@ -6,8 +6,9 @@
 For every trainable method (models/registry.py) it trains the recipe for ``--steps`` steps on the target (default
 the embedded tiny-code) in ``--dtype``, then decodes held-out prompts with AR, the n-gram proposer and every
 trained drafter at T=0 (lossless check against AR, within the dtype's measured noise) and prints absolute
-tokens/s per method at batch 1 and the batched tokens/s of the chain methods. Results: OUT/results.json.
-Exits non-zero when a method is not lossless. CI never runs it (no GPU there).
+tokens/s per method at batch 1 and the batched tokens/s of the chain methods, one-row decoding on the step
+``--decode-step`` picks (auto: the compiled static-cache step where it is faster, models/core/static_kv.py).
+Results: OUT/results.json. Exits non-zero when a method is not lossless. CI never runs it (no GPU there).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eval.bench.benchmark import run_benchmark, write_json  # noqa: E402
+from eval.bench.decode_step import choose_decode_step  # noqa: E402
 from eval.bench.setup import BenchSettings, build_methods, load_prompts  # noqa: E402
 from models import registry  # noqa: E402
+from models.core.proposal import MAX_TREE_NODES  # noqa: E402
 from models.core.target import FrozenTarget  # noqa: E402
 from train.loop import run as train_run  # noqa: E402
 
@@ -38,6 +41,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--decode-step", default="auto", help="eager | compiled | auto (eval/bench/decode_step.py)")
     ap.add_argument("--out", default="runs/gpu_check")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -57,6 +61,8 @@ def main() -> int:
         ckpts[method] = str(out / method / "final")
     target = FrozenTarget.from_pretrained(args.target, dtype=args.dtype, device=args.device)
     prompts = load_prompts(target.tokenizer, args.prompts, 128)
+    step = choose_decode_step(target, args.decode_step, 128 + args.new_tokens + MAX_TREE_NODES + 1)
+    print(f"== decode step: {step}", flush=True)
     names = [p for p, (spec, _) in registry.proposers().items() if spec.source == "none" or spec.name in ckpts]
     methods, skipped = build_methods(target, names, ckpts)
     settings = BenchSettings(max_new_tokens=args.new_tokens, temperatures=[0], repetitions=1, warmup=1,

@@ -425,7 +425,7 @@ def _cli_overrides(env, out: Path, *extra: str) -> list[str]:
             f"checkpoints.dflash={env.dir / 'none'}", "n_prompts=2",
             "prompt_tokens=12", f"max_new_tokens={MAX_NEW}", "repetitions=1", "warmup=0", "cost_reps=1",
             "threads=1", "progress=false", "options.eagle3_tree.total_tokens=8", "options.medusa.num_nodes=8",
-            "draft_model=null", f"out_dir={out}", *extra]
+            "draft_model=null", "decode_step=eager", f"out_dir={out}", *extra]
 
 
 def test_cli_run_writes_report(env, tmp_path):

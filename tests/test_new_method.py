@@ -93,7 +93,7 @@ def test_the_toy_trains_benchmarks_and_exports_through_the_real_clis(target_path
     _run("-m", "eval", f"target.name_or_path={target_path}", "methods=[ar,toy,toy_k1]", f"checkpoints.toy={final}",
          "n_prompts=2", "prompt_tokens=12", "max_new_tokens=16", "repetitions=1", "warmup=0", "cost_reps=1",
          "threads=1", "progress=false", "temperatures=[0]", "batch_sizes=[]", "peers=false", "draft_model=null",
-         f"out_dir={bench}")
+         "decode_step=eager", f"out_dir={bench}")
     res = json.loads((bench / "results.json").read_text())
     assert res["lossless"] and {"toy", "toy_k1"} <= set(res["methods"])
     assert res["methods"]["toy"]["options"] == {"num_speculative_tokens": 3}

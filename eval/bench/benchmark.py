@@ -147,6 +147,8 @@ def _env(threads: int, device: torch.device, target: FrozenTarget) -> dict:
     probe = getattr(target.model, "draftsmith_kernels", None)
     if probe is not None:  # target.dtype=auto: what was measured, and what it chose
         env["dtype_probe"] = probe
+    env["decode_step"] = getattr(target.model, "draftsmith_decode_step", None) or {  # eval/bench/decode_step.py
+        "mode": None, "chosen": "eager" if target.static is None else "compiled"}
     return env
 
 

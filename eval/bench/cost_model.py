@@ -50,7 +50,7 @@ def measure_costs(
     vocab = target.vocab_size
 
     def timed(b: int, ws: Sequence[int]) -> dict[int, float]:
-        cache = new_cache(target)
+        cache = new_cache(target, b)
         target(torch.randint(vocab, (b, prefix_len), generator=g).to(device), cache=cache, use_cache=True,
                logits_to_keep=1)
         out = {}
@@ -115,7 +115,7 @@ def measure_draft_costs(target: FrozenTarget, make_batch: Callable[[int, int], A
         out[b] = {}
         for k in sorted(set(ks)):
             bp = make_batch(k, b)
-            pre, _, logits = prefill(target, rows, new_cache(target), list(bp.layer_ids))
+            pre, _, logits = prefill(target, rows, new_cache(target, len(rows)), list(bp.layer_ids))
             first = logits.argmax(-1)
             bp.begin([torch.cat([r, first[i : i + 1]]) for i, r in enumerate(rows)], pre.hidden, Sampling())
             samples = []

@@ -86,7 +86,7 @@ def _header_md(r: dict) -> list[str]:
         lines += ["", f"The target *is* `{g['file']}` dequantized to {g['dequantized_to']} (sha256 "
                       f"`{g['sha256'][:16]}…`): losslessness is against that model, not the checkpoint the GGUF was "
                       "quantized from."]
-    lines += _bandwidth_md(r) + _dtype_probe_md(r)
+    lines += _bandwidth_md(r) + _decode_step_md(r) + _dtype_probe_md(r)
     lines.append("")
     bad = [n for n, m in r["methods"].items() if not m["lossless"]]
     tolerated = sum(m.get("n_tolerated", 0) for m in r["methods"].values())
@@ -111,6 +111,24 @@ def _bandwidth_md(r: dict) -> list[str]:
                 f"{bw['weight_MB']:.0f} MB of weights once per token at the measured {bw['read_GB_per_s']:.1f} GB/s "
                 f"({bw['threads']} threads) allows {bound:.0f} tokens/s: AR ran at {100 * tps / bound:.0f} % of "
                 "that bandwidth bound."]
+
+
+def _decode_step_md(r: dict) -> list[str]:
+    """Which step AR and every method decoded with (eval/bench/decode_step.py), and what decided it."""
+    d = r["env"].get("decode_step")
+    if not d:
+        return []
+    line = f"Decoding step: **{d['chosen']}**"
+    if d.get("mode"):
+        line += f" (`decode_step={d['mode']}`"
+        if "eager_ms" in d:
+            line += (f"; one-token step {d['compiled_ms']:.1f} ms compiled vs {d['eager_ms']:.1f} ms eager, median of "
+                     f"{d['rounds']} interleaved rounds")
+        line += f"; {d['why']}" if d.get("why") else ""
+        line += ")"
+    if d.get("compile_s"):
+        line += ". Compile seconds per trace: " + ", ".join(f"{k} {v:.0f}" for k, v in d["compile_s"].items())
+    return ["", line + "."]
 
 
 def _dtype_probe_md(r: dict) -> list[str]:

@@ -32,6 +32,7 @@ from eval.decode.result import DecodeResult, check_prompt, check_proposal, devic
 from eval.decode.window import apply_window, full_cache
 from models.core import verify
 from models.core.proposal import MAX_TREE_NODES, BatchProposer, Proposal, Sampling, right_pad
+from models.core.static_kv import StaticKV
 from models.core.target import FrozenTarget, TargetOutput
 from models.core.tree import tree_layout
 
@@ -40,9 +41,13 @@ __all__ = ["new_cache", "prefill", "sample_token", "batch_mask", "verify_inputs"
 
 
 # --------------------------------------------------------------------------------------------- basic steps
-def new_cache(target: FrozenTarget) -> DynamicCache:
-    """An empty KV cache for the target (transformers DynamicCache, one layer per decoder layer). Every layer keeps
-    every entry, sliding ones included, so rejected drafts can be cropped (eval/decode/window.py)."""
+def new_cache(target: FrozenTarget, rows: int = 1, need: int = 0) -> DynamicCache | StaticKV:
+    """An empty KV cache for ``rows`` sequences of up to ``need`` tokens each. One row of a target with a static step
+    (``FrozenTarget.use_static``): a ``StaticKV`` over the compiled step (models/core/static_kv.py). Otherwise a
+    transformers DynamicCache whose every layer keeps every entry, sliding ones included, so rejected drafts can be
+    cropped (eval/decode/window.py)."""
+    if target.static is not None and rows == 1:
+        return target.static.new_cache(need)
     return full_cache()
 
 
@@ -343,7 +348,7 @@ def decode(target: FrozenTarget, proposer: BatchProposer, prompts: Sequence[Tens
     res = [DecodeResult(tokens=[]) for _ in rows_in]
 
     t0 = device_time(device)
-    cache = new_cache(target)
+    cache = new_cache(target, len(rows_in), max(len(r) for r in rows_in) + max_new_tokens + max_nodes + 1)
     pre, lens, logits = prefill(target, rows_in, cache, layer_ids, pad_id)
     roots = sample_token(logits, sampling)  # [B]: each row's newest token, not yet through the target
     t = device_time(device)

@@ -99,7 +99,7 @@ def decode_ar(
     device = prompt_ids.device
     res = DecodeResult(tokens=[])
     t0 = device_time(device)
-    cache = new_cache(target)
+    cache = new_cache(target, 1, prompt_ids.shape[1] + max_new_tokens)
     tok = sample_token(prefill(target, prompt_ids, cache).logits[:, -1], sampling)  # [1]
     res.prefill_s = device_time(device) - t0
     res.target_forwards = 1

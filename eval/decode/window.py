@@ -20,19 +20,12 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PretrainedConfig
 
+from models.core.hf_compat import sliding_window_of
+
 
 def full_cache() -> DynamicCache:
     """A cache whose every layer keeps every entry (croppable), whatever the target's attention types."""
     return DynamicCache()
-
-
-def sliding_window_of(config: PretrainedConfig) -> int | None:
-    """The target's attention window when at least one layer uses it, else None."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if not window or (types is not None and "sliding_attention" not in types):
-        return None
-    return int(window)
 
 
 def apply_window(config: PretrainedConfig, mask: Tensor | None, q_pos: Tensor, k_pos: Tensor) -> Tensor | dict | None:

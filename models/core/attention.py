@@ -83,6 +83,8 @@ def _whole_buffers(key, value):
     matmul then runs 5-15x slower than on the contiguous buffer (SmolLM2, 64 rows × 800 columns). The whole
     buffers are used instead when both views start them, the columns past the view masked (they hold zeros or
     finite stale states, never NaN: the buffers are zero-initialised)."""
+    if key.is_contiguous():  # a whole buffer already (a static cache's; ``_base`` is not traced by torch.compile)
+        return key, value, 0
     kb, vb = key._base, value._base
     if (kb is None or vb is None or key.is_contiguous() or kb.dim() != 4 or vb.dim() != 4
             or not kb.is_contiguous() or not vb.is_contiguous()

@@ -6,6 +6,7 @@ import inspect
 from typing import Any
 
 from torch import nn
+from transformers import PretrainedConfig
 
 
 def cache_kwargs(module: nn.Module, cache: Any) -> dict:
@@ -17,3 +18,12 @@ def cache_kwargs(module: nn.Module, cache: Any) -> dict:
         name = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
         object.__setattr__(module, "_draftsmith_cache_kw", name)
     return {name: cache}
+
+
+def sliding_window_of(config: PretrainedConfig) -> int | None:
+    """The target's attention window when at least one layer uses it, else None."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None
+    return int(window)

@@ -13,9 +13,9 @@ thread, Zen 5 with two regeneration processes beside it (``python -m eval.bench.
 | lm_head 49152×576 | fp32 | 1 / 4 | 14.9 / 24.6 | 9.2-10.1 / 6.8-7.6 |
 
 The packed op has no autograd: a call that needs gradients, a weight on another device, or a CPU without oneDNN
-takes ``F.linear``. The parameters stay what they were (same names, same tensors: tied embeddings and readers of
-``.weight`` see no difference); the packed copy follows them (re-packed when the weight changes) and is never
-saved or deep-copied.
+takes ``F.linear``, as does a compiled step (models/core/static_kv.py: inductor chooses its own GEMM there). The
+parameters stay what they were (same names, same tensors: tied embeddings and readers of ``.weight`` see no
+difference); the packed copy follows them (re-packed when the weight changes) and is never saved or deep-copied.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (w.device.type != "cpu" or x.dtype != w.dtype or not packs(w.dtype)
+        if (w.device.type != "cpu" or x.dtype != w.dtype or not packs(w.dtype) or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return F.linear(x, w, self.bias)
         b = None if self.bias is None else self.bias.detach()

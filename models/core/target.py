@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from models.core.checkpoint import first_nonfinite
 from models.core.hf_compat import cache_kwargs
+from models.core.static_kv import StaticDecoding, StaticKV
 
 EMBEDDED_NAME = "tiny-code"
 # the embedded default target ships in the repo (models/tiny_code/; built by train/build_tiny_code.py)
@@ -277,6 +278,7 @@ class FrozenTarget(nn.Module):
         self.num_layers = model.config.num_hidden_layers
         self.hidden_size = model.config.hidden_size
         self.vocab_size = model.config.vocab_size
+        self.static: StaticDecoding | None = None  # set by ``use_static``: one-row decoding over a compiled step
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False,
@@ -315,6 +317,19 @@ class FrozenTarget(nn.Module):
             return self.norm
         return self.layers[k - 1]  # output of layer k-1 == input of layer k
 
+    def use_static(self, capacity: int = 1024, backend: str | None = "inductor") -> StaticDecoding:
+        """Decode one row at a time over a fixed-capacity cache and a compiled step (models/core/static_kv.py):
+        the decoding ladder's ``new_cache`` then hands out ``StaticKV`` caches, which ``forward`` runs."""
+        self.use_eager()
+        self.static = StaticDecoding(self.model, self._hook_module, capacity, backend)
+        return self.static
+
+    def use_eager(self) -> None:
+        """Decode over transformers' growing cache again (the default); a static step's hooks are removed."""
+        if self.static is not None:
+            self.static.close()
+        self.static = None
+
     @torch.no_grad()
     def forward(
         self,
@@ -327,6 +342,14 @@ class FrozenTarget(nn.Module):
         logits_to_keep: int = 0,
     ) -> TargetOutput:
         ids = validate_layer_ids(layer_ids, self.num_layers)
+        if isinstance(cache, StaticKV):
+            logits, hidden = cache.forward(input_ids, ids, attention_mask, position_ids, logits_to_keep)
+            return TargetOutput(logits=logits, hidden=hidden, cache=cache)
+        return self.run_model(input_ids, ids, attention_mask, position_ids, cache, use_cache, logits_to_keep)
+
+    def run_model(self, input_ids: torch.Tensor, ids: list[int], attention_mask: torch.Tensor | None,
+                  position_ids: torch.Tensor | None, cache: Any, use_cache: bool, logits_to_keep: int) -> TargetOutput:
+        """The HF model's own forward, hidden states ``ids`` captured by hooks registered for this call only."""
         captured: dict[int, torch.Tensor] = {}
         handles = []
         for k in ids:

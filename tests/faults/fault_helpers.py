@@ -112,7 +112,8 @@ def eval_error(target, out: Path, capsys, monkeypatch, *overrides: str) -> str:
     from eval.__main__ import main
 
     monkeypatch.setattr(sys, "argv", ["eval", "methods=[ar]", f"target.name_or_path={target}", f"out_dir={out}",
-                                      "n_prompts=2", "max_new_tokens=2", "batch_sizes=[]", "peers=false", *overrides])
+                                      "n_prompts=2", "max_new_tokens=2", "batch_sizes=[]", "peers=false",
+                                      "decode_step=eager", *overrides])
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main()

@@ -177,7 +177,7 @@ def test_read_only_cache_is_one_line_in_eval_too(built, tmp_path):
     with small_tmpfs(tmp_path / "ro", "8m") as mnt:
         remount_readonly(mnt)
         r = subprocess.run([sys.executable, "-m", "eval", f"target.name_or_path={path}", f"out_dir={tmp_path}/ev",
-                            "methods=[ar]", "n_prompts=1", "peers=false", "batch_sizes=[]"],
+                            "methods=[ar]", "n_prompts=1", "peers=false", "batch_sizes=[]", "decode_step=eager"],
                            env={**os.environ, "DRAFTSMITH_CACHE": str(mnt)}, capture_output=True, text=True)
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -298,7 +298,7 @@ def _eval_cfg(target_dir, tmp_path, *over):
 
     base = ["methods=[ar]", f"target.name_or_path={target_dir}", f"out_dir={tmp_path}/e", "max_new_tokens=2",
             "batch_sizes=[]", "peers=false", "repetitions=1", "warmup=0", "cost_reps=1", "temperatures=[0]",
-            "progress=false", "draft_model=null"]
+            "progress=false", "draft_model=null", "decode_step=eager"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("eval", base + list(over))
 

@@ -1,0 +1,160 @@
+"""The static KV cache and its compiled step (models/core/static_kv.py, eval/bench/decode_step.py): the same greedy
+tokens as the eager engine for AR and every proposer, chains and trees; the cache's bookkeeping; clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval.bench.decode_step import choose_decode_step
+from eval.decode.ladder import new_cache
+from eval.decode.single import decode_ar, speculative_decode
+from models.core.proposal import Sampling
+from models.core.static_kv import StaticKV, bucket
+from models.core.syncs import HostSyncCounter
+from models.core.target import FrozenTarget
+from tests.conftest import make_tiny_llama
+from tests.test_decode import PROPOSERS, V, drafters, make_proposer, prompts, target  # noqa: F401 (fixtures)
+
+
+@pytest.fixture()
+def static_target(target):  # noqa: F811 (fixture imported above)
+    """The module's tiny target with an untraced static step, handed back eager afterwards."""
+    target.use_static(capacity=256, backend=None)
+    yield target
+    target.use_eager()
+
+
+def test_padded_widths_fall_in_buckets_and_prefill_stays_eager():
+    assert [bucket(w) for w in (1, 2, 5, 8, 9, 16)] == [1, 8, 8, 8, 16, 16]
+    assert bucket(17) is None
+
+
+def test_ar_over_the_static_cache_emits_the_eager_tokens(target, static_target):  # noqa: F811
+    for p in prompts():
+        static = decode_ar(static_target, p, 20).tokens
+        target.use_eager()
+        assert static == decode_ar(target, p, 20).tokens
+        target.use_static(capacity=256, backend=None)
+
+
+@pytest.mark.parametrize("name", PROPOSERS)
+def test_every_proposer_over_the_static_cache_emits_plain_greedy_decoding(name, target, drafters):  # noqa: F811
+    """Chains (padded to their width bucket) and trees (their mask widened to the capacity; wide trees eager) alike."""
+    want = [decode_ar(target, p, 24).tokens for p in prompts()]
+    target.use_static(capacity=256, backend=None)
+    try:
+        for p, ref in zip(prompts(), want):
+            res = speculative_decode(target, make_proposer(name, target, drafters), p, 24)
+            assert res.tokens == ref, name
+            assert isinstance(new_cache(target), StaticKV)
+    finally:
+        target.use_eager()
+
+
+def test_one_traced_graph_serves_ar_chains_and_trees(target, drafters):  # noqa: F811
+    """torch.compile(fullgraph=True) traces the step (the ``eager`` backend: the graph without inductor's code
+    generation): hidden states recorded by hooks, padded chains and masked trees give the eager engine's tokens."""
+    want = [decode_ar(target, p, 16).tokens for p in prompts(2)]
+    static = target.use_static(capacity=256, backend="eager")
+    try:
+        for name in ("eagle3_chain", "eagle3_tree"):
+            for p, ref in zip(prompts(2), want):
+                assert speculative_decode(target, make_proposer(name, target, drafters), p, 16).tokens == ref
+        assert decode_ar(target, prompts(2)[0], 16).tokens == want[0]
+        assert any(t.startswith("w1") for t in static.compile_s)
+        assert any(t.startswith("w8/") for t in static.compile_s)  # the chain's K+1 = 5 rows, with hidden states
+        assert any("+mask" in t for t in static.compile_s)  # a tree
+    finally:
+        target.use_eager()
+
+
+def test_static_forward_returns_the_eager_logits_and_hidden_states(static_target):
+    x = torch.randint(3, V, (1, 24), generator=torch.Generator().manual_seed(5))
+    ids = [0, 2, 4]
+    eager_cache = new_cache(static_target, rows=2)  # a DynamicCache: the target's own forward
+    cache = new_cache(static_target)
+    for part in (x[:, :-3], x[:, -3:-1], x[:, -1:]):  # a 21-token prefill (eager), 2 rows padded to 8, one row
+        a = static_target(part, layer_ids=ids, cache=cache, use_cache=True)
+        b = static_target(part, layer_ids=ids, cache=eager_cache, use_cache=True)
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+        for k in ids:
+            torch.testing.assert_close(a.hidden[k], b.hidden[k], rtol=1e-5, atol=1e-5)
+    assert cache.get_seq_length() == x.shape[1] == eager_cache.get_seq_length()
+
+
+def test_crop_moves_where_the_next_forward_writes(static_target):
+    x = prompts()[0]
+    cache = new_cache(static_target)
+    static_target(x, cache=cache, use_cache=True)
+    n = cache.get_seq_length()
+    static_target(torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
+    cache.crop(-3)
+    assert cache.get_seq_length() == n
+    assert all(int(layer.cumulative_length) == n for layer in cache.layers)
+    again = static_target(torch.tensor([[9]]), cache=cache, use_cache=True).logits
+    fresh = new_cache(static_target)
+    static_target(x, cache=fresh, use_cache=True)
+    torch.testing.assert_close(again, static_target(torch.tensor([[9]]), cache=fresh, use_cache=True).logits)
+
+
+def test_a_static_round_adds_no_host_sync(static_target):
+    p = prompts()[0]
+    with HostSyncCounter() as c:
+        decode_ar(static_target, p, 24)
+    assert c.total <= 3, dict(c.by_op)
+
+
+def test_capacity_grows_for_a_longer_decode_and_a_full_cache_is_one_clear_error(static_target):
+    static = static_target.static
+    cache = static.new_cache(300)
+    assert static.capacity == 512 and cache.capacity == 512
+    small = static_target.use_static(capacity=16, backend=None).new_cache()
+    static_target(torch.randint(3, V, (1, 12)), cache=small, use_cache=True)
+    small.set_length(250)  # capacity rounds up to 256: 2 rows padded to 8 no longer fit
+    with pytest.raises(ValueError, match="static KV cache full: 250 \\+ 8 entries past its capacity 256"):
+        static_target(torch.tensor([[5, 6]]), cache=small, use_cache=True)
+
+
+def test_batches_keep_the_eager_engine_and_a_static_cache_refuses_rows(static_target):
+    assert not isinstance(new_cache(static_target, rows=2), StaticKV)
+    with pytest.raises(ValueError, match="one row"):
+        static_target(torch.randint(3, V, (2, 4)), cache=new_cache(static_target), use_cache=True)
+
+
+def test_sliding_window_targets_decode_eagerly():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    slider = FrozenTarget(MistralForCausalLM(cfg).eval())
+    rec = choose_decode_step(slider, "auto", 256)
+    assert rec["chosen"] == "eager" and "sliding-window" in rec["why"] and slider.static is None
+    with pytest.raises(ValueError, match="decode_step=compiled: the target cannot decode over a static cache"):
+        choose_decode_step(slider, "compiled", 256)
+    with pytest.raises(ValueError, match="decode_step='fast' not understood"):
+        choose_decode_step(slider, "fast", 256)
+
+
+def test_auto_races_the_one_token_steps_and_records_its_choice():
+    t = FrozenTarget(make_tiny_llama(64, layers=2, hidden=32, seed=3))
+    rec = choose_decode_step(t, "auto", 200, prefix_len=16, backend="eager")
+    assert rec["chosen"] in ("eager", "compiled") and rec["eager_ms"] > 0 and rec["compiled_ms"] > 0
+    assert (t.static is not None) == (rec["chosen"] == "compiled")
+    assert t.model.draftsmith_decode_step is rec and "w1" in rec["compile_s"]
+    assert rec["ratio"] == pytest.approx(rec["compiled_ms"] / rec["eager_ms"], rel=0.5)
+    assert choose_decode_step(t, "eager", 200) == {"mode": "eager", "chosen": "eager"} and t.static is None
+
+
+def test_sampled_decoding_over_the_static_cache_repeats_the_eager_draws(target, drafters):  # noqa: F811
+    """T=1 with one seed: the same forward values (fp32) give the same draws, so the same tokens."""
+    p = prompts()[2]
+    ref = speculative_decode(target, make_proposer("eagle3_chain", target, drafters), p, 20,
+                             sampling=Sampling(1.0, generator=torch.Generator().manual_seed(7))).tokens
+    target.use_static(capacity=256, backend=None)
+    try:
+        got = speculative_decode(target, make_proposer("eagle3_chain", target, drafters), p, 20,
+                                 sampling=Sampling(1.0, generator=torch.Generator().manual_seed(7))).tokens
+    finally:
+        target.use_eager()
+    assert got == ref
