@@ -45,7 +45,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (w.device.type != "cpu" or x.dtype != w.dtype or not packs(w.dtype) or torch.compiler.is_compiling()
+        if (torch.compiler.is_compiling() or w.device.type != "cpu" or x.dtype != w.dtype or not packs(w.dtype)
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return F.linear(x, w, self.bias)
         b = None if self.bias is None else self.bias.detach()
