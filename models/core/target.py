@@ -345,11 +345,6 @@ class FrozenTarget(nn.Module):
         if isinstance(cache, StaticKV):
             logits, hidden = cache.forward(input_ids, ids, attention_mask, position_ids, logits_to_keep)
             return TargetOutput(logits=logits, hidden=hidden, cache=cache)
-        return self.run_model(input_ids, ids, attention_mask, position_ids, cache, use_cache, logits_to_keep)
-
-    def run_model(self, input_ids: torch.Tensor, ids: list[int], attention_mask: torch.Tensor | None,
-                  position_ids: torch.Tensor | None, cache: Any, use_cache: bool, logits_to_keep: int) -> TargetOutput:
-        """The HF model's own forward, hidden states ``ids`` captured by hooks registered for this call only."""
         captured: dict[int, torch.Tensor] = {}
         handles = []
         for k in ids:
