@@ -4,8 +4,8 @@ decode step (gpt-fast's approach, issue #46) buys over the harness's eager step 
 Times the one-token decoding step on a cache of ``--context`` tokens, steady state (median of ``--steps`` after a
 warm-up), these ways:
 - ``harness``: the target as the harness loads it (FrozenTarget: packed linears, grouped attention), DynamicCache;
-- ``static`` (and ``static_eager``, untraced): the harness's own static-cache step, what ``decode_step=compiled``
-  decodes with (models/core/static_kv.py);
+- ``static`` (and ``static_eager``, untraced; ``static_frozen``, with inductor's freezing): the harness's own
+  static-cache step, what ``decode_step=compiled`` decodes with (models/core/static_kv.py);
 - ``eager_static``: plain transformers over a StaticCache (fixed shapes, no compile), to separate the cache from
   the compiler;
 - ``compiled`` (and ``compiled_frozen``: inductor's freezing, which prepacks the weights for oneDNN): that step under
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--capacity", type=int, default=512)
+    ap.add_argument("--dtype", default="float32", help="the harness's target dtype (the other variants: float32)")
     ap.add_argument("--variants", nargs="+",
                     default=["harness", "static_eager", "static", "eager_static", "compiled", "compiled_frozen"])
     ap.add_argument("--profile", type=int, default=0, help="then profile N more steps of each variant (top ops)")
@@ -54,21 +55,23 @@ def main() -> None:
 
     from eval.decode.ladder import new_cache
     from models.core.kernels import cpu_features
+    from models.core.packed import fp32_logits
     from models.core.target import FrozenTarget, resolve_name
 
     path = resolve_name(a.target)
     g = torch.Generator().manual_seed(0)
-    harness = FrozenTarget.from_pretrained(a.target, dtype="float32")
+    harness = FrozenTarget.from_pretrained(a.target, dtype=a.dtype)
+    fp32_logits(harness.model)  # as eval decodes a bf16 target (its fp32_logits default): the head in fp32
     prompt = torch.randint(harness.vocab_size, (1, a.context), generator=g)
     out: dict = {"target": a.target, "threads": a.threads, "context": a.context, "steps": a.steps,
-                 "torch": torch.__version__, "cpu": cpu_features(), "variants": {}}
+                 "dtype": a.dtype, "torch": torch.__version__, "cpu": cpu_features(), "variants": {}}
     ref_tokens = None
     for v in a.variants:
         t0 = time.perf_counter()
         if v == "harness" or v.startswith("static"):
             harness.use_eager()
             if v.startswith("static"):  # what eval's decode_step=compiled runs (models/core/static_kv.py)
-                harness.use_static(a.capacity, None if v == "static_eager" else "inductor")
+                harness.use_static(a.capacity, None if v == "static_eager" else "inductor", v == "static_frozen")
             cache = new_cache(harness, 1, a.context + a.steps + 1) if harness.static else DynamicCache()
             first = harness(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
             if harness.static:

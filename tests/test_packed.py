@@ -58,3 +58,32 @@ def test_pack_linears_keeps_parameters_ties_state_and_outputs(tiny_llama):
     with torch.no_grad():
         half = twin(ids).logits.float()
     torch.testing.assert_close(half, ref, atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_graph_calls_the_packed_op_and_computes_the_same(dtype):
+    """Under torch.compile the packed copy stays out of the graph (oneDNN's packed tensor is opaque): the graph holds
+    one draftsmith::packed_linear per linear, on the plain weight, and its kernel finds the packed copy."""
+    from models.core.packed import packs
+
+    if not packs(dtype):
+        pytest.skip(f"oneDNN has no packed {dtype} linear on this CPU")
+    seen = []
+
+    def record(gm, _inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    lin = nn.Linear(24, 40).to(dtype).requires_grad_(False)
+    packed = PackedLinear(lin)
+    x = torch.randn(1, 3, 24).to(dtype)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        got = torch.compile(packed, backend=record, fullgraph=True)(x)
+        eager = packed(x)
+    assert seen == [torch.ops.draftsmith.packed_linear]  # dynamo's graph: the op, no F.linear
+    assert torch.equal(got, eager)  # the same oneDNN kernel on the same packed weight
+    moved = copy.deepcopy(packed)  # another weight: the op finds that linear's own packed copy
+    with torch.no_grad():
+        moved.weight.mul_(2)
+        torch.testing.assert_close(torch.ops.draftsmith.packed_linear(x, moved.weight, moved.bias), lin(x) * 2 -
+                                   lin.bias, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)

@@ -13,20 +13,51 @@ thread, Zen 5 with two regeneration processes beside it (``python -m eval.bench.
 | lm_head 49152×576 | fp32 | 1 / 4 | 14.9 / 24.6 | 9.2-10.1 / 6.8-7.6 |
 
 The packed op has no autograd: a call that needs gradients, a weight on another device, or a CPU without oneDNN
-takes ``F.linear``, as does a compiled step (models/core/static_kv.py: inductor chooses its own GEMM there). The
-parameters stay what they were (same names, same tensors: tied embeddings and readers of ``.weight`` see no
-difference); the packed copy follows them (re-packed when the weight changes) and is never saved or deep-copied.
+takes ``F.linear``. The parameters stay what they were (same names, same tensors: tied embeddings and readers of
+``.weight`` see no difference); the packed copy follows them (re-packed when the weight changes) and is never saved
+or deep-copied.
+
+Under ``torch.compile`` (models/core/static_kv.py) the packed copy cannot enter the graph: oneDNN's packed tensor is
+opaque (no storage), which inductor's lowering refuses, and inductor's own freezing left SmolLM2's bf16 linears
+unpacked (``aten::mm``, 42 ms of a 52 ms step against 32 ms packed: scripts/compile_probe.py --profile). So a
+compiled step calls ``draftsmith::packed_linear`` on the plain weight, an op inductor keeps as one extern call, and
+its kernel looks the packed copy up by the weight (registered by the ``PackedLinear`` that owns it).
 """
 
 from __future__ import annotations
 
-import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 8  # the row count oneDNN lays the weight out for: decoding's rows (best of 1 / 8 / 64 measured)
+# the weight's storage address → its PackedLinear: what the compiled op's kernel reads (weak: a dropped model's
+# linears leave it)
+_BY_WEIGHT: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the packed copy of ``weight`` its ``PackedLinear`` holds (F.linear when none
+    does: a weight the compiled graph received in another tensor). The kernel of ``draftsmith::packed_linear``."""
+    owner = _BY_WEIGHT.get(weight.data_ptr())
+    w = None if owner is None else owner.weight
+    if w is None or w.data_ptr() != weight.data_ptr() or w.dtype != weight.dtype or w.shape != weight.shape:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, owner._packed_weight(), bias, "none", [], "")
+
+
+# A plain library op, not torch.library.custom_op: the latter's Python wrapper cost ~65 us a call, 14 ms over
+# SmolLM2's 211 linears a step; this one ~5 us (one thread, Zen 5)
+_LIB = torch.library.Library("draftsmith", "FRAGMENT")
+_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.impl("packed_linear", packed_linear, "CPU")
+
+
+@torch.library.register_fake("draftsmith::packed_linear", lib=_LIB)
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 class PackedLinear(nn.Module):
@@ -35,20 +66,24 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self._packed: tuple[tuple, torch.Tensor] | None = None
+        _BY_WEIGHT[self.weight.data_ptr()] = self
 
     def _packed_weight(self) -> torch.Tensor:
         w = self.weight
         key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT))
+            _BY_WEIGHT[w.data_ptr()] = self  # a weight moved or cast since (module.to): found at its new address
         return self._packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (torch.compiler.is_compiling() or w.device.type != "cpu" or x.dtype != w.dtype or not packs(w.dtype)
+        if (w.device.type != "cpu" or x.dtype != w.dtype or not packs(w.dtype)
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return F.linear(x, w, self.bias)
         b = None if self.bias is None else self.bias.detach()
+        if torch.compiler.is_compiling():  # the opaque packed tensor stays out of the graph (module docstring)
+            return torch.ops.draftsmith.packed_linear(x, w, b)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), b, "none", [], "")
 
     def __getstate__(self):  # deepcopy / pickling: the packed copy is rebuilt on first use
@@ -56,17 +91,28 @@ class PackedLinear(nn.Module):
         state["_packed"] = None
         return state
 
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        _BY_WEIGHT[self.weight.data_ptr()] = self
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-@functools.cache
+def _mkldnn_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+MKLDNN_BF16 = _mkldnn_bf16()  # a fact of the machine, read once: a compiled step can test it without a torch call
+
+
 def packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN runs this dtype's packed linear on this CPU: fp32 always, bf16 where oneDNN says it has a bf16
     path (an AVX2-only CPU has none, and the op would fail there)."""
-    if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and MKLDNN_BF16)
 
 
 def available() -> bool:

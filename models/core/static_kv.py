@@ -64,23 +64,26 @@ def static_unsupported(model: PreTrainedModel) -> str | None:
 class StaticDecoding:
     """The compiled step of one target. ``backend``: torch.compile's (``inductor`` generates fused kernels; ``eager``
     only traces, which checks the step is one graph in seconds) or None (the same cache and padding, not traced).
-    ``hook_module(k)`` → the module whose output is hidden state k."""
+    ``freeze``: inductor's freezing (the weights become constants of the compiled step, and oneDNN lays its linears'
+    weights out once, as the eager path's packed linears do: models/core/packed.py). ``hook_module(k)`` → the module
+    whose output is hidden state k."""
 
     def __init__(self, model: PreTrainedModel, hook_module: Callable[[int], nn.Module], capacity: int = 1024,
-                 backend: str | None = "inductor"):
+                 backend: str | None = "inductor", freeze: bool = False):
         why = static_unsupported(model)
         if why is not None:
             raise ValueError(f"decode_step: {type(model).__name__} cannot decode over a static cache: {why}; "
                              "use decode_step=eager")
-        self.model, self.hook_module, self.backend = model, hook_module, backend
+        self.model, self.hook_module, self.backend, self.freeze = model, hook_module, backend, freeze
         self.capacity = round_up(capacity)
         self.captured: dict[int, Tensor] = {}
         self.hooked: set[int] = set()
         self.handles: list = []
         self.compile_s: dict[str, float] = {}  # trace (width, mask or not, hidden ids) → its first call's seconds
         self.cache_kw = next(iter(cache_kwargs(model, None)))
+        options = {"freezing": True} if freeze and backend == "inductor" else None
         self.step = (self.forward if backend is None
-                     else torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False))
+                     else torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False, options=options))
         # one trace per (width bucket, mask or not, hidden ids): a benchmark of several methods needs ~10, and past
         # the limit torch would run the step eagerly without a word
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
