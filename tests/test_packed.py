@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from models.core import packed as packed_mod
 from models.core.packed import PackedLinear, available, pack_linears
 
 pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no oneDNN linear ops")
@@ -81,6 +82,15 @@ def test_a_compiled_graph_calls_the_packed_op_and_computes_the_same(dtype):
         got = torch.compile(packed, backend=record, fullgraph=True)(x)
         eager = packed(x)
     assert seen == [torch.ops.draftsmith.packed_linear]  # dynamo's graph: the op, no F.linear
+    seen.clear()
+    packed_mod.set_graph_packed(False)  # inductor's own GEMM instead: a trace of its own, F.linear in it
+    try:
+        with torch.no_grad():
+            plain = torch.compile(packed, backend=record, fullgraph=True)(x)
+    finally:
+        packed_mod.set_graph_packed(True)
+    assert seen == [torch.nn.functional.linear]
+    torch.testing.assert_close(plain, eager, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
     assert torch.equal(got, eager)  # the same oneDNN kernel on the same packed weight
     moved = copy.deepcopy(packed)  # another weight: the op finds that linear's own packed copy
     with torch.no_grad():

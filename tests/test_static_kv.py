@@ -9,6 +9,8 @@ import torch
 from eval.bench.decode_step import choose_decode_step
 from eval.decode.ladder import new_cache
 from eval.decode.single import decode_ar, speculative_decode
+from models.core.packed import available as packed_available
+from models.core.packed import pack_linears
 from models.core.proposal import Sampling
 from models.core.static_kv import StaticKV, bucket
 from models.core.syncs import HostSyncCounter
@@ -151,6 +153,51 @@ def test_auto_races_the_one_token_steps_and_records_its_choice():
     assert t.model.draftsmith_decode_step is rec and "w1" in rec["compile_s"]
     assert rec["ratio"] == pytest.approx(rec["compiled_ms"] / rec["eager_ms"], rel=0.5)
     assert choose_decode_step(t, "eager", 200) == {"mode": "eager", "chosen": "eager"} and t.static is None
+
+
+@pytest.mark.skipif(not packed_available(), reason="this torch build has no oneDNN linear ops")
+def test_a_target_with_packed_linears_races_their_two_gemms_and_decodes_with_the_winner():
+    """Packed linears can call oneDNN's packed GEMM or inductor's own in the compiled step: ``compiled`` races the two
+    (no eager), ``auto`` all three; the step kept is the winner's, and it decodes AR's greedy tokens."""
+    model = make_tiny_llama(64, layers=2, hidden=32, seed=3)
+    ref = decode_ar(FrozenTarget(model), torch.tensor([[3, 9, 4, 17]]), 12).tokens
+    assert pack_linears(model) > 0
+    t = FrozenTarget(model)
+    rec = choose_decode_step(t, "compiled", 200, prefix_len=16, backend="eager")
+    assert rec["chosen"] == "compiled" and rec["linears"] in ("packed", "plain") and "eager_ms" not in rec
+    assert rec["compiled_ms"] > 0 and rec["compiled_plain_ms"] > 0
+    assert t.static.packed == (rec["linears"] == "packed")
+    assert decode_ar(t, torch.tensor([[3, 9, 4, 17]]), 12).tokens == ref
+    rec = choose_decode_step(t, "auto", 200, prefix_len=16, backend="eager")
+    assert {"eager_ms", "compiled_ms", "compiled_plain_ms", "ratio"} <= set(rec)
+    assert rec["linears"] in ("packed", "plain")
+    assert (t.static is None) == (rec["chosen"] == "eager")
+    assert decode_ar(t, torch.tensor([[3, 9, 4, 17]]), 12).tokens == ref
+    t.use_eager()
+
+
+def test_a_timed_decode_that_compiled_a_new_trace_is_run_again():
+    """Compile seconds are not decoding: the benchmark's timed decode repeats itself when the static step traced a
+    new width during it, and keeps the second run (the same tokens); one with nothing new runs once."""
+    from eval.bench.benchmark import _decode_timed
+    from eval.bench.setup import BenchSettings, Method
+
+    t = FrozenTarget(make_tiny_llama(64, layers=2, hidden=32, seed=3))
+    t.use_static(capacity=256, backend="eager")
+    calls = []
+
+    def decode(tgt, proposer, ids, n, eos_id=None, sampling=None):
+        calls.append(len(tgt.static.compile_s))
+        return decode_ar(tgt, ids, n, eos_id=eos_id, sampling=sampling)
+    m = Method("ar_counted", "ngram", decode=decode)
+    s = BenchSettings(max_new_tokens=6)
+    x = torch.tensor([[3, 9, 4, 17]])
+    first = _decode_timed(t, m, None, x, s, 0.0, None, None)
+    traced = calls[1]  # the prompt's width and w1, traced in the first; the second one is timed
+    assert calls == [0, traced] and traced > 0 and first.tokens == decode_ar(t, x, 6).tokens
+    _decode_timed(t, m, None, x, s, 0.0, None, None)
+    assert calls == [0, traced, traced]
+    t.use_eager()
 
 
 def test_sampled_decoding_over_the_static_cache_repeats_the_eager_draws(target, drafters):  # noqa: F811

@@ -121,9 +121,13 @@ def _decode_step_md(r: dict) -> list[str]:
     line = f"Decoding step: **{d['chosen']}**"
     if d.get("mode"):
         line += f" (`decode_step={d['mode']}`"
+        compiled = d.get("compiled_plain_ms") if d.get("linears") == "plain" else d.get("compiled_ms")
         if "eager_ms" in d:
-            line += (f"; one-token step {d['compiled_ms']:.1f} ms compiled vs {d['eager_ms']:.1f} ms eager, median of "
+            line += (f"; one-token step {compiled:.1f} ms compiled vs {d['eager_ms']:.1f} ms eager, median of "
                      f"{d['rounds']} interleaved rounds")
+        if "linears" in d:
+            line += (f"; its linears {d['linears']} (packed oneDNN GEMM {d['compiled_ms']:.1f} ms, inductor's "
+                     f"{d['compiled_plain_ms']:.1f} ms)")
         line += f"; {d['why']}" if d.get("why") else ""
         line += ")"
     if d.get("compile_s"):

@@ -33,6 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 8  # the row count oneDNN lays the weight out for: decoding's rows (best of 1 / 8 / 64 measured)
+# whether a compiled graph calls the packed op (True) or F.linear, which inductor lowers to its own GEMM. Read while
+# tracing, so each value is a guard of the traces made under it; StaticDecoding sets it before every call of its step
+# (eval/bench/decode_step.py races the two where both exist: on an AVX2 EPYC in fp32 the plain GEMM was faster)
+GRAPH_PACKED = True
 # the weight's storage address → its PackedLinear: what the compiled op's kernel reads (weak: a dropped model's
 # linears leave it)
 _BY_WEIGHT: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
@@ -83,7 +87,7 @@ class PackedLinear(nn.Module):
             return F.linear(x, w, self.bias)
         b = None if self.bias is None else self.bias.detach()
         if torch.compiler.is_compiling():  # the opaque packed tensor stays out of the graph (module docstring)
-            return torch.ops.draftsmith.packed_linear(x, w, b)
+            return torch.ops.draftsmith.packed_linear(x, w, b) if GRAPH_PACKED else F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), b, "none", [], "")
 
     def __getstate__(self):  # deepcopy / pickling: the packed copy is rebuilt on first use
@@ -113,6 +117,16 @@ def packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN runs this dtype's packed linear on this CPU: fp32 always, bf16 where oneDNN says it has a bf16
     path (an AVX2-only CPU has none, and the op would fail there)."""
     return dtype == torch.float32 or (dtype == torch.bfloat16 and MKLDNN_BF16)
+
+
+def set_graph_packed(on: bool) -> None:
+    global GRAPH_PACKED
+    GRAPH_PACKED = bool(on)
+
+
+def has_packed(model: nn.Module) -> bool:
+    """Whether ``model`` has packed linears whose dtype oneDNN packs here (a compiled step could call either GEMM)."""
+    return any(isinstance(m, PackedLinear) and packs(m.weight.dtype) for m in model.modules())
 
 
 def available() -> bool:

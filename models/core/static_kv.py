@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, StaticCache
 
 from models.core.hf_compat import cache_kwargs, sliding_window_of
+from models.core.packed import set_graph_packed
 
 log = logging.getLogger(__name__)
 
@@ -64,26 +65,24 @@ def static_unsupported(model: PreTrainedModel) -> str | None:
 class StaticDecoding:
     """The compiled step of one target. ``backend``: torch.compile's (``inductor`` generates fused kernels; ``eager``
     only traces, which checks the step is one graph in seconds) or None (the same cache and padding, not traced).
-    ``freeze``: inductor's freezing (the weights become constants of the compiled step, and oneDNN lays its linears'
-    weights out once, as the eager path's packed linears do: models/core/packed.py). ``hook_module(k)`` → the module
-    whose output is hidden state k."""
+    ``packed``: the step's packed linears call oneDNN's packed GEMM (True) or F.linear, inductor's own
+    (models/core/packed.py ``GRAPH_PACKED``). ``hook_module(k)`` → the module whose output is hidden state k."""
 
     def __init__(self, model: PreTrainedModel, hook_module: Callable[[int], nn.Module], capacity: int = 1024,
-                 backend: str | None = "inductor", freeze: bool = False):
+                 backend: str | None = "inductor", packed: bool = True):
         why = static_unsupported(model)
         if why is not None:
             raise ValueError(f"decode_step: {type(model).__name__} cannot decode over a static cache: {why}; "
                              "use decode_step=eager")
-        self.model, self.hook_module, self.backend, self.freeze = model, hook_module, backend, freeze
+        self.model, self.hook_module, self.backend, self.packed = model, hook_module, backend, packed
         self.capacity = round_up(capacity)
         self.captured: dict[int, Tensor] = {}
         self.hooked: set[int] = set()
         self.handles: list = []
         self.compile_s: dict[str, float] = {}  # trace (width, mask or not, hidden ids) → its first call's seconds
         self.cache_kw = next(iter(cache_kwargs(model, None)))
-        options = {"freezing": True} if freeze and backend == "inductor" else None
         self.step = (self.forward if backend is None
-                     else torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False, options=options))
+                     else torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False))
         # one trace per (width bucket, mask or not, hidden ids): a benchmark of several methods needs ~10, and past
         # the limit torch would run the step eagerly without a word
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -125,6 +124,7 @@ class StaticDecoding:
             layer_ids: tuple[int, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
         self.hook(layer_ids)
         self.captured.clear()  # the traced step always starts from an empty record (no guard on its contents)
+        set_graph_packed(self.packed)  # a guard of the traces: each setting has its own
         trace = f"w{ids.shape[1]}" + ("" if mask is None else "+mask") + "".join(f"/{k}" for k in layer_ids)
         if trace in self.compile_s:
             return self.step(ids, pos, mask, kv, layer_ids)
