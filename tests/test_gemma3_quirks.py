@@ -1,7 +1,8 @@
 """What Gemma's architecture changes for drafting, on tiny models built in code (issue #49 item 7).
 
 - Sliding-window attention: a verified block that straddles the window's edge, cut short inside it (KV rollback), for
-  a chain (plain causal attention, HF's own window) and a tree (our 4D mask, which must carry the window itself).
+  a chain (plain causal attention, HF's own window) and a tree (our 4D mask, which must carry the window itself),
+  on the eager engine's growing cache and on the static cache of the compiled step.
 - The embedding scale: Gemma multiplies embeddings by √hidden inside its model; EAGLE-3 reads the raw rows and
   normalises them, so the scale changes its logits only through the norm's eps, and not what it drafts.
 - The tied head under a reduced draft vocabulary, and Gemma-2's final-logit soft-capping: the offline teacher (the
@@ -10,8 +11,10 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
+import pytest
 import torch
 
 from data.features import FeatureCache
@@ -82,6 +85,31 @@ def test_a_verified_block_across_the_window_edge_cut_inside_it():
         res = speculative_decode(t, EdgeProposer(ref, 5, wrong, t.vocab_size, branch=branch), prompt, n)
         assert res.tokens == ref, f"branch={branch}"
         assert res.accepted[0] == 3 and res.drafted[0] == 5 + branch
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "mistral"])
+@pytest.mark.parametrize("backend", [None, "eager"])
+def test_the_static_cache_keeps_the_window_across_its_edge(family, backend):
+    """decode_step=compiled on a sliding-window target (models/core/static_kv.py ``static_cache``): every layer keeps
+    every entry and the window lives in the mask, the model's own for chains and ``apply_window``'s for trees (per
+    layer type for Gemma, one windowed mask for Mistral), widened to the capacity. Untraced and traced (``eager``:
+    one graph per width), a chain and a tree across the edge give AR's tokens; without the window they would not."""
+    t = gemma() if family == "gemma3" else FrozenTarget(*make_family(family))
+    prompt = torch.randint(3, len(t.tokenizer), (1, WINDOW - 2), generator=torch.Generator().manual_seed(0))
+    n = 3 * WINDOW
+    ref = decode_ar(t, prompt, n).tokens
+    t.use_static(capacity=256, backend=backend)
+    try:
+        assert decode_ar(t, prompt, n).tokens == ref
+        for branch in (False, True):
+            res = speculative_decode(t, EdgeProposer(ref, 5, {4, WINDOW + 3}, t.vocab_size, branch), prompt, n)
+            assert res.tokens == ref and res.accepted[0] == 3, f"branch={branch}"
+        assert {"w1", "w8", "w8+mask"} <= set(t.static.compile_s)  # the chain's and the tree's widths ran static
+    finally:
+        t.use_eager()
+    unwindowed = copy.deepcopy(t.model)
+    unwindowed.config.sliding_window = 10**6  # the control: the same weights, a window that never binds
+    assert decode_ar(FrozenTarget(unwindowed, t.tokenizer), prompt, n).tokens != ref
 
 
 def _eagle(t: FrozenTarget, embed: torch.Tensor, vd: int) -> Eagle3Drafter:

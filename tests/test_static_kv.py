@@ -131,18 +131,18 @@ def test_batches_keep_the_eager_engine_and_a_static_cache_refuses_rows(static_ta
         static_target(torch.randint(3, V, (2, 4)), cache=new_cache(static_target), use_cache=True)
 
 
-def test_sliding_window_targets_decode_eagerly():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    slider = FrozenTarget(MistralForCausalLM(cfg).eval())
-    rec = choose_decode_step(slider, "auto", 256)
-    assert rec["chosen"] == "eager" and "sliding-window" in rec["why"] and slider.static is None
-    with pytest.raises(ValueError, match="decode_step=compiled: the target cannot decode over a static cache"):
-        choose_decode_step(slider, "compiled", 256)
+def test_a_target_without_a_static_step_decodes_eagerly_and_says_why():
+    t = FrozenTarget(make_tiny_llama(64, layers=2, hidden=32, seed=3))
+    t.model.config.is_encoder_decoder = True  # what static_unsupported refuses (sliding windows it now takes)
+    try:
+        rec = choose_decode_step(t, "auto", 256)
+        assert rec["chosen"] == "eager" and "encoder-decoder" in rec["why"] and t.static is None
+        with pytest.raises(ValueError, match="decode_step=compiled: the target cannot decode over a static cache"):
+            choose_decode_step(t, "compiled", 256)
+    finally:
+        t.model.config.is_encoder_decoder = False
     with pytest.raises(ValueError, match="decode_step='fast' not understood"):
-        choose_decode_step(slider, "fast", 256)
+        choose_decode_step(t, "fast", 256)
 
 
 def test_auto_races_the_one_token_steps_and_records_its_choice():

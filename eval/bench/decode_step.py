@@ -5,7 +5,7 @@
 - ``auto``: compiled when this machine runs its one-token step at least ``MARGIN`` faster than eager's, measured in
   ``ROUNDS`` interleaved rounds (a burst of load falls on one round, or on both steps of a round alike), as
   ``target.dtype=auto`` decides its dtype (models/core/kernels.py); eager where the target has no static step
-  (sliding-window layers).
+  (an encoder-decoder) or the step does not compile.
 
 Compiled, the target's packed linears (models/core/packed.py) call either oneDNN's packed GEMM or F.linear, which
 inductor lowers to its own; where both exist the same interleaved rounds race them too, in ``compiled`` mode as in

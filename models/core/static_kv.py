@@ -19,8 +19,8 @@ drafts traces one width for all its rounds, the budget-cut last ones included. T
 ones (a causal or tree mask: no real row sees them) and the length is set back to start + w after the call. Longer
 forwards (prefill, a teacher-forced check) run eagerly into the same cache.
 
-Targets with sliding-window layers keep the eager engine (eval/decode/window.py: their cache keeps every entry and
-the window lives in the mask), as do batches of several rows.
+Sliding-window targets (Gemma-2/3, Mistral) keep every entry on every layer here as in the eager engine
+(``static_cache``; the window lives in the mask). Batches of several rows keep the eager engine.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel, StaticCache
+from transformers.cache_utils import Cache, StaticLayer
 
 from models.core.hf_compat import cache_kwargs, sliding_window_of
 from models.core.packed import set_graph_packed
@@ -55,11 +56,20 @@ def bucket(width: int) -> int | None:
 
 def static_unsupported(model: PreTrainedModel) -> str | None:
     """Why ``model`` cannot decode over a static cache here, or None."""
-    if sliding_window_of(model.config) is not None:
-        return "it has sliding-window layers (their cache keeps every entry; the window lives in the mask)"
     if getattr(model.config, "is_encoder_decoder", False):
         return "it is an encoder-decoder"
     return None
+
+
+def static_cache(config, capacity: int) -> Cache:
+    """transformers' static cache of ``capacity`` entries a layer; a sliding-window target's sliding layers too keep
+    every entry (transformers' own sliding static layer is a ring of ``window`` entries, which a rejected draft would
+    overwrite for good), and the window lives in the mask, as in the eager engine (eval/decode/window.py): the model
+    builds it for chains, ``apply_window`` writes it into a tree's."""
+    if sliding_window_of(config) is None:
+        return StaticCache(config=config, max_cache_len=capacity)
+    n = config.get_text_config(decoder=True).num_hidden_layers
+    return Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(n)])
 
 
 class StaticDecoding:
@@ -93,7 +103,7 @@ class StaticDecoding:
             log.warning("static KV cache: %d tokens needed, capacity %d: growing to %d (the step is traced again)",
                         need, self.capacity, round_up(need))
             self.capacity = round_up(need)
-        return StaticKV(self, StaticCache(config=self.model.config, max_cache_len=self.capacity), self.capacity)
+        return StaticKV(self, static_cache(self.model.config, self.capacity), self.capacity)
 
     def hook(self, layer_ids: Sequence[int]) -> None:
         """Record hidden states ``layer_ids`` into ``captured`` on every forward (installed once per id)."""
@@ -191,12 +201,15 @@ class StaticKV:
         self.set_length(start + w)
         return logits, dict(zip(ids, states))
 
-    def full_mask(self, mask: Tensor | None, start: int, w: int, width: int) -> Tensor | None:
+    def full_mask(self, mask: Tensor | dict | None, start: int, w: int, width: int) -> Tensor | dict | None:
         """The ladder's additive mask [1, 1, w, start + w] over the whole capacity and ``width`` rows: columns past
-        start + w hidden; a padding row sees the prefix, the root and itself (a finite softmax). None stays None:
+        start + w hidden; a padding row sees the prefix, the root and itself (a finite softmax). A dict (a
+        sliding-window target's masks by layer type: eval/decode/window.py) is widened mask by mask. None stays None:
         transformers' causal mask over the static cache is exact for chains."""
         if mask is None:
             return None
+        if isinstance(mask, dict):
+            return {kind: self.full_mask(m, start, w, width) for kind, m in mask.items()}
         low = torch.finfo(mask.dtype).min
         full = torch.full((1, 1, width, self.capacity), low, dtype=mask.dtype, device=mask.device)
         full[:, :, :w, : start + w] = mask
