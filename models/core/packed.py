@@ -26,6 +26,7 @@ its kernel looks the packed copy up by the weight (registered by the ``PackedLin
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -34,7 +35,7 @@ from torch import nn
 
 BATCH_HINT = 8  # the row count oneDNN lays the weight out for: decoding's rows (best of 1 / 8 / 64 measured)
 # whether a compiled graph calls the packed op (True) or F.linear, which inductor lowers to its own GEMM. Read while
-# tracing, so each value is a guard of the traces made under it; StaticDecoding sets it before every call of its step
+# tracing, so each value is a guard of the traces made under it; StaticDecoding sets it around every call of its step
 # (eval/bench/decode_step.py races the two where both exist: on an AVX2 EPYC in fp32 the plain GEMM was faster)
 GRAPH_PACKED = True
 # the weight's storage address → its PackedLinear: what the compiled op's kernel reads (weak: a dropped model's
@@ -119,9 +120,15 @@ def packs(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and MKLDNN_BF16)
 
 
-def set_graph_packed(on: bool) -> None:
+@contextlib.contextmanager
+def graph_packed(on: bool):
+    """``GRAPH_PACKED`` set to ``on`` for the traces and calls within (then as it was)."""
     global GRAPH_PACKED
-    GRAPH_PACKED = bool(on)
+    before, GRAPH_PACKED = GRAPH_PACKED, bool(on)
+    try:
+        yield
+    finally:
+        GRAPH_PACKED = before
 
 
 def has_packed(model: nn.Module) -> bool:

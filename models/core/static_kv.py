@@ -36,7 +36,7 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from models.core.hf_compat import cache_kwargs, sliding_window_of
-from models.core.packed import set_graph_packed
+from models.core.packed import graph_packed
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +134,12 @@ class StaticDecoding:
             layer_ids: tuple[int, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
         self.hook(layer_ids)
         self.captured.clear()  # the traced step always starts from an empty record (no guard on its contents)
-        set_graph_packed(self.packed)  # a guard of the traces: each setting has its own
         trace = f"w{ids.shape[1]}" + ("" if mask is None else "+mask") + "".join(f"/{k}" for k in layer_ids)
-        if trace in self.compile_s:
-            return self.step(ids, pos, mask, kv, layer_ids)
-        t = time.perf_counter()  # the first call of a trace: tracing and compiling, timed for the results
-        out = self.step(ids, pos, mask, kv, layer_ids)
+        with graph_packed(self.packed):  # a guard of the traces: each setting has its own
+            if trace in self.compile_s:
+                return self.step(ids, pos, mask, kv, layer_ids)
+            t = time.perf_counter()  # the first call of a trace: tracing and compiling, timed for the results
+            out = self.step(ids, pos, mask, kv, layer_ids)
         self.compile_s[trace] = round(time.perf_counter() - t, 2)
         return out
 
