@@ -93,20 +93,20 @@ def run(cfg: DictConfig, require: list[str] | tuple[str, ...] = ()) -> dict:
             raise ValueError(f"{msg}; lower n_prompts, or require_n_prompts=false to run on {len(prompts)}")
         print(f"warning: {msg}; running {len(prompts)} (recorded in results.json: prompts.n, prompts.requested)",
               file=sys.stderr)
-    from eval.bench.decode_step import choose_decode_step
-    from models.core.proposal import MAX_TREE_NODES
-
-    # the static cache as long as the longest decode here needs, not prompt_tokens: attention reads its whole
-    # capacity every step (SmolLM2 bf16, 8 rows: 9 ms of bmm a step at 1024)
-    step = choose_decode_step(target, cfg.get("decode_step", "auto"), max((len(p.ids) for p in prompts), default=1)
-                              + cfg.max_new_tokens + MAX_TREE_NODES + 1)
-    log.info("decode_step=%s: %s", step["mode"], {k: v for k, v in step.items() if k != "compile_s"})
     methods, skipped = build_methods(target, list(cfg.methods), OmegaConf.to_container(cfg.checkpoints),
                                      cfg.draft_model, OmegaConf.to_container(cfg.options),
                                      OmegaConf.to_container(cfg.get("variants") or {}))
     missing = [m for m in require if m in skipped]
     if missing:
         raise ValueError(f"{missing[0]} was asked for but cannot run: {skipped[missing[0]]}")
+    from eval.bench.decode_step import chain_widths, choose_decode_step
+    from models.core.proposal import MAX_TREE_NODES
+
+    # the static cache as long as the longest decode here needs, not prompt_tokens: attention reads its whole
+    # capacity every step; the chains' widths traced unpadded
+    step = choose_decode_step(target, cfg.get("decode_step", "auto"), max((len(p.ids) for p in prompts), default=1)
+                              + cfg.max_new_tokens + MAX_TREE_NODES + 1, widths=chain_widths(methods))
+    log.info("decode_step=%s: %s", step["mode"], {k: v for k, v in step.items() if k != "compile_s"})
     log.info("methods: %s; %d prompts", ", ".join(m.name for m in methods), len(prompts))
     results = run_benchmark(target, methods, prompts, settings, skipped, prompt_source=cfg.prompts)
     results["prompts"]["requested"] = int(cfg.n_prompts)

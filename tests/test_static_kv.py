@@ -31,6 +31,28 @@ def static_target(target):  # noqa: F811 (fixture imported above)
 def test_padded_widths_fall_in_buckets_and_prefill_stays_eager():
     assert [bucket(w) for w in (1, 2, 5, 8, 9, 16)] == [1, 8, 8, 8, 16, 16]
     assert bucket(17) is None
+    assert [bucket(w, (1, 5, 8, 16)) for w in (2, 5, 6)] == [5, 5, 8]
+
+
+def test_each_chain_verifies_at_its_own_width(target, drafters):  # noqa: F811
+    """eval adds every chain's K + 1 rows (and a lookup's tokens + 1) to the buckets: a K=4 chain's rounds run at 5
+    rows, its budget-cut last rounds padded to 5, never to 8; the tokens stay AR's."""
+    from eval.bench.decode_step import chain_widths
+    from eval.bench.setup import Method
+
+    ms = [Method("ar", "ar"), Method("ngram", "ngram", num_speculative_tokens=3), Method("tree", "eagle3_tree"),
+          Method("eagle3_lookup", "eagle3", num_speculative_tokens=4, options={"lookup": 2, "lookup_tokens": 6})]
+    assert chain_widths(ms) == [4, 5, 7]
+    p = prompts()[2]  # 22 tokens: the prefill runs eagerly, every trace below is a round's
+    ref = decode_ar(target, p, 19).tokens
+    target.use_static(capacity=256, backend="eager", widths=[5])
+    try:
+        got = speculative_decode(target, make_proposer("eagle3_chain", target, drafters), p, 19).tokens
+        assert got == ref and target.static.widths == (1, 5, 8, 16)
+        assert any(k.startswith("w5") for k in target.static.compile_s)
+        assert not any(k.startswith("w8") for k in target.static.compile_s)
+    finally:
+        target.use_eager()
 
 
 def test_ar_over_the_static_cache_emits_the_eager_tokens(target, static_target):  # noqa: F811

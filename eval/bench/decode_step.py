@@ -19,6 +19,7 @@ results (``env.decode_step``).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
 import torch
 
@@ -35,9 +36,9 @@ MARGIN = 0.05  # compiled must beat eager by this much (median round ratio <= 0.
 
 
 def choose_decode_step(target: FrozenTarget, mode: str, capacity: int, prefix_len: int = 128,
-                       backend: str = "inductor") -> dict:
+                       backend: str = "inductor", widths: Sequence[int] = ()) -> dict:
     """Set ``target.static`` by ``mode`` for decodes of up to ``capacity`` tokens; the record of what was chosen.
-    ``backend``: torch.compile's (models/core/static_kv.py)."""
+    ``backend``: torch.compile's; ``widths``: the chains' own widths, traced unpadded (models/core/static_kv.py)."""
     if mode not in MODES:
         raise ValueError(f"decode_step={mode!r} not understood; use one of {list(MODES)}")
     record: dict = {"mode": mode, "chosen": "eager"}
@@ -51,10 +52,10 @@ def choose_decode_step(target: FrozenTarget, mode: str, capacity: int, prefix_le
         record["why"] = why
     if mode == "eager" or why is not None:
         return record
-    static = target.use_static(capacity, backend)
-    record["capacity"] = static.capacity
+    static = target.use_static(capacity, backend, widths=widths)
+    record.update(capacity=static.capacity, widths=list(static.widths))
     # which GEMM the compiled step's linears call, where both exist: raced, as the step itself is under auto
-    plain = (StaticDecoding(target.model, target._hook_module, capacity, backend, packed=False)
+    plain = (StaticDecoding(target.model, target._hook_module, capacity, backend, packed=False, widths=widths)
              if has_packed(target.model) else None)
     try:
         record.update(race(target, {"compiled": static, "compiled_plain": plain}, mode == "auto", prefix_len))
@@ -73,6 +74,18 @@ def choose_decode_step(target: FrozenTarget, mode: str, capacity: int, prefix_le
         target.use_eager()
     record["compile_s"] = static.compile_s  # the same dict: traces compiled later (the warm-up's) join it
     return record
+
+
+def chain_widths(methods: Sequence) -> list[int]:
+    """The query widths the methods' chains verify at: K + 1 rows, and a prompt lookup's tokens + 1 in front of a
+    model (eval.bench.setup.Method's ``num_speculative_tokens`` and ``options``)."""
+    out = set()
+    for m in methods:
+        if m.num_speculative_tokens:
+            out.add(int(m.num_speculative_tokens) + 1)
+        if (m.options or {}).get("lookup") and (m.options or {}).get("lookup_tokens"):
+            out.add(int(m.options["lookup_tokens"]) + 1)
+    return sorted(out)
 
 
 @torch.no_grad()

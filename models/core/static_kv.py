@@ -15,7 +15,8 @@ linears (scripts/compile_probe.py, SmolLM2 fp32 on an AVX2 EPYC, one thread: 98 
   padding) are never seen and are overwritten by the next forward.
 
 Widths: a forward of w <= ``WIDTHS[-1]`` query rows is right-padded to the smallest bucket >= w, so a chain of K
-drafts traces one width for all its rounds, the budget-cut last ones included. The padding rows come after the real
+drafts traces one width for all its rounds, the budget-cut last ones included. Eval adds each chain's own K + 1 to
+the buckets, since padding rows are not free (the verify costs in results.md). The padding rows come after the real
 ones (a causal or tree mask: no real row sees them) and the length is set back to start + w after the call. Longer
 forwards (prefill, a teacher-forced check) run eagerly into the same cache.
 
@@ -49,9 +50,9 @@ def round_up(n: int, step: int = CAPACITY_STEP) -> int:
     return -(-int(n) // step) * step
 
 
-def bucket(width: int) -> int | None:
+def bucket(width: int, widths: Sequence[int] = WIDTHS) -> int | None:
     """The padded width a forward of ``width`` query rows runs at, or None (eager: prefill-sized)."""
-    return next((b for b in WIDTHS if b >= width), None)
+    return next((b for b in widths if b >= width), None)
 
 
 def static_unsupported(model: PreTrainedModel) -> str | None:
@@ -79,13 +80,15 @@ class StaticDecoding:
     (models/core/packed.py ``GRAPH_PACKED``). ``hook_module(k)`` → the module whose output is hidden state k."""
 
     def __init__(self, model: PreTrainedModel, hook_module: Callable[[int], nn.Module], capacity: int = 1024,
-                 backend: str | None = "inductor", packed: bool = True):
+                 backend: str | None = "inductor", packed: bool = True, widths: Sequence[int] = ()):
         why = static_unsupported(model)
         if why is not None:
             raise ValueError(f"decode_step: {type(model).__name__} cannot decode over a static cache: {why}; "
                              "use decode_step=eager")
         self.model, self.hook_module, self.backend, self.packed = model, hook_module, backend, packed
         self.capacity = round_up(capacity)
+        # WIDTHS and the run's chain widths (K + 1 rows): a chain verifies unpadded, its budget-cut rounds pad to it
+        self.widths = tuple(sorted({*WIDTHS, *(int(w) for w in widths if 1 <= int(w) <= WIDTHS[-1])}))
         self.captured: dict[int, Tensor] = {}
         self.hooked: set[int] = set()
         self.handles: list = []
@@ -179,7 +182,7 @@ class StaticKV:
         start = self.length
         if b != 1:
             raise ValueError(f"a static KV cache holds one row, got a forward of {b} rows")
-        width = bucket(w)
+        width = bucket(w, self.decoding.widths)
         if start + (width or w) > self.capacity:
             raise ValueError(f"static KV cache full: {start} + {width or w} entries past its capacity "
                              f"{self.capacity}; ask new_cache for the decode's full length")
