@@ -4,8 +4,9 @@ decode step (gpt-fast's approach, issue #46) buys over the harness's eager step 
 Times the one-token decoding step on a cache of ``--context`` tokens, steady state (median of ``--steps`` after a
 warm-up), these ways:
 - ``harness``: the target as the harness loads it (FrozenTarget: packed linears, grouped attention), DynamicCache;
-- ``static`` (and ``static_eager``, untraced; ``static_plain``, its linears as F.linear, inductor's GEMM): the
-  harness's own static-cache step, what ``decode_step=compiled`` decodes with (models/core/static_kv.py);
+- ``static`` (and ``static_eager``, untraced; ``static_plain``, its linears as F.linear, inductor's GEMM;
+  ``static_gemv``, the streamed bf16 GEMV of models/core/gemv.py): the harness's own static-cache step, what
+  ``decode_step=compiled`` decodes with (models/core/static_kv.py);
 - ``eager_static``: plain transformers over a StaticCache (fixed shapes, no compile), to separate the cache from
   the compiler;
 - ``compiled`` (and ``compiled_frozen``: inductor's freezing, which prepacks the weights for oneDNN): that step under
@@ -48,7 +49,8 @@ def _harness_variant(v: str, harness, prompt: torch.Tensor, a, out: dict):
     harness.use_eager()
     static = None
     if v.startswith("static"):  # what eval's decode_step=compiled runs (models/core/static_kv.py)
-        static = harness.use_static(a.capacity, None if v == "static_eager" else "inductor", v != "static_plain")
+        linears = {"static_plain": "plain", "static_gemv": "gemv"}.get(v, "packed")
+        static = harness.use_static(a.capacity, None if v == "static_eager" else "inductor", linears)
     box: dict = {}
 
     def prefill():
@@ -65,6 +67,7 @@ def _harness_variant(v: str, harness, prompt: torch.Tensor, a, out: dict):
         step(first.view(1, 1), 0)  # trace and compile; the timed decode starts over
         out.setdefault("compile_s", {})[v] = round(time.perf_counter() - c, 1)
     return prefill, step
+
 
 
 def _transformers_variant(v: str, path: str, prompt: torch.Tensor, a, out: dict):

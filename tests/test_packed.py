@@ -83,9 +83,9 @@ def test_a_compiled_graph_calls_the_packed_op_and_computes_the_same(dtype):
         eager = packed(x)
     assert seen == [torch.ops.draftsmith.packed_linear]  # dynamo's graph: the op, no F.linear
     seen.clear()
-    with packed_mod.graph_packed(False), torch.no_grad():  # inductor's own GEMM instead: a trace of its own
+    with packed_mod.use_linears("plain"), torch.no_grad():  # inductor's own GEMM instead: a trace of its own
         plain = torch.compile(packed, backend=record, fullgraph=True)(x)
-    assert packed_mod.GRAPH_PACKED  # as it was
+    assert packed_mod.LINEARS == "packed"  # as it was
     assert seen == [torch.nn.functional.linear]
     torch.testing.assert_close(plain, eager, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
     assert torch.equal(got, eager)  # the same oneDNN kernel on the same packed weight

@@ -158,7 +158,8 @@ def _env(threads: int, device: torch.device, target: FrozenTarget) -> dict:
         from models.core.kernels import bandwidth_bound, cpu_features
 
         env["cpu"] = cpu_features()
-        env["bandwidth"] = bandwidth_bound(target.model)  # what AR's tokens/s is judged against
+        linears = (getattr(target.model, "draftsmith_decode_step", None) or {}).get("linears")
+        env["bandwidth"] = bandwidth_bound(target.model, linears=linears if target.static is not None else None)
     probe = getattr(target.model, "draftsmith_kernels", None)
     if probe is not None:  # target.dtype=auto: what was measured, and what it chose
         env["dtype_probe"] = probe

@@ -7,9 +7,10 @@
   ``target.dtype=auto`` decides its dtype (models/core/kernels.py); eager where the target has no static step
   (an encoder-decoder) or the step does not compile.
 
-Compiled, the target's packed linears (models/core/packed.py) call either oneDNN's packed GEMM or F.linear, which
-inductor lowers to its own; where both exist the same interleaved rounds race them too, in ``compiled`` mode as in
-``auto`` (the packed GEMM won SmolLM2's bf16 step on a Zen 5, the plain one its fp32 step on an AVX2 EPYC).
+Compiled, the target's packed linears (models/core/packed.py) call oneDNN's packed GEMM, F.linear (which inductor
+lowers to its own), or, in bf16 on a CPU with AVX-512 BF16, the streamed GEMV of models/core/gemv.py; where more than
+one exists the same interleaved rounds race them too, in ``compiled`` mode as in ``auto`` (the packed GEMM beat
+inductor's in SmolLM2's bf16 step on a Zen 5, inductor's won its fp32 step on an AVX2 EPYC).
 
 Speedups divide by plain decoding's time, so the baseline is the fastest plain decoding the harness can do here; and
 the speculative methods verify and commit through the same step. What was measured and chosen is recorded in the
@@ -25,6 +26,7 @@ import torch
 
 from eval.decode.ladder import new_cache
 from eval.decode.result import device_time
+from models.core import gemv
 from models.core.packed import has_packed
 from models.core.static_kv import StaticDecoding, static_unsupported
 from models.core.target import FrozenTarget
@@ -54,26 +56,35 @@ def choose_decode_step(target: FrozenTarget, mode: str, capacity: int, prefix_le
         return record
     static = target.use_static(capacity, backend, widths=widths)
     record.update(capacity=static.capacity, widths=list(static.widths))
-    # which GEMM the compiled step's linears call, where both exist: raced, as the step itself is under auto
-    plain = (StaticDecoding(target.model, target._hook_module, capacity, backend, packed=False, widths=widths)
-             if has_packed(target.model) else None)
+    # which kernel the compiled step's linears call, where there is a choice: raced, as the step itself is under auto
+    steps = {"compiled": static, **{f"compiled_{k}": StaticDecoding(target.model, target._hook_module, capacity,
+                                                                    backend, linears=k, widths=widths)
+                                    for k in linear_kinds(target.model) if k != "packed"}}
     try:
-        record.update(race(target, {"compiled": static, "compiled_plain": plain}, mode == "auto", prefix_len))
+        record.update(race(target, steps, mode == "auto", prefix_len))
     except Exception as e:  # noqa: BLE001 (any model torch.compile cannot trace: auto keeps the eager step)
         if mode == "compiled":
             raise
         record.update(chosen="eager", why=f"the step did not compile: {type(e).__name__}: "
                                           f"{(str(e).strip().splitlines() or [''])[0][:200]}")
-    if record.get("linears") == "plain":
-        static.close()
-        static = plain
-    elif plain is not None:
-        plain.close()
+    static = steps["compiled" if record.get("linears", "packed") == "packed" else f"compiled_{record['linears']}"]
+    for other in steps.values():
+        if other is not static:
+            other.close()
     target.static = static
     if record["chosen"] == "eager":
         target.use_eager()
     record["compile_s"] = static.compile_s  # the same dict: traces compiled later (the warm-up's) join it
     return record
+
+
+def linear_kinds(model: torch.nn.Module) -> list[str]:
+    """The kernels a compiled step's linears can call here (models/core/packed.py ``KINDS``): oneDNN's packed GEMM
+    and inductor's where the target has packed linears, and the GEMV where they are bf16 and the kernel runs here."""
+    if not has_packed(model):
+        return ["packed"]
+    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
+    return ["packed", "plain"] + (["gemv"] if bf16 and gemv.unavailable() is None else [])
 
 
 def chain_widths(methods: Sequence) -> list[int]:
@@ -114,7 +125,7 @@ def race(target: FrozenTarget, steps_by_kind: dict, with_eager: bool = True, pre
     out = {"chosen": "compiled", **{f"{k}_ms": round(statistics.median(v), 2) for k, v in ms.items()},
            "rounds": rounds, "steps": steps, "prefix_len": prefix_len}
     if len(compiled) > 1:
-        out["linears"] = "plain" if best == "compiled_plain" else "packed"
+        out["linears"] = best.removeprefix("compiled_") if best != "compiled" else "packed"
     if with_eager:
         out["ratio"] = round(statistics.median(c / e for c, e in zip(ms[best], ms["eager"])), 3)
         out["chosen"] = "compiled" if out["ratio"] <= 1 - MARGIN else "eager"

@@ -113,6 +113,11 @@ def _bandwidth_md(r: dict) -> list[str]:
                 "that bandwidth bound."]
 
 
+# the kernels a compiled step's linears raced (eval/bench/decode_step.py): what results.md calls them, their key
+LINEAR_KINDS = (("packed oneDNN GEMM", "compiled_ms"), ("inductor's", "compiled_plain_ms"),
+                ("streamed bf16 GEMV", "compiled_gemv_ms"))
+
+
 def _decode_step_md(r: dict) -> list[str]:
     """Which step AR and every method decoded with (eval/bench/decode_step.py), and what decided it."""
     d = r["env"].get("decode_step")
@@ -121,13 +126,14 @@ def _decode_step_md(r: dict) -> list[str]:
     line = f"Decoding step: **{d['chosen']}**"
     if d.get("mode"):
         line += f" (`decode_step={d['mode']}`"
-        compiled = d.get("compiled_plain_ms") if d.get("linears") == "plain" else d.get("compiled_ms")
+        linears = d.get("linears", "packed")
+        compiled = d.get("compiled_ms") if linears == "packed" else d.get(f"compiled_{linears}_ms")
         if "eager_ms" in d:
             line += (f"; one-token step {compiled:.1f} ms compiled vs {d['eager_ms']:.1f} ms eager, median of "
                      f"{d['rounds']} interleaved rounds")
         if "linears" in d:
-            line += (f"; its linears {d['linears']} (packed oneDNN GEMM {d['compiled_ms']:.1f} ms, inductor's "
-                     f"{d['compiled_plain_ms']:.1f} ms)")
+            raced = [(name, d.get(key)) for name, key in LINEAR_KINDS if d.get(key) is not None]
+            line += f"; its linears {linears} (" + ", ".join(f"{name} {ms:.1f} ms" for name, ms in raced) + ")"
         line += f"; {d['why']}" if d.get("why") else ""
         line += ")"
     if d.get("compile_s"):

@@ -144,20 +144,33 @@ def read_bandwidth(mib: int = 256, reps: int = 5) -> float:
     return x.numel() * x.element_size() / best
 
 
-def weight_bytes(model: PreTrainedModel) -> int:
+def weight_bytes(model: PreTrainedModel, linears: str | None = None) -> int:
     """Bytes of weights one decoding step reads: every parameter once (a tied embedding and lm_head are one
-    matrix), less an untied input embedding, of which a step reads one row."""
+    matrix), less an untied input embedding, of which a step reads one row. An fp32 head (models/core/packed.py
+    ``Fp32Head``) holds two copies of the head and a step reads one: the fp32 copy, or the bf16 weight where the
+    step's ``linears`` are the GEMV's, which computes fp32 logits from it."""
+    from models.core.packed import Fp32Head
+
     params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(head, Fp32Head):
+        read, unread = head.proj.weight, head.head.weight  # unread: the bf16 weight (a tied embedding: one row)
+        if linears == "gemv" and head.blocked is not None:
+            read, unread = unread, read
+        params.pop(unread.data_ptr(), None)
+        params[read.data_ptr()] = read.numel() * read.element_size()
+        if emb is not None and emb.weight.data_ptr() not in (read.data_ptr(), unread.data_ptr()):
+            params.pop(emb.weight.data_ptr(), None)
+        return sum(params.values())
     if emb is not None and (head is None or emb.weight.data_ptr() != head.weight.data_ptr()):
         params.pop(emb.weight.data_ptr(), None)
     return sum(params.values())
 
 
-def bandwidth_bound(model: PreTrainedModel, reps: int = 5) -> dict:
+def bandwidth_bound(model: PreTrainedModel, reps: int = 5, linears: str | None = None) -> dict:
     """The memory-bandwidth ceiling of plain decoding here: measured read bandwidth / the weight bytes a step
-    reads (KV-cache reads and compute left out, so no AR run can beat it)."""
-    bw, n = read_bandwidth(reps=reps), weight_bytes(model)
+    reads (KV-cache reads and compute left out, so no AR run can beat it; ``linears``: the step's kernel)."""
+    bw, n = read_bandwidth(reps=reps), weight_bytes(model, linears)
     return {"read_GB_per_s": round(bw / 1e9, 2), "weight_MB": round(n / 1e6, 1),
             "ar_tokens_per_s_bound": round(bw / n, 1), "threads": torch.get_num_threads()}
 

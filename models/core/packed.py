@@ -33,11 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.core import gemv
+
 BATCH_HINT = 8  # the row count oneDNN lays the weight out for: decoding's rows (best of 1 / 8 / 64 measured)
-# whether a compiled graph calls the packed op (True) or F.linear, which inductor lowers to its own GEMM. Read while
-# tracing, so each value is a guard of the traces made under it; StaticDecoding sets it around every call of its step
-# (eval/bench/decode_step.py races the two where both exist: on an AVX2 EPYC in fp32 the plain GEMM was faster)
-GRAPH_PACKED = True
+# which kernel a compiled step's linears call: "packed" (the packed op), "plain" (F.linear, which inductor lowers to
+# its own GEMM) or "gemv" (draftsmith::bf16_linear, models/core/gemv.py: bf16 calls of few rows, eager ones too).
+# Read while tracing, so each value is a guard of the traces made under it; StaticDecoding sets it around every call
+# of its step (eval/bench/decode_step.py races them where they exist: on an AVX2 EPYC in fp32 "plain" was faster)
+LINEARS = "packed"
+KINDS = ("packed", "plain", "gemv")
 # the weight's storage address → its PackedLinear: what the compiled op's kernel reads (weak: a dropped model's
 # linears leave it)
 _BY_WEIGHT: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
@@ -71,6 +75,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self._packed: tuple[tuple, torch.Tensor] | None = None
+        self.blocked: torch.Tensor | None = None  # the weight laid out for "gemv" (``prepare_gemv``)
         _BY_WEIGHT[self.weight.data_ptr()] = self
 
     def _packed_weight(self) -> torch.Tensor:
@@ -87,13 +92,16 @@ class PackedLinear(nn.Module):
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return F.linear(x, w, self.bias)
         b = None if self.bias is None else self.bias.detach()
+        if LINEARS == "gemv" and self.blocked is not None and gemv.fits(x, w):
+            return torch.ops.draftsmith.bf16_linear(x, self.blocked, b, self.out_features, False)
         if torch.compiler.is_compiling():  # the opaque packed tensor stays out of the graph (module docstring)
-            return torch.ops.draftsmith.packed_linear(x, w, b) if GRAPH_PACKED else F.linear(x, w, self.bias)
+            return (torch.ops.draftsmith.packed_linear(x, w, b) if LINEARS != "plain"
+                    else F.linear(x, w, self.bias))
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), b, "none", [], "")
 
     def __getstate__(self):  # deepcopy / pickling: the packed copy is rebuilt on first use
         state = self.__dict__.copy()
-        state["_packed"] = None
+        state["_packed"] = state["blocked"] = None
         return state
 
     def __setstate__(self, state):
@@ -121,14 +129,29 @@ def packs(dtype: torch.dtype) -> bool:
 
 
 @contextlib.contextmanager
-def graph_packed(on: bool):
-    """``GRAPH_PACKED`` set to ``on`` for the traces and calls within (then as it was)."""
-    global GRAPH_PACKED
-    before, GRAPH_PACKED = GRAPH_PACKED, bool(on)
+def use_linears(kind: str):
+    """``LINEARS`` set to ``kind`` for the traces and calls within (then as it was)."""
+    global LINEARS
+    if kind not in KINDS:
+        raise ValueError(f"linears={kind!r} not understood; use one of {list(KINDS)}")
+    before, LINEARS = LINEARS, kind
     try:
         yield
     finally:
-        GRAPH_PACKED = before
+        LINEARS = before
+
+
+def prepare_gemv(model: nn.Module) -> int:
+    """Lay out every bf16 packed linear's weight (and an fp32 head's bf16 weight) for ``linears="gemv"``; how many
+    (0 where the kernel cannot run here: models/core/gemv.py says why)."""
+    if gemv.unavailable() is not None:
+        return 0
+    n = 0
+    for m in model.modules():
+        w = m.weight if isinstance(m, (PackedLinear, Fp32Head)) else None
+        if w is not None and w.dtype == torch.bfloat16 and w.device.type == "cpu" and m.blocked is None:
+            m.blocked, n = gemv.block(w), n + 1
+    return n
 
 
 def has_packed(model: nn.Module) -> bool:
@@ -168,12 +191,17 @@ class Fp32Head(nn.Module):
         if bias is not None:
             fp32.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
         self.proj = PackedLinear(fp32) if available() else fp32
+        # the bf16 weight laid out for "gemv": fp32 logits from half the bytes, the same products (models/core/gemv.py)
+        self.blocked: torch.Tensor | None = None
 
     @property
     def weight(self) -> torch.Tensor:
         return self.head.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if LINEARS == "gemv" and self.blocked is not None and gemv.fits(x, self.head.weight):
+            bias = getattr(self.proj, "bias", None)
+            return torch.ops.draftsmith.bf16_linear(x, self.blocked, bias, self.proj.out_features, True)
         return self.proj(x.float())
 
 

@@ -37,7 +37,7 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from models.core.hf_compat import cache_kwargs, sliding_window_of
-from models.core.packed import graph_packed
+from models.core.packed import prepare_gemv, use_linears
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +76,20 @@ def static_cache(config, capacity: int) -> Cache:
 class StaticDecoding:
     """The compiled step of one target. ``backend``: torch.compile's (``inductor`` generates fused kernels; ``eager``
     only traces, which checks the step is one graph in seconds) or None (the same cache and padding, not traced).
-    ``packed``: the step's packed linears call oneDNN's packed GEMM (True) or F.linear, inductor's own
-    (models/core/packed.py ``GRAPH_PACKED``). ``hook_module(k)`` → the module whose output is hidden state k."""
+    ``linears``: which kernel the step's packed linears call: oneDNN's packed GEMM (``packed``), F.linear,
+    inductor's own (``plain``), or the streamed bf16 GEMV (``gemv``; models/core/packed.py ``LINEARS``).
+    ``hook_module(k)`` → the module whose output is hidden state k."""
 
     def __init__(self, model: PreTrainedModel, hook_module: Callable[[int], nn.Module], capacity: int = 1024,
-                 backend: str | None = "inductor", packed: bool = True, widths: Sequence[int] = ()):
+                 backend: str | None = "inductor", linears: str = "packed", widths: Sequence[int] = ()):
         why = static_unsupported(model)
         if why is not None:
             raise ValueError(f"decode_step: {type(model).__name__} cannot decode over a static cache: {why}; "
                              "use decode_step=eager")
-        self.model, self.hook_module, self.backend, self.packed = model, hook_module, backend, packed
+        self.model, self.hook_module, self.backend, self.linears = model, hook_module, backend, linears
+        if linears == "gemv" and not prepare_gemv(model) and not _has_blocked(model):
+            raise ValueError("linears=gemv: the target has no bf16 linears the GEMV kernel can run here "
+                             "(models/core/gemv.py)")
         self.capacity = round_up(capacity)
         # WIDTHS and the run's chain widths (K + 1 rows): a chain verifies unpadded, its budget-cut rounds pad to it
         self.widths = tuple(sorted({*WIDTHS, *(int(w) for w in widths if 1 <= int(w) <= WIDTHS[-1])}))
@@ -138,13 +142,17 @@ class StaticDecoding:
         self.hook(layer_ids)
         self.captured.clear()  # the traced step always starts from an empty record (no guard on its contents)
         trace = f"w{ids.shape[1]}" + ("" if mask is None else "+mask") + "".join(f"/{k}" for k in layer_ids)
-        with graph_packed(self.packed):  # a guard of the traces: each setting has its own
+        with use_linears(self.linears):  # a guard of the traces: each setting has its own
             if trace in self.compile_s:
                 return self.step(ids, pos, mask, kv, layer_ids)
             t = time.perf_counter()  # the first call of a trace: tracing and compiling, timed for the results
             out = self.step(ids, pos, mask, kv, layer_ids)
         self.compile_s[trace] = round(time.perf_counter() - t, 2)
         return out
+
+
+def _has_blocked(model: nn.Module) -> bool:
+    return any(getattr(m, "blocked", None) is not None for m in model.modules())
 
 
 class StaticKV:

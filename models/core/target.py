@@ -317,12 +317,12 @@ class FrozenTarget(nn.Module):
             return self.norm
         return self.layers[k - 1]  # output of layer k-1 == input of layer k
 
-    def use_static(self, capacity: int = 1024, backend: str | None = "inductor", packed: bool = True,
+    def use_static(self, capacity: int = 1024, backend: str | None = "inductor", linears: str = "packed",
                    widths: Sequence[int] = ()) -> StaticDecoding:
         """Decode one row at a time over a fixed-capacity cache and a compiled step (models/core/static_kv.py):
         the decoding ladder's ``new_cache`` then hands out ``StaticKV`` caches, which ``forward`` runs."""
         self.use_eager()
-        self.static = StaticDecoding(self.model, self._hook_module, capacity, backend, packed, widths)
+        self.static = StaticDecoding(self.model, self._hook_module, capacity, backend, linears, widths)
         return self.static
 
     def use_eager(self) -> None:

@@ -1,0 +1,85 @@
+"""``draftsmith::bf16_linear``: a bf16 linear layer at decoding's few rows, streamed (models/core/csrc/bf16_gemv.cpp).
+
+At one row a decoding step's linears are matrix-vector products: each weight byte is used once, so the step can go
+no faster than the weights stream from memory. oneDNN's packed GEMM (models/core/packed.py) reached ~10 GB/s there
+on a Zen 5 (one thread), against the 22-30 GB/s the machine reads (scripts/compile_probe.py --profile). The kernel
+here reads each weight row once, contiguously, and dots it with every x row while it sits in L1, with AVX-512 BF16's
+``vdpbf16ps`` (bf16 products, fp32 sums). Its fp32 output is an fp32 GEMM of the same bf16 values up to the order of
+the sums, so the fp32 head that ``fp32_logits`` adds (models/core/packed.py ``Fp32Head``) runs from the bf16 weight:
+half its bytes.
+
+The C++ source is compiled on first use by torch's extension builder (a C++ compiler and ninja; ~1 min, cached by
+the source's hash under torch's extensions directory) and only on a CPU with ``avx512_bf16``. Anywhere else, or if
+the build fails, ``load()`` says why and the callers keep oneDNN's kernel. Whether it is used is decided by timing
+(eval/bench/decode_step.py), never assumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 16  # up to this many rows the weight stream dominates; past it (prefill) a blocked GEMM wins
+SOURCE = Path(__file__).parent / "csrc" / "bf16_gemv.cpp"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+_state: dict = {}
+log = logging.getLogger(__name__)
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run here (None: it can)."""
+    from models.core.kernels import cpu_features
+
+    if "avx512_bf16" not in cpu_features()["flags"]:
+        return "the CPU has no avx512_bf16"
+    return load()
+
+
+def load() -> str | None:
+    """Build (once per source) and load the op; None when ``torch.ops.draftsmith.bf16_linear`` is ready, else why."""
+    if "error" not in _state:
+        _state["error"] = _build()
+    return _state["error"]
+
+
+def _build() -> str | None:
+    try:
+        from torch.utils import cpp_extension
+
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+        cpp_extension.load(name=f"draftsmith_bf16_gemv_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                           is_python_module=False, verbose=False)
+    except Exception as e:  # a missing compiler or ninja: oneDNN's kernel stays
+        why = f"the bf16 GEMV kernel did not build ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        log.warning(why)
+        return why
+    return None
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a call is the kernel's: bf16 on the CPU, few rows, no gradients wanted."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
+            and x.numel() <= MAX_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and
+                                                              (x.requires_grad or weight.requires_grad)))
+
+
+# the op's schema and shape, known to tracing before the kernel (its CPU implementation) is built and loaded
+_LIB = torch.library.Library("draftsmith", "FRAGMENT")
+_LIB.define("bf16_linear(Tensor x, Tensor blocked, Tensor? bias, int N, bool fp32_out) -> Tensor")
+
+
+@torch.library.register_fake("draftsmith::bf16_linear", lib=_LIB)
+def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, N: int, fp32_out: bool) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], N), dtype=torch.float32 if fp32_out else x.dtype)
+
+
+def block(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] laid out for the kernel: [ceil(N/16), ceil(K/2), 16, 2], each 64-byte vector 16 output
+    rows x 2 input columns (zero rows and column pad the edges)."""
+    w = weight.detach().to(torch.bfloat16)
+    n, k = w.shape
+    w = torch.nn.functional.pad(w, (0, k % 2, 0, -n % 16))
+    return w.view(w.shape[0] // 16, 16, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
