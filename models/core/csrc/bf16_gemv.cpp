@@ -13,49 +13,54 @@
 
 namespace {
 
-// out[m, n0:n0+16] for the M x rows, over one block of 16 weight rows (K2 = input columns rounded up to even)
-template <int64_t MT>
-inline void block_rows(const int32_t* x, int64_t M, int64_t K2, const __m512i* w, float* acc_out) {
-  // x is read as int32 pairs of bf16: x[m * K2/2 + kk] holds columns 2kk, 2kk+1
-  const int64_t pairs = K2 / 2;
-  if (MT == 1) {  // one row: four independent sums hide vdpbf16ps's latency
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t kk = 0;
-    for (; kk + 4 <= pairs; kk += 4) {
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + kk), (__m512bh)_mm512_set1_epi32(x[kk]));
-      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + kk + 1), (__m512bh)_mm512_set1_epi32(x[kk + 1]));
-      a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + kk + 2), (__m512bh)_mm512_set1_epi32(x[kk + 2]));
-      a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + kk + 3), (__m512bh)_mm512_set1_epi32(x[kk + 3]));
-    }
-    for (; kk < pairs; ++kk)
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + kk), (__m512bh)_mm512_set1_epi32(x[kk]));
-    _mm512_storeu_ps(acc_out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-    return;
-  }
-  __m512 acc[MT];
-  for (int64_t m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+// NB blocks of 16 weight rows (each a contiguous stream of `pairs` vectors) against MT x rows: acc_out[(nb*MT+m)*16..]
+// Each broadcast pair of x serves NB weight vectors and each weight vector MT rows, so loads stay under the
+// dot products' rate and a verify's few rows cost little more than one (all accumulators in the 32 registers).
+template <int64_t MT, int64_t NB>
+inline void blocks_rows(const int32_t* x, int64_t pairs, const __m512i* w, float* acc_out) {
+  __m512 acc[NB][MT];
+  for (int64_t nb = 0; nb < NB; ++nb)
+    for (int64_t m = 0; m < MT; ++m) acc[nb][m] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < pairs; ++kk) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + kk);
-    for (int64_t m = 0; m < MT; ++m)
-      acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_set1_epi32(x[m * pairs + kk]));
+    __m512bh xb[MT];
+    for (int64_t m = 0; m < MT; ++m) xb[m] = (__m512bh)_mm512_set1_epi32(x[m * pairs + kk]);
+    for (int64_t nb = 0; nb < NB; ++nb) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + nb * pairs + kk);
+      for (int64_t m = 0; m < MT; ++m) acc[nb][m] = _mm512_dpbf16_ps(acc[nb][m], wv, xb[m]);
+    }
   }
-  for (int64_t m = 0; m < MT; ++m) _mm512_storeu_ps(acc_out + 16 * m, acc[m]);
+  for (int64_t nb = 0; nb < NB; ++nb)
+    for (int64_t m = 0; m < MT; ++m) _mm512_storeu_ps(acc_out + (nb * MT + m) * 16, acc[nb][m]);
 }
 
-// No software prefetch: the stream is sequential and the hardware's prefetcher follows it; prefetching into L1
+// No software prefetch: the streams are sequential and the hardware's prefetcher follows them; prefetching into L1
 // 1 KiB ahead halved the rate (head-sized weight, one thread, Zen 5), into L2 64 vectors ahead changed nothing.
 
-// one block of 16 weight rows against x rows m0..m0+mt-1 (mt <= 8: the accumulators stay in registers)
-inline void block_tile(const int32_t* x, int64_t mt, int64_t K2, const __m512i* w, float* acc) {
+// blocks in flight for MT rows: NB * MT accumulators + MT broadcasts within 32 registers (one row: 8 independent
+// sums to hide vdpbf16ps's latency)
+constexpr int64_t nb_for(int64_t mt) { return mt == 1 ? 8 : mt <= 5 ? 4 : mt <= 7 ? 3 : 2; }
+
+template <int64_t MT>
+inline int64_t tile(const int32_t* x, int64_t pairs, const __m512i* w, int64_t left, float* acc) {
+  // as many blocks as fit (nb_for(MT), else one); returns how many were done
+  if (left >= nb_for(MT)) {
+    blocks_rows<MT, nb_for(MT)>(x, pairs, w, acc);
+    return nb_for(MT);
+  }
+  blocks_rows<MT, 1>(x, pairs, w, acc);
+  return 1;
+}
+
+inline int64_t block_tile(const int32_t* x, int64_t mt, int64_t pairs, const __m512i* w, int64_t left, float* acc) {
   switch (mt) {
-    case 1: return block_rows<1>(x, 1, K2, w, acc);
-    case 2: return block_rows<2>(x, 2, K2, w, acc);
-    case 3: return block_rows<3>(x, 3, K2, w, acc);
-    case 4: return block_rows<4>(x, 4, K2, w, acc);
-    case 5: return block_rows<5>(x, 5, K2, w, acc);
-    case 6: return block_rows<6>(x, 6, K2, w, acc);
-    case 7: return block_rows<7>(x, 7, K2, w, acc);
-    default: return block_rows<8>(x, 8, K2, w, acc);
+    case 1: return tile<1>(x, pairs, w, left, acc);
+    case 2: return tile<2>(x, pairs, w, left, acc);
+    case 3: return tile<3>(x, pairs, w, left, acc);
+    case 4: return tile<4>(x, pairs, w, left, acc);
+    case 5: return tile<5>(x, pairs, w, left, acc);
+    case 6: return tile<6>(x, pairs, w, left, acc);
+    case 7: return tile<7>(x, pairs, w, left, acc);
+    default: return tile<8>(x, pairs, w, left, acc);
   }
 }
 
@@ -83,19 +88,22 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& blocked, const c10
   at::BFloat16* ob = fp32_out ? nullptr : out.data_ptr<at::BFloat16>();
   // a grain of 16 blocks (256 rows): a small layer stays on one thread, where waking another costs more
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    alignas(64) float acc[8 * 16];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = 16 * b, nn = std::min<int64_t>(16, N - n0);
-      const __mmask16 mask = (__mmask16)((1u << nn) - 1);
-      const __m512 bv = bp ? _mm512_maskz_loadu_ps(mask, bp + n0) : _mm512_setzero_ps();
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const int64_t mt = std::min<int64_t>(8, M - m0);
-        block_tile(xp + m0 * pairs, mt, K2, wp + b * pairs, acc);
-        for (int64_t m = 0; m < mt; ++m) {
-          const __m512 v = _mm512_add_ps(_mm512_load_ps(acc + 16 * m), bv);
-          if (of) _mm512_mask_storeu_ps(of + (m0 + m) * N + n0, mask, v);
-          else _mm256_mask_storeu_epi16(ob + (m0 + m) * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    alignas(64) float acc[24 * 16];  // nb_for(mt) * mt vectors, at most 21 (3 x 7)
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mt = std::min<int64_t>(8, M - m0);
+      for (int64_t b = b0; b < b1;) {
+        const int64_t done = block_tile(xp + m0 * pairs, mt, pairs, wp + b * pairs, b1 - b, acc);
+        for (int64_t nb = 0; nb < done; ++nb) {
+          const int64_t n0 = 16 * (b + nb), nn = std::min<int64_t>(16, N - n0);
+          const __mmask16 mask = (__mmask16)((1u << nn) - 1);
+          const __m512 bv = bp ? _mm512_maskz_loadu_ps(mask, bp + n0) : _mm512_setzero_ps();
+          for (int64_t m = 0; m < mt; ++m) {
+            const __m512 v = _mm512_add_ps(_mm512_load_ps(acc + (nb * mt + m) * 16), bv);
+            if (of) _mm512_mask_storeu_ps(of + (m0 + m) * N + n0, mask, v);
+            else _mm256_mask_storeu_epi16(ob + (m0 + m) * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+          }
         }
+        b += done;
       }
     }
   });
