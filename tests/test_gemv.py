@@ -72,6 +72,10 @@ def test_packed_linears_and_the_fp32_head_call_it_for_few_rows_only():
             assert torch.equal(lin(many), onednn_many)  # a prefill's rows: oneDNN's kernel
             logits = head(few)
         torch.testing.assert_close(lin(few), onednn)  # the default kernel again outside the block
+        lin.weight.mul_(2)  # a changed weight: laid out again before the next GEMV call
+        with use_linears("gemv"):
+            torch.testing.assert_close(lin(few).float(), 2 * onednn.float() - lin.bias.float(), atol=6e-2, rtol=2e-2)
+        lin.weight.div_(2)
         torch.testing.assert_close(lin(few).float(), F.linear(few, lin.weight, lin.bias).float(), atol=3e-2,
                                    rtol=1e-2)
         fp32 = head(few)
@@ -105,10 +109,14 @@ def test_a_compiled_step_on_the_gemv_keeps_the_op_and_decodes_ar_tokens():
     calls = seen.count(torch.ops.draftsmith.bf16_linear)  # 7 linears a layer and the head, in each trace
     assert calls and calls % (2 * 7 + 1) == 0 and F.linear not in seen
     t.use_eager()
-    rec = choose_decode_step(t, "compiled", 200, prefix_len=16, backend="eager")
-    assert rec["compiled_gemv_ms"] > 0 and t.static.linears == rec["linears"]
-    assert decode_ar(t, prompt, 12).tokens == ref
-    t.use_eager()
+    try:
+        rec = choose_decode_step(t, "compiled", 200, prefix_len=16, backend="eager")
+        assert rec["compiled_gemv_ms"] > 0 and t.static.linears == rec["linears"]
+        assert packed_mod.LINEARS == ("gemv" if rec["linears"] == "gemv" else "packed")  # eager calls follow it
+        assert decode_ar(t, prompt, 12).tokens == ref
+    finally:
+        packed_mod.set_default_linears("packed")
+        t.use_eager()
 
 
 def test_where_the_kernel_cannot_run_the_race_leaves_it_out_and_a_step_asking_for_it_fails(monkeypatch):

@@ -27,7 +27,7 @@ import torch
 from eval.decode.ladder import new_cache
 from eval.decode.result import device_time
 from models.core import gemv
-from models.core.packed import has_packed
+from models.core.packed import has_packed, set_default_linears
 from models.core.static_kv import StaticDecoding, static_unsupported
 from models.core.target import FrozenTarget
 
@@ -45,6 +45,7 @@ def choose_decode_step(target: FrozenTarget, mode: str, capacity: int, prefix_le
         raise ValueError(f"decode_step={mode!r} not understood; use one of {list(MODES)}")
     record: dict = {"mode": mode, "chosen": "eager"}
     target.use_eager()
+    set_default_linears("packed")  # the eager step as the harness loads it
     target.model.draftsmith_decode_step = record
     why = static_unsupported(target.model)
     if why is not None and mode == "compiled":
@@ -74,6 +75,8 @@ def choose_decode_step(target: FrozenTarget, mode: str, capacity: int, prefix_le
     target.static = static
     if record["chosen"] == "eager":
         target.use_eager()
+    # a drafter's few-row linears follow the target's kernel (the GEMV where it won: models/core/packed.py)
+    set_default_linears("gemv" if record["chosen"] == "compiled" and record.get("linears") == "gemv" else "packed")
     record["compile_s"] = static.compile_s  # the same dict: traces compiled later (the warm-up's) join it
     return record
 

@@ -30,12 +30,12 @@ log = logging.getLogger(__name__)
 
 
 def unavailable() -> str | None:
-    """Why the kernel cannot run here (None: it can)."""
-    from models.core.kernels import cpu_features
+    """Why the kernel cannot run here (None: it can); decided once per process."""
+    if "why" not in _state:
+        from models.core.kernels import cpu_features
 
-    if "avx512_bf16" not in cpu_features()["flags"]:
-        return "the CPU has no avx512_bf16"
-    return load()
+        _state["why"] = "the CPU has no avx512_bf16" if "avx512_bf16" not in cpu_features()["flags"] else load()
+    return _state["why"]
 
 
 def load() -> str | None:

@@ -76,6 +76,7 @@ class PackedLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self._packed: tuple[tuple, torch.Tensor] | None = None
         self.blocked: torch.Tensor | None = None  # the weight laid out for "gemv" (``prepare_gemv``)
+        self._blocked_key: tuple | None = None
         _BY_WEIGHT[self.weight.data_ptr()] = self
 
     def _packed_weight(self) -> torch.Tensor:
@@ -86,14 +87,25 @@ class PackedLinear(nn.Module):
             _BY_WEIGHT[w.data_ptr()] = self  # a weight moved or cast since (module.to): found at its new address
         return self._packed[1]
 
+    def _blocked_weight(self) -> torch.Tensor | None:
+        """The weight laid out for the GEMV, made on first use and again when the weight changes (None where the
+        kernel cannot run). A compiled step reads ``blocked`` as ``prepare_gemv`` left it: the target is frozen."""
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if self._blocked_key != key and gemv.unavailable() is None:
+            self.blocked, self._blocked_key = gemv.block(w), key
+        return self.blocked
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (w.device.type != "cpu" or x.dtype != w.dtype or not packs(w.dtype)
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return F.linear(x, w, self.bias)
         b = None if self.bias is None else self.bias.detach()
-        if LINEARS == "gemv" and self.blocked is not None and gemv.fits(x, w):
-            return torch.ops.draftsmith.bf16_linear(x, self.blocked, b, self.out_features, False)
+        if LINEARS == "gemv" and gemv.fits(x, w):
+            blocked = self.blocked if torch.compiler.is_compiling() else self._blocked_weight()
+            if blocked is not None:
+                return torch.ops.draftsmith.bf16_linear(x, blocked, b, self.out_features, False)
         if torch.compiler.is_compiling():  # the opaque packed tensor stays out of the graph (module docstring)
             return (torch.ops.draftsmith.packed_linear(x, w, b) if LINEARS != "plain"
                     else F.linear(x, w, self.bias))
@@ -101,7 +113,7 @@ class PackedLinear(nn.Module):
 
     def __getstate__(self):  # deepcopy / pickling: the packed copy is rebuilt on first use
         state = self.__dict__.copy()
-        state["_packed"] = state["blocked"] = None
+        state["_packed"] = state["blocked"] = state["_blocked_key"] = None
         return state
 
     def __setstate__(self, state):
@@ -149,9 +161,23 @@ def prepare_gemv(model: nn.Module) -> int:
     n = 0
     for m in model.modules():
         w = m.weight if isinstance(m, (PackedLinear, Fp32Head)) else None
-        if w is not None and w.dtype == torch.bfloat16 and w.device.type == "cpu" and m.blocked is None:
-            m.blocked, n = gemv.block(w), n + 1
+        if w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or m.blocked is not None:
+            continue
+        if isinstance(m, PackedLinear):
+            m._blocked_weight()
+        else:
+            m.blocked = gemv.block(w)
+        n += 1
     return n
+
+
+def set_default_linears(kind: str) -> None:
+    """``LINEARS`` outside any ``use_linears`` block: what eager calls of few rows take (a drafter's, in a run
+    whose compiled step raced and chose its kernel: eval/bench/decode_step.py)."""
+    global LINEARS
+    if kind not in KINDS:
+        raise ValueError(f"linears={kind!r} not understood; use one of {list(KINDS)}")
+    LINEARS = kind
 
 
 def has_packed(model: nn.Module) -> bool:
