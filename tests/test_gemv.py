@@ -81,6 +81,8 @@ def test_packed_linears_and_the_fp32_head_call_it_for_few_rows_only():
         fp32 = head(few)
     assert logits.dtype == fp32.dtype == torch.float32
     torch.testing.assert_close(logits, fp32, atol=1e-5, rtol=1e-5)
+    tied = Fp32Head(PackedLinear(nn.Linear(64, 300, bias=False).bfloat16().requires_grad_(False)))
+    assert prepare_gemv(tied) == 1 and tied.blocked is tied.head.blocked  # one laid-out copy of the head
 
 
 @needs_kernel

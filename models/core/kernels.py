@@ -149,14 +149,10 @@ def weight_bytes(model: PreTrainedModel, linears: str | None = None) -> int:
     matrix), less an untied input embedding, of which a step reads one row. An fp32 head (models/core/packed.py
     ``Fp32Head``) holds two copies of the head and a step reads one: the fp32 copy, or the bf16 weight where the
     step's ``linears`` are the GEMV's, which computes fp32 logits from it."""
-    from models.core.packed import Fp32Head
-
     params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if isinstance(head, Fp32Head):
-        read, unread = head.proj.weight, head.head.weight  # unread: the bf16 weight (a tied embedding: one row)
-        if linears == "gemv" and head.blocked is not None:
-            read, unread = unread, read
+    if hasattr(head, "weights_read"):  # an fp32 head: models/core/packed.py Fp32Head
+        read, unread = head.weights_read(linears)
         params.pop(unread.data_ptr(), None)
         params[read.data_ptr()] = read.numel() * read.element_size()
         if emb is not None and emb.weight.data_ptr() not in (read.data_ptr(), unread.data_ptr()):

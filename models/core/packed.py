@@ -165,8 +165,8 @@ def prepare_gemv(model: nn.Module) -> int:
             continue
         if isinstance(m, PackedLinear):
             m._blocked_weight()
-        else:
-            m.blocked = gemv.block(w)
+        else:  # an fp32 head shares the layout of the bf16 head it wraps (one copy of the largest weight)
+            m.blocked = m.head._blocked_weight() if isinstance(m.head, PackedLinear) else gemv.block(w)
         n += 1
     return n
 
@@ -223,6 +223,12 @@ class Fp32Head(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         return self.head.weight
+
+    def weights_read(self, linears: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the head copy a step reads, the one it does not): the fp32 copy, or the bf16 weight under the GEMV
+        (models/core/kernels.py ``weight_bytes``)."""
+        fp32, bf16 = self.proj.weight, self.head.weight
+        return (bf16, fp32) if linears == "gemv" and self.blocked is not None else (fp32, bf16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if LINEARS == "gemv" and self.blocked is not None and gemv.fits(x, self.head.weight):
