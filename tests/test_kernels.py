@@ -23,6 +23,9 @@ def test_probe_times_each_dtype_and_chooses_by_the_rule(tiny_llama):
         assert result["chosen"] == "float32" and confirm is None
     else:
         assert len(confirm["bf16_over_fp32"]) == 3
+        from models.core import gemv  # bf16 timed on its fastest linears: the GEMV where it runs here
+
+        assert confirm["bf16_linears"] == ("gemv" if gemv.unavailable() is None else "packed")
         assert result["chosen"] == ("bfloat16" if confirm["median_ratio"] <= 1 - MARGIN else "float32")
     assert tiny_llama.dtype == torch.float32  # probed on a copy
     assert result["machine"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def unavailable() -> str | None:
     """Why the kernel cannot run here (None: it can); decided once per process."""
     if "why" not in _state:
-        from models.core.kernels import cpu_features
+        from models.core.cpu import cpu_features
 
         _state["why"] = "the CPU has no avx512_bf16" if "avx512_bf16" not in cpu_features()["flags"] else load()
     return _state["why"]

@@ -14,7 +14,10 @@ shared machine chose bf16 on one run and fp32 on the next. bf16 is chosen only w
 2. a confirming measurement agrees: the one-token step (plain decoding, the baseline every speedup divides by) of
    each dtype timed in ``ROUNDS`` interleaved rounds, and bf16's median round ratio to fp32 at most ``1 - MARGIN``
    (``confirm_bf16``): a burst of load falls on one round, or on both dtypes of a round alike, not on one dtype's
-   whole measurement. Where bf16 is native it is 2-4x faster at one row, far beyond the margin.
+   whole measurement. Where bf16 is native it is 2-4x faster at one row, far beyond the margin. bf16's step is
+   timed on its fastest linears here: the streamed GEMV where it runs (models/core/gemv.py), which a compiled step
+   races and usually takes; on oneDNN's kernel alone the two dtypes came within the margin in a slow stretch of
+   this VM (63.5 vs 63.4 ms, 2026-12-07), and auto took fp32 from under a 2x faster bf16 step.
 ``probe`` also times a one-row forward at widths 1..K+1 on a KV cache in each candidate dtype (t(w)/t(1), for the
 report). The probe and its rule are recorded on the model (``draftsmith_kernels``) and in benchmark results.
 Losslessness is then checked against the target in the dtype chosen (eval/bench/precision.py: noise-aware below fp32).
@@ -25,34 +28,17 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
+from models.core.cpu import cpu_features
 from models.core.hf_compat import cache_kwargs
 
 CANDIDATES = ("float32", "bfloat16")
 _DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 ROUNDS = 5  # interleaved rounds of the confirming measurement
 MARGIN = 0.10  # bf16's one-token step must be at least this much faster than fp32's (median round ratio <= 0.9)
-
-
-def cpu_features() -> dict:
-    """The CPU's SIMD flags that decide torch's kernels, and torch's own view of them."""
-    flags: set[str] = set()
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-    except OSError:  # not Linux: torch's capability string still says what it uses
-        pass
-    return {"cpu": model, "flags": [f for f in _FLAGS if f in flags],
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 @torch.no_grad()
@@ -107,14 +93,21 @@ def confirm_bf16(fp32: PreTrainedModel, bf16: PreTrainedModel, prefix_len: int =
                  reps: int = 3) -> dict:
     """The one-token step of each dtype timed in ``rounds`` interleaved rounds (fp32 first in even rounds, bf16 in
     odd ones), each the fastest of ``reps``; per round bf16's time over fp32's, and the median of those ratios."""
+    from models.core import gemv
+    from models.core.packed import use_linears
+
+    # bf16 on its fastest linears here: the GEMV where it runs (models/core/gemv.py), as a compiled step would
+    bf16_linears = "gemv" if gemv.unavailable() is None else "packed"
     t: dict[str, list[float]] = {"float32": [], "bfloat16": []}
     models = {"float32": fp32, "bfloat16": bf16}
     for r in range(rounds):
         for name in (("float32", "bfloat16") if r % 2 == 0 else ("bfloat16", "float32")):
-            t[name].append(time_forward(models[name], (1,), prefix_len, reps, seed=r)[1])
+            with use_linears(bf16_linears if name == "bfloat16" else "packed"):
+                t[name].append(time_forward(models[name], (1,), prefix_len, reps, seed=r)[1])
     ratios = [b / f for b, f in zip(t["bfloat16"], t["float32"])]
     return {"rounds": rounds, "margin": MARGIN, "t1_s": {n: [round(x, 6) for x in v] for n, v in t.items()},
-            "bf16_over_fp32": [round(x, 3) for x in ratios], "median_ratio": round(statistics.median(ratios), 3)}
+            "bf16_over_fp32": [round(x, 3) for x in ratios], "median_ratio": round(statistics.median(ratios), 3),
+            "bf16_linears": bf16_linears}
 
 
 def choose_dtype(native: bool, confirm: dict | None) -> tuple[str, str]:
