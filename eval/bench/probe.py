@@ -15,12 +15,15 @@ from models.core.target import load_causal_lm
 
 def gemm_table(model, reps: int, rows: Sequence[int] = (1, 2, 4, 8, 16, 64)) -> dict:
     """ms of ``F.linear(x[rows, H], W)`` for the first MLP's gate weight [I, H] and the lm_head [V, H], fp32 and
-    bf16, and of the same weight pre-packed for oneDNN (``packed``, models/core/packed.py: what the target runs
-    on a CPU): the kernels behind decoding's few rows (a flat bf16 row means a native bf16 dot product)."""
+    bf16, of the same weight pre-packed for oneDNN (``packed``, models/core/packed.py: what the target runs
+    on a CPU) and, in bf16 where it runs, streamed by the GEMV (``gemv``, models/core/gemv.py: what a compiled step
+    that chose it runs): the kernels behind decoding's few rows (a flat bf16 row means a native bf16 dot product).
+    Each weight is timed repeatedly, so a small one sits in cache: the lm_head row is the one read from memory."""
     import time
 
     import torch.nn.functional as F
 
+    from models.core import gemv
     from models.core.packed import PackedLinear, available, packs
 
     weights = {"mlp_gate": model.model.layers[0].mlp.gate_proj.weight,
@@ -34,6 +37,10 @@ def gemm_table(model, reps: int, rows: Sequence[int] = (1, 2, 4, 8, 16, 64)) -> 
                 lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
                 lin.weight = torch.nn.Parameter(w, requires_grad=False)
                 kernels[" packed"] = PackedLinear(lin)
+            if dt == torch.bfloat16 and gemv.unavailable() is None:
+                blocked = gemv.block(w)
+                kernels[" gemv"] = lambda x, b=blocked, n=w.shape[0]: torch.ops.draftsmith.bf16_linear(
+                    x, b, None, n, False)
             for label, fn in kernels.items():
                 row = {}
                 for n in rows:
