@@ -17,7 +17,8 @@ shared machine chose bf16 on one run and fp32 on the next. bf16 is chosen only w
    whole measurement. Where bf16 is native it is 2-4x faster at one row, far beyond the margin. bf16's step is
    timed on its fastest linears here: the streamed GEMV where it runs (models/core/gemv.py), which a compiled step
    races and usually takes; on oneDNN's kernel alone the two dtypes came within the margin in a slow stretch of
-   this VM (63.5 vs 63.4 ms, 2026-12-07), and auto took fp32 from under a 2x faster bf16 step.
+   this VM (63.5 vs 63.4 ms, 2026-12-07; a held-out run stopped there, not kept), and auto took fp32 from under a
+   2x faster bf16 step.
 ``probe`` also times a one-row forward at widths 1..K+1 on a KV cache in each candidate dtype (t(w)/t(1), for the
 report). The probe and its rule are recorded on the model (``draftsmith_kernels``) and in benchmark results.
 Losslessness is then checked against the target in the dtype chosen (eval/bench/precision.py: noise-aware below fp32).
