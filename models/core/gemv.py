@@ -52,6 +52,7 @@ def _build() -> str | None:
         from torch.utils import cpp_extension
 
         digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+        log.info("loading the bf16 GEMV kernel (built on first use on this machine: ~20 s)")
         cpp_extension.load(name=f"draftsmith_bf16_gemv_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS,
                            is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler or ninja: oneDNN's kernel stays
