@@ -8,10 +8,10 @@ here reads each weight row once, contiguously, and dots it with every x row whil
 the sums, so the fp32 head that ``fp32_logits`` adds (models/core/packed.py ``Fp32Head``) runs from the bf16 weight:
 half its bytes.
 
-The C++ source is compiled on first use by torch's extension builder (a C++ compiler and ninja; ~1 min, cached by
-the source's hash under torch's extensions directory) and only on a CPU with ``avx512_bf16``. Anywhere else, or if
-the build fails, ``load()`` says why and the callers keep oneDNN's kernel. Whether it is used is decided by timing
-(eval/bench/decode_step.py), never assumed.
+The C++ source is compiled on first use by torch's extension builder (a C++ compiler and ninja; ~20 s on 2 cores,
+cached by the source's hash under torch's extensions directory) and only on a CPU with ``avx512_bf16``. Anywhere
+else, or if the build fails, ``load()`` says why and the callers keep oneDNN's kernel. Whether it is used is decided
+by timing (eval/bench/decode_step.py), never assumed.
 """
 
 from __future__ import annotations
