@@ -140,12 +140,16 @@ def packs(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and MKLDNN_BF16)
 
 
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"linears={kind!r} not understood; use one of {list(KINDS)}")
+
+
 @contextlib.contextmanager
 def use_linears(kind: str):
     """``LINEARS`` set to ``kind`` for the traces and calls within (then as it was)."""
     global LINEARS
-    if kind not in KINDS:
-        raise ValueError(f"linears={kind!r} not understood; use one of {list(KINDS)}")
+    _check_kind(kind)
     before, LINEARS = LINEARS, kind
     try:
         yield
@@ -175,8 +179,7 @@ def set_default_linears(kind: str) -> None:
     """``LINEARS`` outside any ``use_linears`` block: what eager calls of few rows take (a drafter's, in a run
     whose compiled step raced and chose its kernel: eval/bench/decode_step.py)."""
     global LINEARS
-    if kind not in KINDS:
-        raise ValueError(f"linears={kind!r} not understood; use one of {list(KINDS)}")
+    _check_kind(kind)
     LINEARS = kind
 
 
