@@ -108,6 +108,23 @@ def test_static_forward_returns_the_eager_logits_and_hidden_states(static_target
     assert cache.get_seq_length() == x.shape[1] == eager_cache.get_seq_length()
 
 
+def test_two_targets_traced_in_one_process_each_run_their_own_weights():
+    """The traces drop the guards on the weights (frozen_weight_guards): the instance serial still keeps one target's
+    traces from serving another of the same shapes, before and after the other traced."""
+    x = torch.randint(3, V, (1, 9), generator=torch.Generator().manual_seed(2))
+    a, b = (FrozenTarget(make_tiny_llama(V, layers=2, hidden=32, seed=s)) for s in (3, 4))
+    want = {}
+    for t in (a, b):
+        want[id(t)] = t(x, use_cache=False).logits[:, -1]
+        t.use_static(capacity=256, backend="eager")
+    for t in (a, b, a):
+        cache = new_cache(t)
+        t(x[:, :-1], cache=cache, use_cache=True)
+        got = t(x[:, -1:], cache=cache, use_cache=True).logits[:, -1]  # one row: the traced step
+        torch.testing.assert_close(got, want[id(t)], rtol=1e-5, atol=1e-5)
+    assert a.static.compile_s and b.static.compile_s  # each traced its own, none reused the other's
+
+
 def test_crop_moves_where_the_next_forward_writes(static_target):
     x = prompts()[0]
     cache = new_cache(static_target)

@@ -26,6 +26,7 @@ Sliding-window targets (Gemma-2/3, Mistral) keep every entry on every layer here
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +45,19 @@ log = logging.getLogger(__name__)
 WIDTHS = (1, 8, 16)  # query-width buckets: AR, chains up to K=7, small trees; each traced once, on first use
 RECOMPILE_LIMIT = 64
 CAPACITY_STEP = 256  # capacities are multiples of this: a longer decode retraces once per step, not per token
+# inductor's per-call checks of every kernel's output sizes and alignment: ~580 Python calls a SmolLM2 step, ~1.5 ms
+# of ~20 (scripts/compile_probe.py --profile); the custom ops' fake impls are tested against the real ones instead
+INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
+_serials = itertools.count()
+
+
+def frozen_weight_guards(entries) -> list[bool]:
+    """torch.compile's ``guard_filter_fn``: keep every guard except those on the frozen model's modules and
+    weights (~6,000 a SmolLM2 step, 2.4 ms of Python before each call). The target never changes under a trace; which
+    model a trace belongs to is still guarded, by ``StaticDecoding.serial``."""
+    return [not (isinstance(e.value, nn.Parameter)
+                 or (e.orig_guard.source is not None and e.orig_guard.source.is_unspecialized_nn_module()))
+            for e in entries]
 
 
 def round_up(n: int, step: int = CAPACITY_STEP) -> int:
@@ -98,8 +112,13 @@ class StaticDecoding:
         self.handles: list = []
         self.compile_s: dict[str, float] = {}  # trace (width, mask or not, hidden ids) → its first call's seconds
         self.cache_kw = next(iter(cache_kwargs(model, None)))
+        # every instance traces StaticDecoding.forward, one code object: the serial, read in the trace, is guarded,
+        # so one target's traces never run another's weights (the filter drops the guards on the weights themselves)
+        self.serial = next(_serials)
+        options = {"guard_filter_fn": frozen_weight_guards, **(INDUCTOR_OPTIONS if backend == "inductor" else {})}
         self.step = (self.forward if backend is None
-                     else torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False))
+                     else torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False,
+                                        options=options))
         # one trace per (width bucket, mask or not, hidden ids): a benchmark of several methods needs ~10, and past
         # the limit torch would run the step eagerly without a word
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -133,6 +152,8 @@ class StaticDecoding:
                 logits_to_keep: int = 0) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The traced step (and, called directly, the eager forward of longer widths): logits [1, W, V] (the last
         ``logits_to_keep`` only, when given) and the hidden states ``layer_ids`` [1, W, H] of one forward."""
+        if self.serial < 0:  # never: the read is what guards a trace to this instance (``frozen_weight_guards``)
+            raise AssertionError("StaticDecoding.serial")
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          logits_to_keep=logits_to_keep, **{self.cache_kw: kv})
         return out.logits, tuple(self.captured[k] for k in layer_ids)
