@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.core import attention, gemv
 from models.core.attention import NAME, cpu_gqa_attention, use_cpu_gqa
 
 
@@ -97,3 +98,60 @@ def test_views_of_a_preallocated_buffer_read_the_whole_buffer_masked(mask):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
     ref_mask = allowed if mask == "bool" else allowed.clone().fill_(True).tril(c - q)
     torch.testing.assert_close(got.float(), _reference(qh, k, v, ref_mask[..., :q, :]), atol=2e-2, rtol=2e-2)
+
+
+native = pytest.mark.skipif(gemv.unavailable() is not None, reason=f"no native kernels here: {gemv.unavailable()}")
+
+
+@native
+@pytest.mark.parametrize("b,h,kv,q,c,d", [(1, 9, 3, 1, 256, 64), (1, 4, 1, 5, 40, 256), (2, 6, 2, 16, 33, 8),
+                                          (3, 4, 4, 3, 70, 80)])
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+def test_the_native_decoding_attention_matches_sdpa(b, h, kv, q, c, d, mask):
+    """draftsmith::gqa_decode against fp32 SDPA: head dims with a tail (8, 80), per-row masks, the three mask forms,
+    and columns past every row's last visible one holding huge values it must never read."""
+    g = torch.Generator().manual_seed(b * 1000 + q * 10 + d)
+    qh = torch.randn(b, h, q, d, generator=g).bfloat16()
+    k, v = (torch.randn(b, kv, c, d, generator=g).bfloat16() for _ in range(2))
+    filled = c - 7
+    allowed = torch.ones(q, filled, dtype=torch.bool).tril(filled - q)[None, None].repeat(b, 1, 1, 1)
+    allowed = F.pad(allowed, (0, c - filled), value=False)
+    k[:, :, filled:], v[:, :, filled:] = 3e38, -3e38  # the unfilled capacity: finite garbage, never to be seen
+    if mask != "none":
+        allowed[-1, :, :, : min(3, filled - q)] = False  # left padding of the last row
+    arg = {"none": None, "bool": allowed,
+           "float": torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.bfloat16).min).bfloat16()}
+    if mask == "none":  # grouped_attention's None: every column (cpu_gqa_attention makes the causal mask itself)
+        k, v, allowed = k[:, :, :filled], v[:, :, :filled], torch.ones_like(allowed[..., :filled])
+    got = attention._native(qh, k, v, arg[mask], d**-0.5)
+    assert got.shape == (b, q, h, d) and got.dtype == torch.bfloat16
+    want = _reference(qh, k[:, :, :filled], v[:, :, :filled], allowed[..., :filled])  # SDPA would read the garbage
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@native
+def test_the_native_attention_averages_a_row_that_sees_nothing_and_reads_strided_caches():
+    """A row with every column hidden averages v, as a softmax of equal scores does (no NaN for the next layer); a
+    view into a larger cache buffer (strided heads and batch) reads like the contiguous copy."""
+    g = torch.Generator().manual_seed(7)
+    qh = torch.randn(2, 4, 2, 64, generator=g).bfloat16()
+    buf_k, buf_v = (torch.randn(2, 2, 50, 64, generator=g).bfloat16() for _ in range(2))
+    k, v = buf_k[:, :, :30], buf_v[:, :, :30]
+    allowed = torch.ones(2, 1, 2, 30, dtype=torch.bool)
+    allowed[0, 0, 1] = False
+    got = attention._native(qh, k, v, allowed, 0.125)
+    torch.testing.assert_close(got[0, 1].float(), v[0].float().mean(1).repeat_interleave(2, 0), atol=1e-2, rtol=1e-2)
+    want = attention._native(qh, k.contiguous(), v.contiguous(), allowed, 0.125)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got[1].float(), _reference(qh[1:], k[1:], v[1:], allowed[1:])[0], atol=2e-2,
+                               rtol=2e-2)
+
+
+def test_the_native_attention_is_left_alone_where_it_cannot_run(monkeypatch):
+    """Not loaded, fp32, or gradients wanted: the matmul path (None here)."""
+    qh, k, v = (torch.randn(1, n, m, 8).bfloat16() for n, m in ((4, 1), (2, 5), (2, 5)))
+    monkeypatch.setattr(attention.gemv, "ready", lambda: False)
+    assert attention._native(qh, k, v, None, 1.0) is None
+    monkeypatch.setattr(attention.gemv, "ready", lambda: True)
+    assert attention._native(qh.float(), k.float(), v.float(), None, 1.0) is None
+    assert attention._native(qh.requires_grad_(), k, v, None, 1.0) is None

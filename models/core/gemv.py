@@ -25,7 +25,8 @@ import torch
 # up to this many rows the GEMV beats oneDNN's packed GEMM on SmolLM2's weights (bench/probe_smollm2_zen5_1t_gemv.json:
 # lm_head at 8 rows 4.3 vs 5.1 ms, at 16 rows 9.0 vs 6.8: past 8 rows x is tiled and the weight read twice)
 MAX_ROWS = 8
-SOURCE = Path(__file__).parent / "csrc" / "bf16_gemv.cpp"
+# one extension for the AVX-512 BF16 kernels: this GEMV and decoding attention (models/core/attention.py)
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bf16_gemv.cpp", "gqa_decode.cpp")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 _state: dict = {}
 log = logging.getLogger(__name__)
@@ -40,8 +41,15 @@ def unavailable() -> str | None:
     return _state["why"]
 
 
+def ready() -> bool:
+    """Whether the kernels are loaded in this process (``unavailable()`` was asked and said yes), without building
+    them: cheap enough for a traced step to read."""
+    return _state.get("why", "unchecked") is None
+
+
 def load() -> str | None:
-    """Build (once per source) and load the op; None when ``torch.ops.draftsmith.bf16_linear`` is ready, else why."""
+    """Build (once per source) and load the ops; None when ``torch.ops.draftsmith.bf16_linear`` and ``gqa_decode``
+    are ready, else why."""
     if "error" not in _state:
         _state["error"] = _build()
     return _state["error"]
@@ -51,12 +59,13 @@ def _build() -> str | None:
     try:
         from torch.utils import cpp_extension
 
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
-        log.info("loading the bf16 GEMV kernel (built on first use on this machine: ~20 s)")
-        cpp_extension.load(name=f"draftsmith_bf16_gemv_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()
+        log.info("loading the bf16 kernels (built on first use on this machine: ~30 s)")
+        cpp_extension.load(name=f"draftsmith_bf16_kernels_{digest[:12]}", sources=[str(p) for p in SOURCES],
+                           extra_cflags=FLAGS,
                            is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler or ninja: oneDNN's kernel stays
-        why = f"the bf16 GEMV kernel did not build ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        why = f"the bf16 kernels did not build ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         log.warning(why)
         return why
     return None
