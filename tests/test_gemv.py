@@ -27,7 +27,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(1, 2), (15, 7), (16, 64), (17, 33), (200, 576)])
+@pytest.mark.parametrize("n,k", [(1, 2), (15, 7), (16, 64), (17, 33), (128, 40), (200, 576), (300, 41)])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16])
 def test_the_kernel_is_an_fp32_gemm_over_the_same_bf16_values(n, k, m):
     """Every edge: rows not a multiple of 16, odd columns, x tiles of 8 and their tails, with and without a bias;
