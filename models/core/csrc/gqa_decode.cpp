@@ -21,6 +21,7 @@ namespace {
 
 // an additive mask entry at or below this hides its column (a float32 or bfloat16 "lowest", or -inf)
 constexpr float HIDDEN = -1e38f;
+constexpr int64_t ROWS = 4;  // query rows whose weighted sums of v are accumulated together, in registers
 
 inline __mmask32 tail32(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : (__mmask32)((1ull << left) - 1); }
 inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
@@ -61,12 +62,15 @@ at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const bool* mb = additive ? nullptr : mask.data_ptr<bool>();
   const float* mf = additive ? mask.data_ptr<float>() : nullptr;
   const float sc = static_cast<float>(scale);
+  // strides read once: Tensor::stride(d) is an out-of-line call, too slow for the loops over columns
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), ks0 = k.stride(0), ks1 = k.stride(1),
+                ks2 = k.stride(2), vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2), Bm = mask.size(0);
 
   at::parallel_for(0, B * KV, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s(R * C), acc(R * D);
+    std::vector<float> s(R * C), acc(R * D), zeros(C, 0.f);
     std::vector<int64_t> seen(Q);  // per query row: columns [0, seen) hold every one it attends to
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / KV, kh = t % KV, bm = mask.size(0) == 1 ? 0 : b;
+      const int64_t b = t / KV, kh = t % KV, bm = Bm == 1 ? 0 : b;
       auto hidden = [&](int64_t i, int64_t c) {
         const int64_t at = (bm * Q + i) * C + c;
         return additive ? mf[at] <= HIDDEN : !mb[at];
@@ -78,11 +82,11 @@ at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         seen[i] = c == 0 ? -C : c;  // negative: every column hidden, the row averages all C
         width = std::max<int64_t>(width, c == 0 ? C : c);
       }
-      const at::BFloat16* kb = kp + b * k.stride(0) + kh * k.stride(1);
-      const at::BFloat16* vb = vp + b * v.stride(0) + kh * v.stride(1);
+      const at::BFloat16* kb = kp + b * ks0 + kh * ks1;  // this KV head's keys and values
+      const at::BFloat16* vb = vp + b * vs0 + kh * vs1;
       // scores: row r = (query head g, query row i), each k row read once for all R rows
       for (int64_t c = 0; c < width; ++c) {
-        const at::BFloat16* kr = kb + c * k.stride(2);
+        const at::BFloat16* kr = kb + c * ks2;
         for (int64_t g = 0; g < G; ++g)
           for (int64_t i = 0; i < Q; ++i) {
             const int64_t r = g * Q + i, n = seen[i];
@@ -90,41 +94,53 @@ at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             if (n < 0) x = 0.f;
             else if (c >= n || hidden(i, c)) x = -std::numeric_limits<float>::infinity();
             else {
-              const at::BFloat16* qr = qp + b * q.stride(0) + (kh * G + g) * q.stride(1) + i * q.stride(2);
+              const at::BFloat16* qr = qp + b * qs0 + (kh * G + g) * qs1 + i * qs2;
               x = dot_bf16(qr, kr, D) * sc;
               if (additive) x += mf[(bm * Q + i) * C + c];
             }
             s[r * C + c] = x;
           }
       }
-      // softmax per row over its own columns
+      // softmax per row over its own columns; every column up to the widest row's becomes a weight (0: hidden)
       std::vector<float> total(R);
       for (int64_t r = 0; r < R; ++r) {
         const int64_t n = std::abs(seen[r % Q]);
+        float* sr = s.data() + r * C;
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < n; ++c) mx = std::max(mx, s[r * C + c]);
+        for (int64_t c = 0; c < n; ++c) mx = std::max(mx, sr[c]);
         float sum = 0.f;
         for (int64_t c = 0; c < n; ++c) {
-          const float e = std::exp(s[r * C + c] - mx);
-          s[r * C + c] = e;
+          const float e = std::exp(sr[c] - mx);
+          sr[c] = e;
           sum += e;
         }
+        for (int64_t c = n; c < width; ++c) sr[c] = 0.f;
         total[r] = sum;
       }
-      // the weighted sum of v, each v row read once for all R rows
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t c = 0; c < width; ++c) {
-        const at::BFloat16* vr = vb + c * v.stride(2);
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 m = tail16(D - d);
-          const __m512 vv = load_bf16_as_fp32(vr + d, m);
-          for (int64_t r = 0; r < R; ++r) {
-            if (c >= std::abs(seen[r % Q])) continue;
-            const float p = s[r * C + c];
-            if (p == 0.f) continue;
-            float* a = acc.data() + r * D + d;
-            _mm512_mask_storeu_ps(a, m, _mm512_fmadd_ps(_mm512_set1_ps(p), vv, _mm512_maskz_loadu_ps(m, a)));
+      // the weighted sum of v, by slices of 64 columns of D: ROWS rows x 4 vectors of accumulators stay in registers
+      // over all the cache columns (an accumulator in memory costs a masked store and reload per column, and store
+      // forwarding fails on masked accesses), and each v row's slice is 128 contiguous bytes, read once for ROWS rows
+      for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
+        const int64_t nr = std::min<int64_t>(ROWS, R - r0);
+        const float* pr[ROWS];
+        for (int64_t j = 0; j < ROWS; ++j) pr[j] = j < nr ? s.data() + (r0 + j) * C : zeros.data();
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+          __mmask16 m[4];
+          for (int64_t u = 0; u < 4; ++u) m[u] = d0 + 16 * u < D ? tail16(D - d0 - 16 * u) : (__mmask16)0;
+          __m512 a[ROWS][4];
+          for (int64_t j = 0; j < ROWS; ++j)
+            for (int64_t u = 0; u < 4; ++u) a[j][u] = _mm512_setzero_ps();
+          for (int64_t c = 0; c < width; ++c) {
+            __m512 vv[4];
+            for (int64_t u = 0; u < 4; ++u) vv[u] = load_bf16_as_fp32(vb + c * vs2 + d0 + 16 * u, m[u]);
+            for (int64_t j = 0; j < ROWS; ++j) {
+              const __m512 p = _mm512_set1_ps(pr[j][c]);
+              for (int64_t u = 0; u < 4; ++u) a[j][u] = _mm512_fmadd_ps(p, vv[u], a[j][u]);
+            }
           }
+          for (int64_t j = 0; j < nr; ++j)
+            for (int64_t u = 0; u < 4; ++u)
+              if (m[u]) _mm512_mask_storeu_ps(acc.data() + (r0 + j) * D + d0 + 16 * u, m[u], a[j][u]);
         }
       }
       for (int64_t r = 0; r < R; ++r) {
