@@ -147,6 +147,17 @@ def test_the_native_attention_averages_a_row_that_sees_nothing_and_reads_strided
                                rtol=2e-2)
 
 
+@native
+def test_the_native_attention_op_agrees_with_its_fake_for_tracing():
+    """The compiled step traces the op through its fake impl and runs without inductor's size asserts
+    (models/core/static_kv.py): torch's opcheck compares the fake's shapes and strides with the real op's."""
+    g = torch.Generator().manual_seed(3)
+    qh = torch.randn(1, 9, 16, 8, 64, generator=g).bfloat16()[:, :, :, 0]  # strided query rows, as a model's
+    k, v = (torch.randn(1, 3, 40, 64, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(1, 16, 40, generator=g) > 0.3
+    torch.library.opcheck(torch.ops.draftsmith.gqa_decode.default, (qh, k, v, mask, 0.125))
+
+
 def test_the_native_attention_is_left_alone_where_it_cannot_run(monkeypatch):
     """Not loaded, fp32, or gradients wanted: the matmul path (None here)."""
     qh, k, v = (torch.randn(1, n, m, 8).bfloat16() for n, m in ((4, 1), (2, 5), (2, 5)))

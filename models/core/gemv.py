@@ -62,8 +62,7 @@ def _build() -> str | None:
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()
         log.info("loading the bf16 kernels (built on first use on this machine: ~30 s)")
         cpp_extension.load(name=f"draftsmith_bf16_kernels_{digest[:12]}", sources=[str(p) for p in SOURCES],
-                           extra_cflags=FLAGS,
-                           is_python_module=False, verbose=False)
+                           extra_cflags=FLAGS, is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler or ninja: oneDNN's kernel stays
         why = f"the bf16 kernels did not build ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         log.warning(why)
