@@ -15,18 +15,30 @@ have_all() { for t in $TARGETS; do [ -x "$SRC/build/bin/$t" ] || return 1; done;
 # a tool's last lines are lost (the tail of the generated text, the speed and round counters the engine tier reads).
 # One line per tool drains it before main returns; nothing else in the engine is touched.
 MARK="common_log_pause(common_log_main()); // draftsmith: drain the leaked logger (llama.cpp #22142)"
+# EAGLE-3 drafts from the target's layer inputs, which each architecture's graph exposes itself
+# (res->t_layer_inp[il] = inpL, as src/models/llama.cpp does); this version's Gemma 3 graph does not, and an EAGLE-3
+# draft on a Gemma 3 target aborts ("layer input tensor is null", src/llama-graph.cpp). One line wires it the same way.
+LAYER_INP="res->t_layer_inp[il] = inpL; // draftsmith: expose the layer inputs EAGLE-3 drafts from"
 patched() { grep -qF "$MARK" "$SRC/examples/speculative-simple/speculative-simple.cpp" \
-            && grep -qF "$MARK" "$SRC/tools/completion/completion.cpp"; }
+            && grep -qF "$MARK" "$SRC/tools/completion/completion.cpp" \
+            && grep -qF "$LAYER_INP" "$SRC/src/models/gemma3.cpp"; }
 patch_flush() {
-  MARK="$MARK" python3 - "$SRC" <<'PY'
+  MARK="$MARK" LAYER_INP="$LAYER_INP" python3 - "$SRC" <<'PY'
 import os, pathlib, sys
-root, mark = pathlib.Path(sys.argv[1]), os.environ["MARK"]
+root, mark, layer_inp = pathlib.Path(sys.argv[1]), os.environ["MARK"], os.environ["LAYER_INP"]
 for f in ("examples/speculative-simple/speculative-simple.cpp", "tools/completion/completion.cpp"):
     p = root / f
     s = p.read_text()
     if mark not in s:
         i = s.rindex("\n    return 0;\n}")  # main's last return
         p.write_text(s[:i] + "\n    " + mark + s[i:])
+p = root / "src/models/gemma3.cpp"
+s = p.read_text()
+loop = "    for (int il = 0; il < n_layer; ++il) {\n"
+if layer_inp not in s:
+    if s.count(loop) != 1:
+        sys.exit(f"build_llama_cpp.sh: {p} has {s.count(loop)} layer loops, not 1: the Gemma 3 patch needs updating")
+    p.write_text(s.replace(loop, loop + "        " + layer_inp + "\n"))
 PY
 }
 if [ -f "$SRC/.built" ] && have_all && patched; then
