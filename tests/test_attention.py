@@ -166,3 +166,13 @@ def test_the_native_attention_is_left_alone_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(attention.gemv, "ready", lambda: True)
     assert attention._native(qh.float(), k.float(), v.float(), None, 1.0) is None
     assert attention._native(qh.requires_grad_(), k, v, None, 1.0) is None
+
+
+def test_only_one_row_queries_take_the_native_kernel(monkeypatch):
+    """A verify's rows keep the matmuls (the native kernel loses there at long caches: NATIVE_ROWS)."""
+    calls = []
+    monkeypatch.setattr(attention, "_native", lambda *a: calls.append(a[0].shape[2]))
+    for q in (1, 5):
+        qh, k, v = (torch.randn(1, n, m, 8).bfloat16() for n, m in ((4, q), (2, 20), (2, 20)))
+        attention.grouped_attention(qh, k, v, None, 0.3)
+    assert calls == [1]

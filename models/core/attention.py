@@ -27,6 +27,11 @@ from models.core import gemv
 
 NAME = "draftsmith_cpu_gqa"
 MAX_QUERY = 16  # a draft tree's or a chain's verification rows, at most; longer queries are prefill
+# query rows up to which the native kernel beats the two matmuls at every filled length: one (an AR or drafting
+# step). Its scores are one dot product per row and column: it wins at 1 x 140-400 columns (28-58 vs 137 us) and at
+# 5 x 140 (88 vs 222), and loses at 5 x 600 (321 vs 223) and 16 x 600 (995 vs 463) (SmolLM2's shapes, one thread,
+# Zen 5, alone: scripts/bench_decode_attention.py, bench/attention/); a verify's filled length is not known here
+NATIVE_ROWS = 1
 
 
 def cpu_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -59,7 +64,7 @@ def grouped_attention(query, key, value, mask, scale: float):
         mask = torch.nn.functional.pad(mask[..., -c:], (0, extra),
                                        value=False if mask.dtype == torch.bool else float("-inf"))
         c += extra
-    native = _native(query, key, value, mask, scale)
+    native = _native(query, key, value, mask, scale) if q <= NATIVE_ROWS else None
     if native is not None:
         return native.transpose(1, 2)
     s = torch.matmul(query.reshape(b, kv, g * q, d), key.transpose(-1, -2)).float().view(b, kv, g, q, c) * scale
