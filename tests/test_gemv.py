@@ -149,3 +149,40 @@ def test_weight_bytes_count_the_head_copy_a_step_reads():
     assert weight_bytes(model) == body + head.numel() * 2  # its fp32 copy instead of the bf16 one
     model.lm_head.blocked = gemv.block(head)  # what prepare_gemv sets where the kernel runs
     assert weight_bytes(model, "gemv") == body and weight_bytes(model) == body + head.numel() * 2
+
+
+def test_pooled_copies_share_one_buffer_in_order_and_aligned():
+    """``pooled``: the same values, in the given order, end to end in one storage, each on a cache line and the
+    buffer's huge-page part 2 MiB-aligned (what madvise can back); mixed sizes and dtypes."""
+    ts = [torch.randn(3, 5).bfloat16(), torch.randn(1000, 600).bfloat16(), torch.randn(7), torch.randn(2, 2, 16, 2)]
+    out = gemv.pooled(ts)
+    assert all(torch.equal(a, b) and a.shape == b.shape and a.dtype == b.dtype for a, b in zip(ts, out))
+    storage = {o.untyped_storage().data_ptr() for o in out}
+    assert len(storage) == 1
+    ptrs = [o.data_ptr() for o in out]
+    assert ptrs == sorted(ptrs) and all(p % 64 == 0 for p in ptrs) and ptrs[0] % gemv.HUGE_PAGE == 0
+    assert ptrs[1] - ptrs[0] == 64  # 30 bytes padded to a cache line, no more
+    out[1].zero_()
+    assert not torch.equal(out[1], ts[1]) and torch.equal(out[2], ts[2])  # copies, not views of the inputs
+
+
+@needs_kernel
+def test_prepare_gemv_lays_every_weight_in_one_buffer_and_keeps_the_outputs():
+    """A prepared model's laid-out weights (a tied fp32 head's included, once) sit in one pooled buffer, in module
+    order, and the GEMV gives the same outputs as from separately laid-out weights."""
+    model = make_tiny_llama(64, layers=2, hidden=32, seed=3).bfloat16()
+    pack_linears(model)
+    lins = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    xs = [torch.randn(1, 3, m.in_features).bfloat16() for m in lins]
+
+    def outputs(weights):
+        return [torch.ops.draftsmith.bf16_linear(x, w, None, m.out_features, False)
+                for x, w, m in zip(xs, weights, lins)]
+    with torch.no_grad():
+        alone = outputs([gemv.block(m.weight) for m in lins])
+        assert prepare_gemv(model) == len(lins)
+        again = outputs([m.blocked for m in lins])
+    assert all(torch.equal(a, b) for a, b in zip(alone, again))
+    assert len({m.blocked.untyped_storage().data_ptr() for m in lins}) == 1
+    ptrs = [m.blocked.data_ptr() for m in lins]
+    assert ptrs == sorted(ptrs)

@@ -162,7 +162,7 @@ def prepare_gemv(model: nn.Module) -> int:
     (0 where the kernel cannot run here: models/core/gemv.py says why)."""
     if gemv.unavailable() is not None:
         return 0
-    n = 0
+    laid: list[nn.Module] = []
     for m in model.modules():
         w = m.weight if isinstance(m, (PackedLinear, Fp32Head)) else None
         if w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or m.blocked is not None:
@@ -171,8 +171,14 @@ def prepare_gemv(model: nn.Module) -> int:
             m._blocked_weight()
         else:  # an fp32 head shares the layout of the bf16 head it wraps (one copy of the largest weight)
             m.blocked = m.head._blocked_weight() if isinstance(m.head, PackedLinear) else gemv.block(w)
-        n += 1
-    return n
+        laid.append(m)
+    # one buffer on huge pages, in the modules' order (a decoder's: the order a step reads them); shared copies once
+    unique = list({m.blocked.data_ptr(): m.blocked for m in laid}.values())
+    moved = dict(zip((t.data_ptr() for t in unique), gemv.pooled(unique)))
+    for m in model.modules():  # the laid-out modules and those sharing a copy (an fp32 head's bf16 head)
+        if isinstance(m, (PackedLinear, Fp32Head)) and m.blocked is not None and m.blocked.data_ptr() in moved:
+            m.blocked = moved[m.blocked.data_ptr()]
+    return len(laid)
 
 
 def set_default_linears(kind: str) -> None:
