@@ -108,8 +108,10 @@ def test_a_compiled_step_on_the_gemv_keeps_the_op_and_decodes_ar_tokens():
     torch._dynamo.reset()
     t.use_static(200, record, linears="gemv")
     assert decode_ar(t, prompt, 12).tokens == ref
-    calls = seen.count(torch.ops.draftsmith.bf16_linear)  # 7 linears a layer and the head, in each trace
-    assert calls and calls % (2 * 7 + 1) == 0 and F.linear not in seen
+    calls = seen.count(torch.ops.draftsmith.bf16_linear)  # q/k/v, o, gate/up, down a layer and the head, a trace
+    assert calls and calls % (2 * 4 + 1) == 0 and F.linear not in seen
+    traces = len(seen)
+    assert decode_ar(t, prompt, 12).tokens == ref and len(seen) == traces  # the groups' record adds no retrace
     t.use_eager()
     try:
         rec = choose_decode_step(t, "compiled", 200, prefix_len=16, backend="eager")
@@ -186,3 +188,38 @@ def test_prepare_gemv_lays_every_weight_in_one_buffer_and_keeps_the_outputs():
     assert len({m.blocked.untyped_storage().data_ptr() for m in lins}) == 1
     ptrs = [m.blocked.data_ptr() for m in lins]
     assert ptrs == sorted(ptrs)
+
+
+@needs_kernel
+def test_sibling_linears_run_as_one_call_and_match_their_own():
+    """q/k/v and gate/up (sizes off the 16-row blocks, biases on some) as one ``LinearGroup`` call: each member's
+    output equals its own GEMV; a member given another input computes anew; the record is empty after a round."""
+    from models.core.packed import LinearGroup
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj = nn.Linear(64, 40), nn.Linear(64, 24, bias=False)
+            self.v_proj = nn.Linear(64, 24)
+
+    attn = Attn().bfloat16().requires_grad_(False)
+    pack_linears(attn)
+    assert prepare_gemv(attn) == 3
+    group = attn.q_proj.group
+    assert isinstance(group, LinearGroup) and attn.k_proj.group is attn.v_proj.group is group
+    x, other = torch.randn(1, 2, 64).bfloat16(), torch.randn(1, 2, 64).bfloat16()
+    own = {n: torch.ops.draftsmith.bf16_linear(x, gemv.block(m.weight), m.bias, m.out_features, False)
+           for n, m in attn.named_children()}
+    with torch.no_grad(), use_linears("gemv"):
+        [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+        assert group.x is None and group.out is None  # a whole round leaves no record
+        q = attn.q_proj(x)
+        assert group.x is x
+        k_other = attn.k_proj(other)  # another input: its own output, and a new record for it
+        assert group.x is other
+        outs = {"q_proj": q, "k_proj": attn.k_proj(x), "v_proj": attn.v_proj(x)}
+    for n, out in outs.items():
+        assert torch.equal(out, own[n]), n
+    torch.testing.assert_close(k_other, F.linear(other, attn.k_proj.weight), atol=3e-2, rtol=1e-2)
+    assert all(m.blocked.untyped_storage().data_ptr() == group.blocked.untyped_storage().data_ptr()
+               for m in attn.children())  # the members' laid-out weights are views of the group's

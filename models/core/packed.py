@@ -77,6 +77,8 @@ class PackedLinear(nn.Module):
         self._packed: tuple[tuple, torch.Tensor] | None = None
         self.blocked: torch.Tensor | None = None  # the weight laid out for "gemv" (``prepare_gemv``)
         self._blocked_key: tuple | None = None
+        self.group: LinearGroup | None = None  # its siblings reading the same input, as one GEMV call
+        self.group_index = 0
         _BY_WEIGHT[self.weight.data_ptr()] = self
 
     def _packed_weight(self) -> torch.Tensor:
@@ -93,7 +95,7 @@ class PackedLinear(nn.Module):
         w = self.weight
         key = (w.data_ptr(), w._version)
         if self._blocked_key != key and gemv.unavailable() is None:
-            self.blocked, self._blocked_key = gemv.block(w), key
+            self.blocked, self._blocked_key, self.group = gemv.block(w), key, None  # the group's copy is stale
         return self.blocked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +106,8 @@ class PackedLinear(nn.Module):
         b = None if self.bias is None else self.bias.detach()
         if LINEARS == "gemv" and gemv.fits(x, w):
             blocked = self.blocked if torch.compiler.is_compiling() else self._blocked_weight()
+            if self.group is not None:
+                return self.group(x, self.group_index)
             if blocked is not None:
                 return torch.ops.draftsmith.bf16_linear(x, blocked, b, self.out_features, False)
         if torch.compiler.is_compiling():  # the opaque packed tensor stays out of the graph (module docstring)
@@ -113,7 +117,7 @@ class PackedLinear(nn.Module):
 
     def __getstate__(self):  # deepcopy / pickling: the packed copy is rebuilt on first use
         state = self.__dict__.copy()
-        state["_packed"] = state["blocked"] = state["_blocked_key"] = None
+        state["_packed"] = state["blocked"] = state["_blocked_key"] = state["group"] = None
         return state
 
     def __setstate__(self, state):
@@ -172,13 +176,84 @@ def prepare_gemv(model: nn.Module) -> int:
         else:  # an fp32 head shares the layout of the bf16 head it wraps (one copy of the largest weight)
             m.blocked = m.head._blocked_weight() if isinstance(m.head, PackedLinear) else gemv.block(w)
         laid.append(m)
-    # one buffer on huge pages, in the modules' order (a decoder's: the order a step reads them); shared copies once
-    unique = list({m.blocked.data_ptr(): m.blocked for m in laid}.values())
-    moved = dict(zip((t.data_ptr() for t in unique), gemv.pooled(unique)))
-    for m in model.modules():  # the laid-out modules and those sharing a copy (an fp32 head's bf16 head)
-        if isinstance(m, (PackedLinear, Fp32Head)) and m.blocked is not None and m.blocked.data_ptr() in moved:
+    groups = _group_siblings(model, laid)
+    # one buffer on huge pages, in the modules' order (a decoder's: the order a step reads them); a group's members
+    # as its one concatenation, shared copies once
+    roots = {}
+    for m in laid:
+        t = m.group.blocked if isinstance(m, PackedLinear) and m.group is not None else m.blocked
+        roots.setdefault(t.data_ptr(), t)
+    moved = dict(zip(roots, gemv.pooled(list(roots.values()))))
+    for g in groups:
+        g.set_blocked(moved[g.blocked.data_ptr()])
+    for m in model.modules():  # the others, and those sharing a copy (an fp32 head's bf16 head)
+        if (isinstance(m, (PackedLinear, Fp32Head)) and m.blocked is not None and m.blocked.data_ptr() in moved
+                and getattr(m, "group", None) is None):
             m.blocked = moved[m.blocked.data_ptr()]
     return len(laid)
+
+
+# children of one module that read the same input (a decoder's attention and MLP, by transformers' names)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _group_siblings(model: nn.Module, laid: list[nn.Module]) -> list[LinearGroup]:
+    """Join each set of ``SIBLINGS`` among the laid-out linears into a ``LinearGroup``."""
+    ready = {id(m) for m in laid}
+    groups = []
+    for parent in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(parent, n, None) for n in names]
+            if (all(isinstance(m, PackedLinear) and id(m) in ready and m.group is None for m in members)
+                    and len({m.in_features for m in members}) == 1):
+                groups.append(LinearGroup(members))
+    return groups
+
+
+class LinearGroup:
+    """Sibling linears that read the same input (q/k/v, gate/up) as one GEMV call: a third of a decoder layer's calls,
+    and longer streams per call. Each member's laid-out weight is a whole number of 16-row blocks, so their
+    concatenation is laid out too, and each member's ``blocked`` becomes a view of it. The first member called with an
+    input computes every member's output and keeps it; a member called with that same tensor (``is``) takes its
+    slice, with any other input (or a second time) computes anew. The record is dropped once each member took its
+    slice, so a compiled step starts and ends with it empty (nothing for Dynamo to guard but None). The input must not
+    change in place between its members' calls (a decoder's normed hidden state is a fresh tensor)."""
+
+    def __init__(self, members: list[PackedLinear]):
+        self.sizes = [m.out_features for m in members]
+        rows = [16 * m.blocked.shape[0] for m in members]
+        self.starts = [sum(rows[:i]) for i in range(len(rows))]
+        self.n = sum(rows)
+        self.members = weakref.WeakSet(members)
+        self.bias = None
+        if any(m.bias is not None for m in members):  # fp32, zero on each member's padding rows
+            self.bias = torch.zeros(self.n)
+            for m, start in zip(members, self.starts):
+                if m.bias is not None:
+                    self.bias[start:start + m.out_features] = m.bias.detach().float()
+        for i, m in enumerate(members):
+            m.group, m.group_index = self, i
+        self.set_blocked(torch.cat([m.blocked for m in members]))
+        self.x: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+        self.taken, self.all = 0, (1 << len(members)) - 1  # which members took their slice of ``out`` (bits)
+
+    def set_blocked(self, blocked: torch.Tensor) -> None:
+        self.blocked = blocked
+        for m in self.members:
+            b0 = self.starts[m.group_index] // 16
+            m.blocked = blocked[b0:b0 + m.blocked.shape[0]]
+
+    def __call__(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if self.x is not x or self.taken >> i & 1:  # another input, or a member's second call: a new round
+            self.x, self.taken = x, 0
+            self.out = torch.ops.draftsmith.bf16_linear(x, self.blocked, self.bias, self.n, False)
+        out = self.out[..., self.starts[i]:self.starts[i] + self.sizes[i]]
+        self.taken |= 1 << i
+        if self.taken == self.all:
+            self.x = self.out = None
+            self.taken = 0
+        return out
 
 
 def set_default_linears(kind: str) -> None:
