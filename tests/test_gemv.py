@@ -50,6 +50,11 @@ def test_the_kernel_keeps_leading_dims_and_refuses_a_weight_it_was_not_given():
     w, x = torch.randn(40, 24).bfloat16(), torch.randn(1, 3, 24).bfloat16()
     got = torch.ops.draftsmith.bf16_linear(x, gemv.block(w), None, 40, False)
     assert got.shape == (1, 3, 40)
+    wide = torch.randn(1, 3, 48).bfloat16()
+    wide[..., :24] = x
+    strided = torch.ops.draftsmith.bf16_linear(wide[..., :24], gemv.block(w), None, 40, False)  # not contiguous
+    one = torch.ops.draftsmith.bf16_linear(x[0, 1], gemv.block(w), None, 40, False)  # a bare vector
+    assert torch.equal(strided, got) and one.shape == (40,) and torch.equal(one, got[0, 1])
     with pytest.raises(RuntimeError, match="blocked"):
         torch.ops.draftsmith.bf16_linear(x, w, None, 40, False)  # not laid out by gemv.block
     with pytest.raises(RuntimeError, match="columns"):
