@@ -22,7 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CASES = [(140, 1), (400, 1), (140, 5), (600, 5), (600, 8), (600, 16)]  # (filled columns, query rows)
+# (filled columns, query rows)
+CASES = [(140, 1), (400, 1), (140, 5), (600, 5), (600, 8), (140, 16), (600, 16), (760, 16)]
 
 
 def _time(fn, calls: int) -> float:

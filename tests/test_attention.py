@@ -130,6 +130,23 @@ def test_the_native_decoding_attention_matches_sdpa(b, h, kv, q, c, d, mask):
 
 
 @native
+@pytest.mark.parametrize("form", ["bool", "float"])
+def test_the_native_attention_follows_a_tree_mask_with_holes(form):
+    """A draft tree's verify: each of 16 rows sees the prefix and a scattered set of the new columns (its ancestors),
+    across 16-column blocks and a ragged last block."""
+    g = torch.Generator().manual_seed(11)
+    qh = torch.randn(1, 9, 16, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 3, 53, 64, generator=g).bfloat16() for _ in range(2))
+    allowed = torch.ones(1, 1, 16, 53, dtype=torch.bool)
+    allowed[..., 37:] = torch.rand(16, 16, generator=g) < 0.4
+    allowed[0, 0, torch.arange(16), 37 + torch.arange(16)] = True  # every node sees itself
+    allowed[0, 0, 3, 5:20] = False  # and a hole inside the prefix
+    arg = allowed if form == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    got = attention._native(qh, k, v, arg, 0.125)
+    torch.testing.assert_close(got.float(), _reference(qh, k, v, allowed), atol=2e-2, rtol=2e-2)
+
+
+@native
 def test_the_native_attention_averages_a_row_that_sees_nothing_and_reads_strided_caches():
     """A row with every column hidden averages v, as a softmax of equal scores does (no NaN for the next layer); a
     view into a larger cache buffer (strided heads and batch) reads like the contiguous copy."""
@@ -166,13 +183,15 @@ def test_the_native_attention_is_left_alone_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(attention.gemv, "ready", lambda: True)
     assert attention._native(qh.float(), k.float(), v.float(), None, 1.0) is None
     assert attention._native(qh.requires_grad_(), k, v, None, 1.0) is None
+    odd = [torch.randn(1, n, m, 7).bfloat16() for n, m in ((4, 1), (2, 5), (2, 5))]
+    assert attention._native(*odd, None, 1.0) is None  # an odd head dim: no bf16 pairs, the matmuls
 
 
-def test_only_one_row_queries_take_the_native_kernel(monkeypatch):
-    """A verify's rows keep the matmuls (the native kernel loses there at long caches: NATIVE_ROWS)."""
+def test_queries_up_to_native_rows_take_the_native_kernel(monkeypatch):
+    """An AR step's, a drafting step's and a verify's rows call the native kernel; past NATIVE_ROWS the matmuls."""
     calls = []
     monkeypatch.setattr(attention, "_native", lambda *a: calls.append(a[0].shape[2]))
-    for q in (1, 5):
+    for q in (1, 5, attention.NATIVE_ROWS, attention.NATIVE_ROWS + 1):
         qh, k, v = (torch.randn(1, n, m, 8).bfloat16() for n, m in ((4, q), (2, 20), (2, 20)))
         attention.grouped_attention(qh, k, v, None, 0.3)
-    assert calls == [1]
+    assert calls == [1, 5, attention.NATIVE_ROWS]

@@ -27,11 +27,12 @@ from models.core import gemv
 
 NAME = "draftsmith_cpu_gqa"
 MAX_QUERY = 16  # a draft tree's or a chain's verification rows, at most; longer queries are prefill
-# query rows up to which the native kernel beats the two matmuls at every filled length: one (an AR or drafting
-# step). Its scores are one dot product per row and column: it wins at 1 x 140-400 columns (28-58 vs 137 us) and at
-# 5 x 140 (88 vs 222), and loses at 5 x 600 (321 vs 223) and 16 x 600 (995 vs 463) (SmolLM2's shapes, one thread,
-# Zen 5, alone: scripts/bench_decode_attention.py, bench/attention/); a verify's filled length is not known here
-NATIVE_ROWS = 1
+# query rows up to which the native kernel is used: every grouped query. Its scores take 16 columns at a time (the
+# keys transposed once per block for all rows), so it beats the two matmuls at a verify's rows too: 5 x 600 columns
+# 155 vs 227 us, 16 x 140 116 vs 464, 16 x 600 408 vs 463 (SmolLM2's shapes, capacity 768, one thread, Zen 5, alone:
+# scripts/bench_decode_attention.py, bench/attention/). It reads only the filled columns, the matmuls the whole
+# capacity; only a full cache at 16 rows favours the matmuls (16 x 760: 502 vs 477)
+NATIVE_ROWS = MAX_QUERY
 
 
 def cpu_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -88,7 +89,8 @@ def _native(query, key, value, mask, scale: float):
     c = key.shape[2]
     if (not gemv.ready() or not query.dtype == key.dtype == value.dtype == torch.bfloat16
             or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
-            or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1):
+            or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1
+            or d % 2 or key.stride(-2) % 2 or any(st % 2 for st in query.stride()[:-1])):  # bf16 pairs
         return None
     if mask is None:
         mask = torch.ones(1, q, c, dtype=torch.bool, device=query.device)
