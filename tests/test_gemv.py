@@ -228,3 +228,11 @@ def test_sibling_linears_run_as_one_call_and_match_their_own():
     torch.testing.assert_close(k_other, F.linear(other, attn.k_proj.weight), atol=3e-2, rtol=1e-2)
     assert all(m.blocked.untyped_storage().data_ptr() == group.blocked.untyped_storage().data_ptr()
                for m in attn.children())  # the members' laid-out weights are views of the group's
+    rows = torch.randn(1, gemv.MAX_ROWS + 3, 64).bfloat16()  # a prefill's rows: one oneDNN GEMM for the group
+    with torch.no_grad(), use_linears("gemv"):
+        grouped = [attn.q_proj(rows), attn.k_proj(rows), attn.v_proj(rows)]
+        alone = [torch.ops.mkldnn._linear_pointwise(rows, m._packed_weight(), None if m.bias is None else m.bias,
+                                                    "none", [], "") for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    for a, b in zip(grouped, alone):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+    assert group.x is None

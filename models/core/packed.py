@@ -104,11 +104,14 @@ class PackedLinear(nn.Module):
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return F.linear(x, w, self.bias)
         b = None if self.bias is None else self.bias.detach()
-        if LINEARS == "gemv" and gemv.fits(x, w):
-            blocked = self.blocked if torch.compiler.is_compiling() else self._blocked_weight()
-            if self.group is not None:
+        compiling = torch.compiler.is_compiling()
+        if LINEARS == "gemv":
+            few = gemv.fits(x, w)
+            blocked = self.blocked if compiling else self._blocked_weight()  # eager: laid out anew if changed
+            # the group: the GEMV at few rows; eager, a prefill's rows too (one oneDNN GEMM over the siblings)
+            if self.group is not None and (few or not compiling):
                 return self.group(x, self.group_index)
-            if blocked is not None:
+            if few and blocked is not None:
                 return torch.ops.draftsmith.bf16_linear(x, blocked, b, self.out_features, False)
         if torch.compiler.is_compiling():  # the opaque packed tensor stays out of the graph (module docstring)
             return (torch.ops.draftsmith.packed_linear(x, w, b) if LINEARS != "plain"
@@ -225,6 +228,12 @@ class LinearGroup:
         self.starts = [sum(rows[:i]) for i in range(len(rows))]
         self.n = sum(rows)
         self.members = weakref.WeakSet(members)
+        # a prefill's rows: one oneDNN GEMM over the weights end to end (unpadded), packed on first use
+        self.weight = torch.cat([m.weight.detach() for m in members])
+        self.dense_starts = [sum(self.sizes[:i]) for i in range(len(members))]
+        self.dense_bias = (None if all(m.bias is None for m in members) else torch.cat(
+            [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in members]))
+        self.packed: torch.Tensor | None = None
         self.bias = None
         if any(m.bias is not None for m in members):  # fp32, zero on each member's padding rows
             self.bias = torch.zeros(self.n)
@@ -245,10 +254,17 @@ class LinearGroup:
             m.blocked = blocked[b0:b0 + m.blocked.shape[0]]
 
     def __call__(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        few = gemv.fits(x, self.weight)
         if self.x is not x or self.taken >> i & 1:  # another input, or a member's second call: a new round
             self.x, self.taken = x, 0
-            self.out = torch.ops.draftsmith.bf16_linear(x, self.blocked, self.bias, self.n, False)
-        out = self.out[..., self.starts[i]:self.starts[i] + self.sizes[i]]
+            if few:
+                self.out = torch.ops.draftsmith.bf16_linear(x, self.blocked, self.bias, self.n, False)
+            else:
+                if self.packed is None:
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, BATCH_HINT)
+                self.out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.dense_bias, "none", [], "")
+        start = self.starts[i] if few else self.dense_starts[i]
+        out = self.out[..., start:start + self.sizes[i]]
         self.taken |= 1 << i
         if self.taken == self.all:
             self.x = self.out = None
