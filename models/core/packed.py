@@ -228,8 +228,9 @@ class LinearGroup:
         self.starts = [sum(rows[:i]) for i in range(len(rows))]
         self.n = sum(rows)
         self.members = weakref.WeakSet(members)
-        # a prefill's rows: one oneDNN GEMM over the weights end to end (unpadded), packed on first use
-        self.weight = torch.cat([m.weight.detach() for m in members])
+        # a prefill's rows: one oneDNN GEMM over the weights end to end (unpadded), packed on first use (no plain
+        # copy kept: ``weight`` is the first member's, for the kernel checks)
+        self.weight = members[0].weight
         self.dense_starts = [sum(self.sizes[:i]) for i in range(len(members))]
         self.dense_bias = (None if all(m.bias is None for m in members) else torch.cat(
             [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in members]))
@@ -261,7 +262,8 @@ class LinearGroup:
                 self.out = torch.ops.draftsmith.bf16_linear(x, self.blocked, self.bias, self.n, False)
             else:
                 if self.packed is None:
-                    self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, BATCH_HINT)
+                    whole = torch.cat([m.weight.detach() for m in sorted(self.members, key=lambda m: m.group_index)])
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(whole, BATCH_HINT)
                 self.out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.dense_bias, "none", [], "")
         start = self.starts[i] if few else self.dense_starts[i]
         out = self.out[..., start:start + self.sizes[i]]
