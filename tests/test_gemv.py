@@ -236,3 +236,9 @@ def test_sibling_linears_run_as_one_call_and_match_their_own():
     for a, b in zip(grouped, alone):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
     assert group.x is None
+    with torch.no_grad(), use_linears("gemv"):
+        attn.k_proj.weight.mul_(2)  # a changed member leaves the group (its part of the group's copy is stale)
+        q2, k2 = attn.q_proj(x), attn.k_proj(x)
+    assert attn.k_proj.group is None and attn.q_proj.group is group
+    assert torch.equal(q2, own["q_proj"])
+    torch.testing.assert_close(k2.float(), 2 * own["k_proj"].float(), atol=3e-2, rtol=1e-2)

@@ -227,7 +227,7 @@ class LinearGroup:
         rows = [16 * m.blocked.shape[0] for m in members]
         self.starts = [sum(rows[:i]) for i in range(len(rows))]
         self.n = sum(rows)
-        self.members = weakref.WeakSet(members)
+        self.members = list(members)  # in order (a reference cycle with them, collected with the model)
         # a prefill's rows: one oneDNN GEMM over the weights end to end (unpadded), packed on first use (no plain
         # copy kept: ``weight`` is the first member's, for the kernel checks)
         self.weight = members[0].weight
@@ -262,7 +262,7 @@ class LinearGroup:
                 self.out = torch.ops.draftsmith.bf16_linear(x, self.blocked, self.bias, self.n, False)
             else:
                 if self.packed is None:
-                    whole = torch.cat([m.weight.detach() for m in sorted(self.members, key=lambda m: m.group_index)])
+                    whole = torch.cat([m.weight.detach() for m in self.members])
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(whole, BATCH_HINT)
                 self.out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.dense_bias, "none", [], "")
         start = self.starts[i] if few else self.dense_starts[i]
